@@ -1,0 +1,49 @@
+// The _ext Python module: FFI handler capsules for jax.ffi.register_ffi_target, and CPU facts.
+#include <nanobind/nanobind.h>
+
+#include "cpu_features.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+namespace tunix_rt {
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFwdHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormBwdHandler);
+}  // namespace tunix_rt
+
+namespace {
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_ext, m) {
+  m.doc() = "tunix-rt compiled XLA FFI handlers (CPU)";
+  m.attr("XLA_FFI_API_VERSION") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+
+  m.def("cpu_registrations", [] {
+    nb::dict d;
+    d["tunix_rt_rms_norm_fwd"] = Capsule(tunix_rt::RmsNormFwdHandler);
+    d["tunix_rt_rms_norm_bwd"] = Capsule(tunix_rt::RmsNormBwdHandler);
+    return d;
+  });
+
+  m.def("cpu_features", [] {
+    const auto& f = tunix_rt::cpu_features();
+    nb::dict d;
+    d["avx2"] = f.avx2;
+    d["fma"] = f.fma;
+    d["avx512f"] = f.avx512f;
+    d["avx512bw"] = f.avx512bw;
+    d["avx512vl"] = f.avx512vl;
+    d["avx512_vnni"] = f.avx512vnni;
+    d["avx512_bf16"] = f.avx512bf16;
+    d["avx_vnni"] = f.avxvnni;
+    return d;
+  });
+
+  m.def("isa_level", [] { return tunix_rt::isa_level_name(tunix_rt::isa_level()); });
+}

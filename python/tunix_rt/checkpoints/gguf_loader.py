@@ -1,0 +1,142 @@
+"""Reading a GGUF file: metadata -> an HF config dict, tensors -> HF-named float arrays.
+
+Quantized tensors are dequantized with the gguf package's own quants module, so values are
+exactly ggml's. Two conversions of llama.cpp's converter are undone: Llama-family Q/K weights
+are permuted back to HF's rotate-half layout, and Gemma norm weights lose the +1 it folded in.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from tunix_rt.checkpoints.errors import CheckpointError
+
+# GGUF architecture -> HF model_type
+_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError/struct errors/IndexError on bad bytes
+        raise CheckpointError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
+
+
+def field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def hf_config(reader) -> dict:
+    """The HF config.json dictionary this GGUF file describes."""
+    arch = field(reader, "general.architecture")
+    if arch not in _ARCH:
+        raise CheckpointError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_ARCH)})")
+    get = lambda key, default=None: field(reader, f"{arch}.{key}", default)
+    names = {t.name for t in reader.tensors}
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    if heads is None or hidden is None:
+        raise CheckpointError(f"GGUF metadata lacks {arch}.attention.head_count or {arch}.embedding_length")
+    if "rope_freqs.weight" in names:
+        raise CheckpointError("GGUF files with a rope_freqs tensor (Llama 3.1 rope scaling) are not supported yet")
+    head_dim = get("attention.key_length", hidden // heads)
+    vocab = get("vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
+    config = {
+        "model_type": _ARCH[arch],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "max_position_embeddings": get("context_length", 8192),
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise CheckpointError(f"unsupported GGUF rope scaling {scaling!r}")
+        config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", 1.0)}
+    if arch.startswith("gemma"):
+        config["query_pre_attn_scalar"] = head_dim
+        config["attn_logit_softcapping"] = get("attn_logit_softcapping")
+        config["final_logit_softcapping"] = get("final_logit_softcapping")
+        config["sliding_window"] = get("attention.sliding_window")
+    if arch == "gemma3":
+        config["rope_local_base_freq"] = 10000.0
+    if arch == "qwen2":
+        config["attention_bias"] = True
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    m = _BLOCK.match(gguf_name)
+    if m:
+        layer, rest = m.group(1), m.group(2)
+        base, _, kind = rest.rpartition(".")
+        if base == "ffn_norm":  # the norm in front of the MLP: Gemma 2/3 call it pre_feedforward
+            return f"model.layers.{layer}.{{ffn_norm}}.{kind}"
+        if base in _LAYER_TENSORS:
+            return f"model.layers.{layer}.{_LAYER_TENSORS[base]}.{kind}"
+    return None
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved pairs -> HF's halves), per head."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_tensors(reader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, float array in HF layout) for every tensor of the file."""
+    from gguf.quants import dequantize
+
+    arch = config["model_type"]
+    ffn_norm = "pre_feedforward_layernorm" if arch in ("gemma2", "gemma3_text") else "post_attention_layernorm"
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            raise CheckpointError(f"unexpected GGUF tensor {t.name!r} for architecture {arch}")
+        name = name.replace("{ffn_norm}", ffn_norm)
+        try:
+            array = dequantize(t.data, t.tensor_type)
+        except (NotImplementedError, ValueError) as e:
+            raise CheckpointError(f"cannot dequantize GGUF tensor {t.name} ({t.tensor_type.name}): {e}") from None
+        array = np.asarray(array, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+            array = _unpermute_rope(array, heads)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            array = array - np.float32(1.0)
+        yield name, array

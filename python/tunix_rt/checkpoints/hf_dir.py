@@ -1,0 +1,73 @@
+"""Reading an HF-layout model directory: config.json, (sharded) safetensors, generation config."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from tunix_rt.checkpoints.errors import CheckpointError
+from tunix_rt.models.config import ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return data
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir} has no config.json (not an HF model directory)")
+    return ModelConfig.from_hf_dict(read_json(path))
+
+
+def read_generation_config(model_dir: Path) -> dict:
+    path = model_dir / "generation_config.json"
+    return read_json(path) if path.is_file() else {}
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The shards in the order the index lists them, or the single file."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map")
+        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+    elif (model_dir / SINGLE_FILE).is_file():
+        files = [model_dir / SINGLE_FILE]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir} holds no .safetensors weights")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{f.name} is listed in {INDEX_FILE} but missing from {model_dir}")
+    return files
+
+
+def iter_tensors(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for every tensor; bf16 arrives as ml_dtypes.bfloat16."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in safetensors_files(model_dir):
+        try:
+            with safe_open(str(path), framework="flax") as f:
+                for name in f.keys():
+                    yield name, np.asarray(f.get_tensor(name))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None

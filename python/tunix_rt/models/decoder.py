@@ -1,0 +1,150 @@
+"""The one decoder: Llama 3 / SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 1/2/3 text, from a ModelConfig.
+
+Kernels are stored (in, out) so a layer is x @ W; checkpoints/ maps HF's (out, in) tensors onto
+these paths. RMSNorm runs through the FFI op (tunix_rt.ops.rms_norm).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tunix_rt.models.attention import attention_mask, dot_product_attention
+from tunix_rt.models.config import ModelConfig
+from tunix_rt.models.kv_cache import DenseKVCache
+from tunix_rt.models.rope import apply_rope, inverse_frequencies
+from tunix_rt.ops import rms_norm
+
+_ACT = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, offset: float, dtype):
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
+        self.eps, self.offset = eps, offset
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], eps=self.eps, offset=self.offset)
+
+
+def _linear(cfg_dtype, rngs, din, dout, bias):
+    return nnx.Linear(din, dout, use_bias=bias, dtype=cfg_dtype, param_dtype=cfg_dtype, rngs=rngs,
+                      kernel_init=nnx.initializers.normal(0.02))
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        h, kv, d, hid = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = _linear(dtype, rngs, hid, h * d, cfg.qkv_bias)
+        self.k_proj = _linear(dtype, rngs, hid, kv * d, cfg.qkv_bias)
+        self.v_proj = _linear(dtype, rngs, hid, kv * d, cfg.qkv_bias)
+        self.o_proj = _linear(dtype, rngs, h * d, hid, cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+            self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+        self.layer = layer
+        self.window = cfg.window(layer)
+        self.rope = cfg.rope[cfg.layer_types[layer]]
+        self.shape = (h, kv, d)
+        self.scale, self.softcap, self.qk_norm = cfg.query_scale, cfg.attn_logit_softcap, cfg.qk_norm
+
+    def __call__(self, x, positions, cache: DenseKVCache | None):
+        b, t, _ = x.shape
+        h, kv, d = self.shape
+        q = self.q_proj(x).reshape(b, t, h, d)
+        k = self.k_proj(x).reshape(b, t, kv, d)
+        v = self.v_proj(x).reshape(b, t, kv, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = inverse_frequencies(self.rope, d)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        if cache is None:
+            k_pos = positions
+        else:
+            cache, k, v = cache.write(self.layer, k, v)
+            k_pos = cache.positions
+        mask = attention_mask(positions, k_pos, self.window)
+        out = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
+        return self.o_proj(out.reshape(b, t, h * d)), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = _linear(dtype, rngs, cfg.hidden_size, cfg.intermediate_size, False)
+        self.up_proj = _linear(dtype, rngs, cfg.hidden_size, cfg.intermediate_size, False)
+        self.down_proj = _linear(dtype, rngs, cfg.intermediate_size, cfg.hidden_size, False)
+        self.act = _ACT[cfg.activation]
+
+    def __call__(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+        self.input_norm = norm()
+        self.attn = Attention(cfg, layer, dtype=dtype, rngs=rngs)
+        self.pre_mlp_norm = norm()
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.sandwich = cfg.sandwich_norms
+        if cfg.sandwich_norms:
+            self.post_attn_norm = norm()
+            self.post_mlp_norm = norm()
+
+    def __call__(self, x, positions, cache):
+        attn, cache = self.attn(self.input_norm(x), positions, cache)
+        x = x + (self.post_attn_norm(attn) if self.sandwich else attn)
+        mlp = self.mlp(self.pre_mlp_norm(x))
+        return x + (self.post_mlp_norm(mlp) if self.sandwich else mlp), cache
+
+
+class Decoder(nnx.Module):
+    """tokens (B, T) + positions (B, T) [+ dense cache] -> f32 logits (B, T, vocab) [, cache]."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                               embedding_init=nnx.initializers.normal(0.02))
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(dtype, rngs, cfg.hidden_size, cfg.vocab_size, False)
+
+    def hidden_states(self, tokens, positions, cache: DenseKVCache | None = None):
+        x = self.embed(tokens)
+        if self.config.embed_scale is not None:  # HF rounds the scale to the weights' dtype first
+            x = x * jnp.asarray(self.config.embed_scale, self.dtype)
+        if cache is not None:
+            cache = cache.with_positions(positions)
+        for layer in self.layers:
+            x, cache = layer(x, positions, cache)
+        if cache is not None:
+            cache = cache.advance(tokens.shape[1])
+        return self.final_norm(x), cache
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        if self.config.tie_word_embeddings:
+            out = self.embed.attend(h)
+        else:
+            out = self.lm_head(h)
+        out = out.astype(jnp.float32)
+        if self.config.final_logit_softcap is not None:
+            cap = self.config.final_logit_softcap
+            out = jnp.tanh(out / cap) * cap
+        return out
+
+    def __call__(self, tokens, positions, cache: DenseKVCache | None = None):
+        h, cache = self.hidden_states(tokens, positions, cache)
+        logits = self.logits(h)
+        return logits if cache is None else (logits, cache)
+
+    def new_cache(self, batch: int, max_len: int) -> DenseKVCache:
+        c = self.config
+        return DenseKVCache.create(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, self.dtype)

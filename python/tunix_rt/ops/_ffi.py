@@ -1,0 +1,46 @@
+"""Loads the compiled extension and registers its XLA FFI handlers with jax, once per process."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+try:
+    from tunix_rt import _ext
+except ImportError:  # a source checkout without a build: every op uses its pure-JAX reference
+    _ext = None
+
+
+@functools.cache
+def cpu_targets() -> frozenset[str]:
+    """Names of the FFI targets registered for the CPU platform (empty without the extension)."""
+    if _ext is None:
+        return frozenset()
+    registrations = _ext.cpu_registrations()
+    for name, capsule in registrations.items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    return frozenset(registrations)
+
+
+def has_cpu_target(name: str) -> bool:
+    return name in cpu_targets()
+
+
+def cpu_features() -> dict[str, bool]:
+    return dict(_ext.cpu_features()) if _ext is not None else {}
+
+
+def isa_level() -> str | None:
+    """The kernel tier the extension dispatches to (scalar, avx2, avx512), None without it."""
+    return _ext.isa_level() if _ext is not None else None
+
+
+def platform_dispatch(target: str, compiled, reference, *args):
+    """Runs `compiled` where `target` has a CPU handler, and `reference` on every other platform.
+
+    jax picks the branch when it lowers for a known platform, so no runtime cond is left behind.
+    """
+    if not has_cpu_target(target):
+        return reference(*args)
+    return jax.lax.platform_dependent(*args, cpu=compiled, default=reference)

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server for tunix-rt (built on the rollout engine; see DESIGN.md)."""

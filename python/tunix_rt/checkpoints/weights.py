@@ -64,7 +64,7 @@ def build_decoder(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], *
     """Decoder whose parameters come from (HF name, array) pairs; every parameter must be given."""
     abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    expected = dict(state.flat_state())
+    expected = dict(nnx.to_flat_state(state))
     loaded = {}
     for name, array in tensors:
         target = hf_to_path(name, cfg)

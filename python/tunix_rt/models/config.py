@@ -63,7 +63,7 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
-    rope: dict[str, RopeConfig] = dataclasses.field(default_factory=dict)  # per layer type
+    rope: tuple[tuple[str, RopeConfig], ...] = ()  # (layer type, rope) pairs: hashable, as jit needs
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 8192
 
@@ -83,12 +83,15 @@ class ModelConfig:
         for kind in set(self.layer_types):
             if kind not in (FULL, SLIDING):
                 raise UnsupportedArchitecture(f"unsupported layer type {kind!r}")
-            if kind not in self.rope:
+            if kind not in dict(self.rope):
                 raise ValueError(f"model config: no rope parameters for layer type {kind!r}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("model config: sliding_attention layers need a positive sliding_window")
         if self.query_scale == 0.0:
             object.__setattr__(self, "query_scale", self.head_dim**-0.5)
+
+    def rope_for(self, layer: int) -> RopeConfig:
+        return dict(self.rope)[self.layer_types[layer]]
 
     def window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
@@ -180,11 +183,11 @@ def _rope_from(params: dict[str, Any] | None, theta: float) -> RopeConfig:
     return RopeConfig(theta=float(params.get("rope_theta", theta)), rope_type=rope_type, **kw)
 
 
-def _rope_by_layer_type(arch: str, d: dict[str, Any], kinds: set[str]) -> dict[str, RopeConfig]:
+def _rope_by_layer_type(arch: str, d: dict[str, Any], kinds: set[str]) -> tuple[tuple[str, RopeConfig], ...]:
     params = d.get("rope_parameters")
     if isinstance(params, dict) and (FULL in params or SLIDING in params):  # transformers 5, per layer type
         global_theta = params.get(FULL, {}).get("rope_theta", d.get("rope_theta", 10000.0))
-        return {kind: _rope_from(params.get(kind), global_theta) for kind in kinds}
+        return tuple((kind, _rope_from(params.get(kind), global_theta)) for kind in sorted(kinds))
     theta = float(d.get("rope_theta", 1_000_000.0 if arch == "gemma3_text" else 10000.0))
     scaling = params if isinstance(params, dict) else d.get("rope_scaling")
     rope = {FULL: _rope_from(scaling, theta)}
@@ -193,4 +196,4 @@ def _rope_by_layer_type(arch: str, d: dict[str, Any], kinds: set[str]) -> dict[s
             rope[SLIDING] = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))
         else:
             rope[SLIDING] = rope[FULL]
-    return {kind: rope[kind] for kind in kinds}
+    return tuple((kind, rope[kind]) for kind in sorted(kinds))

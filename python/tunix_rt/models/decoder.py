@@ -49,7 +49,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
         self.layer = layer
         self.window = cfg.window(layer)
-        self.rope = cfg.rope[cfg.layer_types[layer]]
+        self.rope = cfg.rope_for(layer)
         self.shape = (h, kv, d)
         self.scale, self.softcap, self.qk_norm = cfg.query_scale, cfg.attn_logit_softcap, cfg.qk_norm
 

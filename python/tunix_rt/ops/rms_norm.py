@@ -21,7 +21,7 @@ _BWD = "tunix_rt_rms_norm_bwd"
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def _check(x, w, eps: float) -> None:
+def _check(x, w, eps: float, offset: float) -> None:
     for name, arr in (("x", x), ("w", w)):
         if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
             raise ValueError(f"rms_norm: {name} must be an array, got {type(arr).__name__}")
@@ -31,16 +31,25 @@ def _check(x, w, eps: float) -> None:
         raise ValueError("rms_norm: x must have at least one dimension (..., D), got a scalar")
     if w.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: w must have shape ({x.shape[-1]},) to match x's last dimension, got {w.shape}")
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-        raise ValueError(f"rms_norm: eps must be a positive finite number, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)):
+        raise ValueError(f"rms_norm: eps must be a number, got {type(eps).__name__}")
+    eps32 = np.float32(eps) if math.isfinite(eps) and abs(eps) < 3e38 else np.float32(np.inf)
+    if not (np.isfinite(eps32) and eps32 > 0):
+        raise ValueError(f"rms_norm: eps must be positive and finite in float32, got {eps!r}")
+    if isinstance(offset, bool) or not isinstance(offset, (int, float, np.floating, np.integer)) or not math.isfinite(offset):
+        raise ValueError(f"rms_norm: offset must be a finite number, got {offset!r}")
 
 
 def rms_norm_reference(x: jax.Array, w: jax.Array, *, eps: float = 1e-6, offset: float = 0.0) -> jax.Array:
     """Pure-JAX RMSNorm with the FFI op's semantics."""
-    _check(x, w, eps)
+    _check(x, w, eps, offset)
     xf = x.astype(jnp.float32)
-    rstd = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * rstd * (offset + w.astype(jnp.float32))).astype(x.dtype)
+    # Rows are pre-divided by max(1, max|x|) (a constant to autodiff) and eps by its square: the same
+    # value, but mean(x^2) and rsqrt's derivative stay in f32 range for huge activations.
+    scale = jax.lax.stop_gradient(jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True), 1.0))
+    xs = xf / scale
+    rstd = jax.lax.rsqrt(jnp.mean(xs * xs, axis=-1, keepdims=True) + eps / (scale * scale))
+    return (xs * rstd * (offset + w.astype(jnp.float32))).astype(x.dtype)
 
 
 def _ffi_fwd(x, w, eps, offset):
@@ -73,7 +82,7 @@ _rms_norm_ffi.defvjp(_vjp_fwd, _vjp_bwd)
 
 def rms_norm(x: jax.Array, w: jax.Array, *, eps: float = 1e-6, offset: float = 0.0) -> jax.Array:
     """RMSNorm over the last axis of x (f32 or bf16), differentiable in x and w."""
-    _check(x, w, eps)
+    _check(x, w, eps, offset)
     eps, offset = float(eps), float(offset)
     return platform_dispatch(
         _FWD,

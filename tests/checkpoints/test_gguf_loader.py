@@ -1,0 +1,403 @@
+"""GGUF import checked against transformers' own GGUF loader, for every dense family.
+
+Each tiny HF model (tests/models/hf_tiny.py) is written to a GGUF file the way llama.cpp's
+convert_hf_to_gguf.py writes it -- gguf-py's tensor names and metadata keys, Llama's Q/K row
+permutation, Gemma's norm weights stored +1 -- and that one file is loaded twice: by our
+`load_model` and by `transformers.AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`, whose
+GGUF loader (transformers/modeling_gguf_pytorch_utils.py) undoes those conventions with its own code.
+Both must give the same weights (bit for bit, quantized tensors included) and the same teacher-forced
+log-probs; the F32 files must also reproduce the original HF model.
+"""
+
+from __future__ import annotations
+
+import math
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.models import hf_tiny
+from tunix_rt.checkpoints import gguf_loader
+from tunix_rt.checkpoints.errors import CheckpointError
+from tunix_rt.checkpoints.loader import load_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+SEQ = 40  # longer than the Gemma sliding window (8)
+TOL = 1e-4
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+
+# hf_tiny's configs, adjusted only where a GGUF file cannot say what the HF config says:
+# - llama: rope_type llama3 becomes a `rope_freqs.weight` tensor in llama.cpp, which we reject (tested
+#   below); linear scaling has metadata keys (rope.scaling.type / .factor), so use that instead.
+# - gemma2: llama.cpp has no key for query_pre_attn_scalar; it scales queries by head_dim ** -0.5
+#   (n_embd / n_head for the 27B), so the model must use query_pre_attn_scalar == head_dim.
+GGUF_FAMILIES = {
+    **hf_tiny.FAMILIES,
+    "llama": {**hf_tiny.FAMILIES["llama"], "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "gemma2": {**hf_tiny.FAMILIES["gemma2"], "query_pre_attn_scalar": 16},
+}
+
+
+def _make_hf_model(family, out_dir, families=GGUF_FAMILIES):
+    with mock.patch.dict(hf_tiny.FAMILIES, {family: families[family]}):
+        return hf_tiny.make_hf_model(family, out_dir)
+
+
+# --- a GGUF writer following llama.cpp's convert_hf_to_gguf.py ---------------------------------------
+
+
+def _byte_vocab() -> list[str]:
+    """GPT-2's byte -> printable-character map: a byte-level BPE vocabulary of exactly 256 tokens."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = iter(range(0x100, 0x200))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: HF's rotate-half Q/K rows -> interleaved pairs, per head."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf, path, qtype=None):
+    """Write `hf` as llama.cpp would; 2-D weights quantized to `qtype` (a GGMLQuantizationType) if given."""
+    cfg = hf.config
+    family = cfg.model_type
+    arch = GGUF_ARCH[family]
+    rope = cfg.rope_parameters
+    full_rope = rope.get("full_attention", rope)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{family}")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    head_dim = getattr(cfg, "head_dim", None)
+    if head_dim is not None:  # TextModel.set_gguf_parameters writes these only when config.json has head_dim
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch != "gemma2":  # Gemma2Model.set_gguf_parameters writes no rope base (llama.cpp's default 10000)
+        w.add_rope_freq_base(full_rope["rope_theta"])
+    if arch == "llama":
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_rope_dimension_count(head_dim or cfg.hidden_size // cfg.num_attention_heads)
+    if full_rope.get("rope_type", "default") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full_rope["factor"])
+    elif full_rope.get("rope_type", "default") != "default":
+        raise NotImplementedError(full_rope)
+    if "sliding_attention" in rope:  # TextModel.set_gguf_parameters: the sliding layers' own base
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "gemma3" and cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch.startswith("gemma"):
+        w.add_sliding_window(cfg.sliding_window)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype is None else gguf.LlamaFileType[f"MOSTLY_{qtype.name}"])
+    # A minimal byte-level BPE tokenizer the size of the model's vocabulary (tokenizers are tested elsewhere):
+    # one token per byte, except that DEL's slot holds "ab" so that there is one merge to list -- the writer
+    # drops an empty merges array, and our byte-level tokenizer requires one.
+    tokens = _byte_vocab()
+    tokens[0x7F] = "ab"
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
+    for hf_name, tensor in hf.state_dict().items():
+        if hf_name == "lm_head.weight" and (cfg.tie_word_embeddings or arch.startswith("gemma")):
+            continue  # tied: the safetensors file has no lm_head (and llama.cpp skips Gemma's anyway)
+        base, suffix = hf_name.rsplit(".", 1)
+        name = f"{names.get_name(base)}.{suffix}"
+        data = tensor.detach().float().numpy().copy()
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            data = _permute(data, cfg.num_attention_heads)
+        if arch == "llama" and hf_name.endswith("k_proj.weight"):
+            data = _permute(data, cfg.num_key_value_heads)
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            data = data + np.float32(1.0)
+        if qtype is not None and data.ndim == 2:
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _llama3_rope_factors(cfg) -> np.ndarray:
+    """LlamaModel.generate_extra_tensors: llama3 rope scaling as per-frequency factors (`rope_freqs.weight`)."""
+    rope = cfg.rope_parameters
+    dim = cfg.head_dim
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+# --- the reference: transformers' GGUF loader ----------------------------------------------------------
+
+
+def _transformers_from_gguf(path):
+    """transformers' model of the GGUF file, in float32.
+
+    Its GGUF config mapping (transformers/integrations/ggml.py) leaves some keys unread, falling back to
+    the config class defaults; those few are filled in here from the file's metadata, as llama.cpp reads
+    them. Everything else -- the other config fields and every weight -- is transformers' own reading.
+    """
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+
+    def meta(key, default=None):
+        f = reader.fields.get(f"{arch}.{key}")
+        return default if f is None else f.contents()
+
+    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    if arch == "qwen3":  # no attention.key_length mapping for qwen3: Qwen3Config's default head_dim is 128
+        config.head_dim = meta("attention.key_length")
+    if arch == "llama" and meta("rope.scaling.type") == "linear":  # rope.scaling.* are not mapped for llama
+        config.rope_parameters = {**config.rope_parameters, "rope_type": "linear",
+                                  "factor": meta("rope.scaling.factor")}
+    if arch.startswith("gemma"):  # no GGUF key: llama.cpp uses head_dim (these are not 27B models)
+        config.query_pre_attn_scalar = config.head_dim
+    if arch == "gemma2":  # softcapping keys are not mapped: Gemma2Config's defaults are 50 and 30
+        config.attn_logit_softcapping = meta("attn_logit_softcapping")
+        config.final_logit_softcapping = meta("final_logit_softcapping")
+    if arch == "gemma3":  # rope.freq_base_swa is not mapped: Gemma3TextConfig's default local base is 10000
+        config.rope_parameters["sliding_attention"]["rope_theta"] = meta("rope.freq_base_swa")
+        config.final_logit_softcapping = meta("final_logit_softcapping")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+# --- fixtures ------------------------------------------------------------------------------------------
+
+
+class Case:
+    def __init__(self, family, hf, path):
+        self.family, self.hf, self.path = family, hf, path
+        self.ref = _transformers_from_gguf(path)
+        self.ours = load_model(path)
+
+
+@pytest.fixture(scope="module", params=sorted(GGUF_FAMILIES))
+def f32(request, tmp_path_factory):
+    """Each family as an F32 GGUF file (lossless), loaded by us and by transformers."""
+    family = request.param
+    out = tmp_path_factory.mktemp(f"gguf-{family}")
+    hf = _make_hf_model(family, out / "hf")
+    write_gguf(hf, out / f"{family}.gguf")
+    return Case(family, hf, out / f"{family}.gguf")
+
+
+@pytest.fixture(scope="module", params=["Q8_0", "Q4_0"])
+def quantized(request, tmp_path_factory):
+    """Llama with every 2-D weight quantized (the Q/K permutation applied before quantizing, as llama.cpp does)."""
+    qtype = gguf.GGMLQuantizationType[request.param]
+    out = tmp_path_factory.mktemp(f"gguf-llama-{request.param}")
+    hf = _make_hf_model("llama", out / "hf")
+    write_gguf(hf, out / f"llama-{request.param}.gguf", qtype)
+    return Case("llama", hf, out / f"llama-{request.param}.gguf"), qtype
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+
+
+def _tokens(seed=1):
+    return np.random.default_rng(seed).integers(0, 256, (2, SEQ))
+
+
+def _next_logprobs(logits, tokens):
+    logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), -1))
+    return np.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def _ours_logprobs(case, tokens):
+    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+    return _next_logprobs(case.ours.model(jnp.asarray(tokens), jnp.asarray(positions)), tokens)
+
+
+def _torch_logprobs(model, tokens):
+    with torch.no_grad():
+        return _next_logprobs(model(torch.tensor(tokens)).logits.float().numpy(), tokens)
+
+
+def _our_tensors(case):
+    reader = gguf_loader.open_gguf(case.path)
+    return dict(gguf_loader.iter_tensors(reader, gguf_loader.hf_config(reader)))
+
+
+# --- tests ---------------------------------------------------------------------------------------------
+
+
+def test_logprobs_match_transformers_gguf_loader(f32):
+    tokens = _tokens()
+    delta = np.abs(_ours_logprobs(f32, tokens) - _torch_logprobs(f32.ref, tokens)).max()
+    print(f"\n{f32.family} F32: max |delta log p| vs transformers GGUF = {delta:.2e}")
+    assert delta <= TOL, f"{f32.family}: max |delta log p| = {delta:.2e}"
+
+
+def test_f32_file_reproduces_the_original_hf_model(f32):
+    """The writer and our loader's inverse transforms cancel: the F32 file is the HF model again."""
+    tokens = _tokens(2)
+    delta = np.abs(_ours_logprobs(f32, tokens) - _torch_logprobs(f32.hf, tokens)).max()
+    print(f"\n{f32.family} F32: max |delta log p| vs original HF model = {delta:.2e}")
+    assert delta <= TOL, f"{f32.family}: max |delta log p| = {delta:.2e}"
+
+
+def test_tensors_equal_transformers_gguf_loader(f32):
+    """Same names, same layout, same values, bit for bit (Q/K un-permuted, Gemma norms -1)."""
+    ours, ref = _our_tensors(f32), f32.ref.state_dict()
+    expected = set(ref) - ({"lm_head.weight"} if f32.ref.config.tie_word_embeddings else set())
+    assert set(ours) == expected
+    for name, array in ours.items():
+        np.testing.assert_array_equal(array, ref[name].numpy(), err_msg=name)
+
+
+def test_hf_config_round_trips(f32):
+    reader = gguf_loader.open_gguf(f32.path)
+    got, cfg = gguf_loader.hf_config(reader), f32.hf.config
+    assert got["model_type"] == cfg.model_type
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings"):
+        want = getattr(cfg, key, None)
+        if key == "head_dim" and want is None:  # Qwen2Config has none
+            want = cfg.hidden_size // cfg.num_attention_heads
+        assert got[key] == want, key
+    assert got["rms_norm_eps"] == pytest.approx(cfg.rms_norm_eps, rel=1e-6)
+    rope = cfg.rope_parameters
+    full = rope.get("full_attention", rope)
+    assert got["rope_theta"] == full["rope_theta"]
+    if full.get("rope_type", "default") == "linear":
+        assert got["rope_scaling"] == {"rope_type": "linear", "factor": full["factor"]}
+    else:
+        assert "rope_scaling" not in got
+    if cfg.model_type.startswith("gemma"):
+        assert got["sliding_window"] == cfg.sliding_window
+        assert got["query_pre_attn_scalar"] == cfg.query_pre_attn_scalar
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            assert got.get(key) == getattr(cfg, key), key
+    if cfg.model_type == "gemma3_text":
+        assert got["rope_local_base_freq"] == rope["sliding_attention"]["rope_theta"]
+    assert got.get("attention_bias", False) == (cfg.model_type == "qwen2")
+
+
+def test_quantized_tensors_dequantize_like_gguf(quantized):
+    """Each 2-D weight is gguf.quants.dequantize of its blocks (then un-permuted): what transformers loads too."""
+    case, qtype = quantized
+    reader = gguf_loader.open_gguf(case.path)
+    assert {t.tensor_type for t in reader.tensors if len(t.shape) == 2} == {qtype}
+    ours, ref, cfg = _our_tensors(case), case.ref.state_dict(), case.hf.config
+    assert set(ours) == set(ref)
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    for name, tensor in case.hf.state_dict().items():
+        w = tensor.numpy()
+        if w.ndim == 2:
+            proj = name.split(".")[-2]
+            permuted = _permute(w, heads[proj]) if proj in heads else w
+            expected = gguf.quants.dequantize(gguf.quants.quantize(permuted, qtype), qtype)
+            if proj in heads:
+                expected = gguf_loader._unpermute_rope(expected, heads[proj])
+            assert 0 < np.abs(expected - w).max() < 0.1, name  # really quantized, and not garbage
+        else:
+            expected = w
+        np.testing.assert_array_equal(ours[name], expected, err_msg=name)
+        np.testing.assert_array_equal(ours[name], ref[name].numpy(), err_msg=name)
+
+
+def test_quantized_logprobs_match_transformers_gguf_loader(quantized):
+    case, qtype = quantized
+    tokens = _tokens()
+    delta = np.abs(_ours_logprobs(case, tokens) - _torch_logprobs(case.ref, tokens)).max()
+    print(f"\nllama {qtype.name}: max |delta log p| vs transformers GGUF = {delta:.2e}")
+    assert delta <= TOL, f"llama {qtype.name}: max |delta log p| = {delta:.2e}"
+
+
+# --- metadata-only files: what hf_config does with what llama.cpp would write ---------------------------
+
+
+def _metadata_file(path, arch, layers, hidden, heads, head_dim, **extra):
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(4 * hidden)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads // 2)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_vocab_size(256)
+    for key, value in extra.items():
+        getattr(w, f"add_{key}")(value)
+    w.add_tensor("token_embd.weight", np.zeros((256, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return gguf_loader.open_gguf(path)
+
+
+@pytest.mark.parametrize(("arch", "layers", "hidden", "heads", "head_dim", "scalar"), [
+    ("gemma2", 26, 2304, 8, 256, 256),  # Gemma 2 2B
+    ("gemma2", 46, 4608, 32, 128, 144),  # Gemma 2 27B: hidden / heads, as in its config.json
+    ("gemma3", 34, 2560, 8, 256, 256),  # Gemma 3 4B
+    ("gemma3", 62, 5376, 32, 128, 168),  # Gemma 3 27B
+])
+def test_gemma_query_scale_follows_llama_cpp(tmp_path, arch, layers, hidden, heads, head_dim, scalar):
+    reader = _metadata_file(tmp_path / "m.gguf", arch, layers, hidden, heads, head_dim, sliding_window=512)
+    assert gguf_loader.hf_config(reader)["query_pre_attn_scalar"] == scalar
+
+
+def test_gemma3_rope_local_base_and_no_sliding_window(tmp_path):
+    reader = _metadata_file(tmp_path / "a.gguf", "gemma3", 6, 64, 4, 16, sliding_window=8)
+    config = gguf_loader.hf_config(reader)
+    assert config["rope_local_base_freq"] == 10000.0 and "layer_types" not in config  # older converters
+    reader = _metadata_file(tmp_path / "b.gguf", "gemma3", 6, 64, 4, 16, rope_freq_base_swa=500.0)
+    config = gguf_loader.hf_config(reader)
+    assert config["rope_local_base_freq"] == 500.0
+    assert config["layer_types"] == ["full_attention"] * 6 and "sliding_window" not in config
+
+
+def test_llama3_rope_freqs_file_is_rejected(tmp_path):
+    """llama3 rope scaling is stored as a rope_freqs tensor, which we do not read yet: a clear error."""
+    hf = _make_hf_model("llama", tmp_path / "hf", families=hf_tiny.FAMILIES)
+    assert hf.config.rope_parameters["rope_type"] == "llama3"
+    path = tmp_path / "llama3.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(hf.config.num_hidden_layers)
+    w.add_embedding_length(hf.config.hidden_size)
+    w.add_head_count(hf.config.num_attention_heads)
+    w.add_vocab_size(hf.config.vocab_size)
+    w.add_tensor("rope_freqs.weight", _llama3_rope_factors(hf.config))
+    w.add_tensor("token_embd.weight", hf.model.embed_tokens.weight.detach().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="rope_freqs"):
+        gguf_loader.hf_config(gguf_loader.open_gguf(path))

@@ -37,6 +37,7 @@ CpuFeatures detect() {
   __get_cpuid_count(7, 1, &a71, &b71, &c71, &d71);
   f.avx2 = ymm_os && (b7 & (1u << 5));
   f.fma = ymm_os && fma;
+  f.f16c = ymm_os && (c & (1u << 29));
   f.avxvnni = ymm_os && (a71 & (1u << 4));
   f.avx512f = zmm_os && (b7 & (1u << 16));
   f.avx512bw = f.avx512f && (b7 & (1u << 30));

@@ -8,6 +8,7 @@ namespace tunix_rt {
 struct CpuFeatures {
   bool avx2 = false;
   bool fma = false;
+  bool f16c = false;
   bool avx512f = false;
   bool avx512bw = false;
   bool avx512vl = false;

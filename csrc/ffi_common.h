@@ -27,6 +27,28 @@ inline uint16_t F32ToBf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// IEEE half precision, exact both ways (round to nearest even, subnormals, inf/NaN), matching
+// numpy's astype(float16): GGUF block scales must round exactly as ggml's reference does.
+inline float F16ToF32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    float f = static_cast<float>(mant) * (1.0f / 16777216.0f);  // mant * 2^-24, exact
+    std::memcpy(&bits, &f, sizeof(bits));
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+uint16_t F32ToF16(float f);  // defined in ffi_common.cc (needs <cmath>)
+
 // Product of all dimensions but the last; the last dimension.
 inline int64_t LeadingSize(ffi::Span<const int64_t> dims) {
   int64_t n = 1;

@@ -9,6 +9,9 @@ namespace nb = nanobind;
 namespace tunix_rt {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFwdHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormBwdHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DequantizeHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantMatmulHandler);
 }  // namespace tunix_rt
 
 namespace {
@@ -28,6 +31,9 @@ NB_MODULE(_ext, m) {
     nb::dict d;
     d["tunix_rt_rms_norm_fwd"] = Capsule(tunix_rt::RmsNormFwdHandler);
     d["tunix_rt_rms_norm_bwd"] = Capsule(tunix_rt::RmsNormBwdHandler);
+    d["tunix_rt_quantize"] = Capsule(tunix_rt::QuantizeHandler);
+    d["tunix_rt_dequantize"] = Capsule(tunix_rt::DequantizeHandler);
+    d["tunix_rt_quant_matmul"] = Capsule(tunix_rt::QuantMatmulHandler);
     return d;
   });
 
@@ -36,6 +42,7 @@ NB_MODULE(_ext, m) {
     nb::dict d;
     d["avx2"] = f.avx2;
     d["fma"] = f.fma;
+    d["f16c"] = f.f16c;
     d["avx512f"] = f.avx512f;
     d["avx512bw"] = f.avx512bw;
     d["avx512vl"] = f.avx512vl;

@@ -1,8 +1,10 @@
-"""Reading a GGUF file: metadata -> an HF config dict, tensors -> HF-named float arrays.
+"""Reading a GGUF file: metadata -> an HF config dict, tensors -> HF-named arrays.
 
-Quantized tensors are dequantized with the gguf package's own quants module, so values are
-exactly ggml's. Two conversions of llama.cpp's converter are undone: Llama-family Q/K weights
-are permuted back to HF's rotate-half layout, and Gemma norm weights lose the +1 it folded in.
+Q8_0 / Q4_0 / Q4_1 weights stay quantized: their blocks are split into a QuantizedTensor without
+touching a value. Other types (F16, BF16, K-quants, ...) are dequantized with the gguf package's
+own quants module, so values are exactly ggml's; `keep_quantized=False` dequantizes all. Two
+conversions of llama.cpp's converter are undone: Llama-family Q/K weights are permuted back to
+HF's rotate-half layout, and Gemma norm weights lose the +1 it folded in.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from tunix_rt.checkpoints.errors import CheckpointError
+from tunix_rt.ops.quant import FORMATS, QuantizedTensor
+
+# GGML type name -> the format whose blocks we keep as they are
+_KEPT = {f.ggml_type: f for f in FORMATS.values() if f.ggml_type}
 
 # GGUF architecture -> HF model_type
 _ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}
@@ -118,14 +124,34 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+def _quantized(t) -> QuantizedTensor:
+    """A 2-D GGUF tensor of a kept type as a QuantizedTensor: ggml rows are our columns."""
+    f = _KEPT[t.tensor_type.name]
+    k, n = (int(d) for d in t.shape)  # ggml order: ne0 = K (contiguous), ne1 = N
+    header = 4 if f.has_min else 2
+    block_bytes = header + 32 * f.bits // 8
+    blocks = np.asarray(t.data, dtype=np.uint8).reshape(n, k // 32, block_bytes)
+    scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    mins = (np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0] if f.has_min
+            else np.zeros((n, 0), np.float16))
+    qs = np.ascontiguousarray(blocks[..., header:]).reshape(n, -1)
+    if f.bits == 8:
+        qs = qs.view(np.int8)
+    for what, arr in (("scales", scales), ("mins", mins)):
+        if not np.isfinite(arr).all():
+            raise CheckpointError(f"GGUF tensor {t.name} ({t.tensor_type.name}) has non-finite {what}: the file is corrupt")
+    return QuantizedTensor(qs, scales, mins, f.name, (k, n), 32)
+
+
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved pairs -> HF's halves), per head."""
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_tensors(reader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, float array in HF layout) for every tensor of the file."""
+def iter_tensors(reader, config: dict, *, keep_quantized: bool = True) -> Iterator[tuple[str, np.ndarray | QuantizedTensor]]:
+    """(HF name, value) for every tensor: a float32 array in HF layout, or, for Q8_0/Q4_0/Q4_1
+    2-D weights with keep_quantized, a QuantizedTensor in the decoder's (in, out) orientation."""
     from gguf.quants import dequantize
 
     arch = config["model_type"]
@@ -135,14 +161,25 @@ def iter_tensors(reader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
         if name is None:
             raise CheckpointError(f"unexpected GGUF tensor {t.name!r} for architecture {arch}")
         name = name.replace("{ffn_norm}", ffn_norm)
+        rope_heads = None
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            rope_heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+        if keep_quantized and t.tensor_type.name in _KEPT and len(t.shape) == 2:
+            qt = _quantized(t)
+            if rope_heads:  # the permutation moves whole output rows: apply it to every array
+                qt = QuantizedTensor(*(_unpermute_rope(a, rope_heads) for a in (qt.qs, qt.scales, qt.mins)),
+                                     qt.fmt, qt.shape, qt.group)
+            yield name, qt
+            continue
         try:
             array = dequantize(t.data, t.tensor_type)
         except (NotImplementedError, ValueError) as e:
             raise CheckpointError(f"cannot dequantize GGUF tensor {t.name} ({t.tensor_type.name}): {e}") from None
         array = np.asarray(array, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
-            array = _unpermute_rope(array, heads)
+        if not np.isfinite(array).all():
+            raise CheckpointError(f"GGUF tensor {t.name} ({t.tensor_type.name}) holds non-finite values: the file is corrupt")
+        if rope_heads:
+            array = _unpermute_rope(array, rope_heads)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             array = array - np.float32(1.0)
         yield name, array

@@ -39,7 +39,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     return path
 
 
-def load_model(model: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32) -> LoadedModel:
+def load_model(model: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32, dequantize: bool = False) -> LoadedModel:
+    """Load a model; GGUF Q8_0/Q4_0/Q4_1 weights stay quantized unless `dequantize`."""
     path = resolve_model_path(model)
     if path.is_dir():
         config = hf_dir.read_config(path)
@@ -50,11 +51,12 @@ def load_model(model: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32) 
     config_dict = gguf_loader.hf_config(reader)
     config = ModelConfig.from_hf_dict(config_dict)
     tokenizer = Tokenizer.from_gguf(reader)
-    decoder = build_decoder(config, gguf_loader.iter_tensors(reader, config_dict), dtype=dtype)
+    tensors = gguf_loader.iter_tensors(reader, config_dict, keep_quantized=not dequantize)
+    decoder = build_decoder(config, tensors, dtype=dtype)
     return LoadedModel(decoder, tokenizer, {}, path)
 
 
-def load(path: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32) -> tuple[Decoder, Tokenizer]:
+def load(path: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32, dequantize: bool = False) -> tuple[Decoder, Tokenizer]:
     """The public `tunix_rt.load`: (model, tokenizer)."""
-    loaded = load_model(path, dtype=dtype)
+    loaded = load_model(path, dtype=dtype, dequantize=dequantize)
     return loaded.model, loaded.tokenizer

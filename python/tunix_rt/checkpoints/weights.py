@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -16,6 +17,8 @@ from flax import nnx
 from tunix_rt.checkpoints.errors import CheckpointError
 from tunix_rt.models.config import ModelConfig
 from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.quant_layers import QuantEmbed, QuantLinear, QuantWeight
+from tunix_rt.ops.quant import QuantizedTensor
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq)$")
@@ -60,11 +63,30 @@ def hf_to_path(name: str, cfg: ModelConfig) -> tuple[tuple, bool] | None:
     raise CheckpointError(f"unexpected tensor {name!r} for a {cfg.architecture} model")
 
 
-def build_decoder(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], *, dtype=jnp.float32) -> Decoder:
-    """Decoder whose parameters come from (HF name, array) pairs; every parameter must be given."""
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    expected = dict(nnx.to_flat_state(state))
+def _swap_in_quantized(model: Decoder, path: tuple, qt: QuantizedTensor, dtype) -> None:
+    """Replace the float layer owning `path` by its quantized twin, holding `qt`."""
+    *parents, attr, _ = path
+    owner = model
+    for p in parents:
+        owner = owner[p] if isinstance(p, int) else getattr(owner, p)
+    old = getattr(owner, attr)
+    if path == ("embed", "embedding"):
+        new = QuantEmbed(qt, dtype)
+    else:
+        bias = jnp.zeros(old.bias.shape, dtype) if getattr(old, "bias", None) is not None else None
+        new = QuantLinear(qt, bias)
+    setattr(owner, attr, new)
+
+
+def build_decoder(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray | QuantizedTensor]], *,
+                  dtype=jnp.float32) -> Decoder:
+    """Decoder whose parameters come from (HF name, array) pairs; every parameter must be given.
+
+    A QuantizedTensor value (a GGUF weight kept quantized) replaces its layer by a QuantLinear (or
+    the embedding by a QuantEmbed); it is given in the decoder's (in, out) orientation already.
+    """
+    model = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    expected = dict(nnx.to_flat_state(nnx.state(model)))
     loaded = {}
     for name, array in tensors:
         target = hf_to_path(name, cfg)
@@ -73,13 +95,21 @@ def build_decoder(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], *
         path, transpose = target
         if path not in expected:
             raise CheckpointError(f"tensor {name!r} has no place in a {cfg.architecture} model with this config")
+        want = tuple(expected[path].get_value().shape)
+        if isinstance(array, QuantizedTensor):
+            value_shape = array.shape if path[-1] == "kernel" else array.shape[::-1]
+            if value_shape != want:
+                raise CheckpointError(f"tensor {name!r} has shape {array.shape[::-1]}, the config implies {want[::-1]}")
+            _swap_in_quantized(model, path, jax.tree.map(jnp.asarray, array), dtype)  # to device once
+            continue
         value = array.T if transpose else array
-        want = expected[path].get_value().shape
-        if tuple(value.shape) != tuple(want):
+        if tuple(value.shape) != want:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, the config implies {want if not transpose else want[::-1]}")
         loaded[path] = jnp.asarray(value, dtype=dtype)
-    missing = [".".join(map(str, p)) for p in expected if p not in loaded]
+    graphdef, state = nnx.split(model)
+    flat = list(nnx.to_flat_state(state))
+    missing = [".".join(map(str, p)) for p, var in flat if p not in loaded and not isinstance(var, QuantWeight)]
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
-    flat = [(path, expected[path].replace(loaded[path])) for path in expected]
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    filled = [(p, var if isinstance(var, QuantWeight) else var.replace(loaded[p])) for p, var in flat]
+    return nnx.merge(graphdef, nnx.from_flat_state(filled))

@@ -1,0 +1,73 @@
+"""quant_matmul vs XLA's f32 `x @ w` on the same shapes, in one run; plus achieved weight GB/s.
+
+Usage: python benchmarks/quant_matmul.py [--quick] [--formats q4_0,q8_0,...]
+Prints a table: median times (jitted, warmed up), speed-up = f32 time / quant time, and the
+weight bytes each op streams per call over its time, next to a bandwidth figure measured here
+(a jitted reduction over a 512 MiB array). Timings are never asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tunix_rt.ops import quant_matmul, quantize
+from tunix_rt.ops._ffi import isa_level
+
+SMOLLM2 = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
+
+
+def median_time(fn, *args, repeats: int = 15, min_time: float = 0.2) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    start = time.perf_counter()
+    while len(times) < repeats or time.perf_counter() - start < min_time:
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+        if len(times) >= 200:
+            break
+    return statistics.median(times)
+
+
+def measured_bandwidth() -> float:
+    big = jnp.ones((128 * 1024 * 1024,), jnp.float32)  # 512 MiB
+    t = median_time(jax.jit(jnp.sum), big, repeats=7)
+    return big.nbytes / t / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default="q4_0,q8_0,q4_1,int8,int4")
+    ap.add_argument("--quick", action="store_true", help="M in 1, 64 and K=N=4096 only")
+    args = ap.parse_args()
+    formats = args.formats.split(",")
+    ms = (1, 64) if args.quick else (1, 8, 64, 512)
+    shapes = [(4096, 4096)] + ([] if args.quick else SMOLLM2)
+
+    bw = measured_bandwidth()
+    print(f"quant_matmul vs f32 x @ w | jax {jax.__version__} | {jax.devices()[0]} | kernel tier {isa_level()} | "
+          f"measured read bandwidth {bw:.1f} GB/s")
+    print(f"{'M':>5} {'K':>6} {'N':>6} {'fmt':>5} {'f32 ms':>9} {'quant ms':>9} {'speedup':>8} {'f32 GB/s':>9} {'quant GB/s':>10}")
+    rng = np.random.default_rng(0)
+    dot = jax.jit(lambda x, w: x @ w)
+    qmm = jax.jit(quant_matmul)
+    for k, n in shapes:
+        w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+        qts = {fmt: quantize(w, fmt) for fmt in formats}
+        for m in ms:
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+            t_f32 = median_time(dot, x, w)
+            for fmt in formats:
+                t_q = median_time(qmm, x, qts[fmt])
+                print(f"{m:>5} {k:>6} {n:>6} {fmt:>5} {t_f32 * 1e3:>9.3f} {t_q * 1e3:>9.3f} {t_f32 / t_q:>7.2f}x "
+                      f"{w.nbytes / t_f32 / 1e9:>9.1f} {qts[fmt].nbytes / t_q / 1e9:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()

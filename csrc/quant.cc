@@ -1,0 +1,788 @@
+// Weight-only quantization: GGUF q8_0 / q4_0 / q4_1 blocks and int8 / int4 with per-group scales.
+//
+// A quantized (K, N) weight is stored column-major in blocks, as ggml stores its rows:
+//   qs      (N, K) int8 for 8-bit formats; (N, K/2) uint8 for 4-bit ones, where byte j of each
+//           32-element sub-block holds element j in its low nibble and element j+16 in its high one
+//   scales  (N, K/G) float16 (q* formats, G = 32) or float32 (int* formats, G = 32/64/128)
+//   mins    (N, K/G) float16 for q4_1, else (N, 0)
+// Quantize/dequantize follow ggml's reference arithmetic step by step (this file builds with
+// -ffp-contract=off), so the bytes equal gguf.quants'. The matmul quantizes activations to int8
+// per 32-block on the fly and takes integer dot products (llama.cpp's q8 scheme); the exact
+// dequantized product is the pure-JAX reference's job.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "cpu_features.h"
+#include "ffi_common.h"
+#include "parallel.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define TUNIX_RT_X86 1
+#endif
+
+namespace tunix_rt {
+namespace {
+
+constexpr int64_t kSub = 32;  // nibble-packing sub-block and activation block
+
+// One row of traits per format (ggml keeps the same kind of table).
+struct Format {
+  int bits;
+  bool has_min;     // q4_1: value = d * q + m
+  bool f16_scales;  // GGUF formats store half-precision scales
+  bool offset8;     // q4_0 / int4: nibble holds q + 8
+};
+constexpr Format kFormats[] = {
+    {8, false, true, false},   // 0 q8_0
+    {4, false, true, true},    // 1 q4_0
+    {4, true, true, false},    // 2 q4_1
+    {8, false, false, false},  // 3 int8
+    {4, false, false, true},   // 4 int4
+};
+constexpr int32_t kNumFormats = sizeof(kFormats) / sizeof(kFormats[0]);
+
+struct Layout {
+  const Format* f;
+  int64_t n, k, group;
+  int64_t row_bytes() const { return k * f->bits / 8; }
+  int64_t groups() const { return k / group; }
+};
+
+ffi::Error MakeLayout(int32_t fmt, int64_t group, int64_t n, int64_t k, Layout* out) {
+  if (fmt < 0 || fmt >= kNumFormats) return InvalidArgument("quant: unknown format id");
+  if (group <= 0 || group % kSub != 0) return InvalidArgument("quant: group must be a positive multiple of 32");
+  if (k % group != 0) return InvalidArgument("quant: K must be a multiple of the group size");
+  *out = Layout{&kFormats[fmt], n, k, group};
+  return ffi::Error::Success();
+}
+
+// Checks qs/scales/mins buffers against the layout.
+ffi::Error CheckWeights(const Layout& l, const ffi::AnyBuffer& qs, const ffi::AnyBuffer& scales,
+                        const ffi::AnyBuffer& mins) {
+  const auto qd = qs.dimensions(), sd = scales.dimensions(), md = mins.dimensions();
+  if (qd.size() != 2 || qd[0] != l.n || qd[1] != l.row_bytes())
+    return InvalidArgument("quant: qs shape does not match (N, K*bits/8)");
+  if (sd.size() != 2 || sd[0] != l.n || sd[1] != l.groups())
+    return InvalidArgument("quant: scales shape does not match (N, K/group)");
+  const auto want_scale = l.f->f16_scales ? ffi::DataType::F16 : ffi::DataType::F32;
+  if (scales.element_type() != want_scale) return InvalidArgument("quant: scales dtype does not match the format");
+  if (md.size() != 2 || md[0] != l.n || md[1] != (l.f->has_min ? l.groups() : 0))
+    return InvalidArgument("quant: mins shape does not match the format");
+  if (l.f->has_min && mins.element_type() != ffi::DataType::F16)
+    return InvalidArgument("quant: mins must be float16");
+  return ffi::Error::Success();
+}
+
+// Raw pointers of a quantized weight; safe to capture in async tasks.
+struct Weights {
+  Layout l;
+  const uint8_t* qs;
+  const void* scales;
+  const uint16_t* mins;
+  float scale(int64_t col, int64_t g) const {
+    const int64_t i = col * l.groups() + g;
+    return l.f->f16_scales ? F16ToF32(static_cast<const uint16_t*>(scales)[i]) : static_cast<const float*>(scales)[i];
+  }
+  float min(int64_t col, int64_t g) const { return F16ToF32(mins[col * l.groups() + g]); }
+  const uint8_t* row(int64_t col) const { return qs + col * l.row_bytes(); }
+};
+
+// ---- quantize / dequantize (scalar, exact) ------------------------------------------------------
+
+void StoreScale(const Layout& l, void* scales, int64_t i, float d) {
+  if (l.f->f16_scales) {
+    static_cast<uint16_t*>(scales)[i] = F32ToF16(d);
+  } else {
+    static_cast<float*>(scales)[i] = d;
+  }
+}
+
+void PackNibbles(const uint8_t* q, int64_t count, uint8_t* out) {
+  for (int64_t s = 0; s < count; s += kSub)
+    for (int64_t j = 0; j < kSub / 2; ++j) out[s / 2 + j] = static_cast<uint8_t>(q[s + j] | (q[s + j + kSub / 2] << 4));
+}
+
+void QuantizeRow(const Layout& l, const float* x, uint8_t* qs, void* scales, uint16_t* mins, int64_t row) {
+  std::vector<uint8_t> q(l.group);
+  for (int64_t g = 0; g < l.groups(); ++g) {
+    const float* b = x + g * l.group;
+    const int64_t si = row * l.groups() + g;
+    if (l.f->bits == 8) {  // q8_0 / int8: symmetric, d = amax / 127, q = round(x / d)
+      float amax = 0.0f;
+      for (int64_t i = 0; i < l.group; ++i) amax = std::max(amax, std::fabs(b[i]));
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      int8_t* out = reinterpret_cast<int8_t*>(qs) + g * l.group;
+      for (int64_t i = 0; i < l.group; ++i) out[i] = static_cast<int8_t>(std::round(b[i] * id));
+      StoreScale(l, scales, si, d);
+    } else if (!l.f->has_min) {  // q4_0 / int4: d = (signed value of largest magnitude) / -8
+      int64_t imax = 0;
+      for (int64_t i = 1; i < l.group; ++i)
+        if (std::fabs(b[i]) > std::fabs(b[imax])) imax = i;
+      const float d = b[imax] / -8.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      for (int64_t i = 0; i < l.group; ++i) {
+        const float t = std::trunc(b[i] * id + 8.5f);
+        q[i] = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, t)));
+      }
+      PackNibbles(q.data(), l.group, qs + g * l.group / 2);
+      StoreScale(l, scales, si, d);
+    } else {  // q4_1: d = (max - min) / 15, m = min
+      float mx = b[0], mn = b[0];
+      for (int64_t i = 1; i < l.group; ++i) {
+        mx = std::max(mx, b[i]);
+        mn = std::min(mn, b[i]);
+      }
+      const float d = (mx - mn) / 15.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      for (int64_t i = 0; i < l.group; ++i) {
+        const float t = std::trunc((b[i] - mn) * id + 0.5f);
+        q[i] = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, t)));
+      }
+      PackNibbles(q.data(), l.group, qs + g * l.group / 2);
+      StoreScale(l, scales, si, d);
+      mins[si] = F32ToF16(mn);
+    }
+  }
+}
+
+// Element i's integer code: signed for 8-bit formats, 0..15 for 4-bit ones.
+inline int Code(const Layout& l, const uint8_t* row, int64_t i) {
+  if (l.f->bits == 8) return reinterpret_cast<const int8_t*>(row)[i];
+  const int64_t s = i / kSub, j = i % kSub;
+  const uint8_t byte = row[s * kSub / 2 + (j % (kSub / 2))];
+  return j < kSub / 2 ? (byte & 0x0f) : (byte >> 4);
+}
+
+// Elements [k0, k0 + kk) of column `col` (block aligned) into out[0, kk).
+void DequantizeRange(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out) {
+  const uint8_t* row = w.row(col);
+  for (int64_t i = k0; i < k0 + kk; ++i) {
+    const int64_t g = i / w.l.group;
+    const float d = w.scale(col, g);
+    const int q = Code(w.l, row, i);
+    if (w.l.f->has_min) {
+      out[i - k0] = d * static_cast<float>(q) + w.min(col, g);
+    } else {
+      out[i - k0] = d * static_cast<float>(w.l.f->offset8 ? q - 8 : q);
+    }
+  }
+}
+
+// ---- matmul -------------------------------------------------------------------------------------
+
+// Activations quantized per 32-block: x ~= xd[b] * xq[b*32 + i]; xs[b] = xd[b] * sum(xq in block).
+// s[b] is the block's sum of x: exact for formats with mins (m * sum(x) needs no quantized x), and
+// d * sum(q) for offset formats, whose -8 * sum must cancel against the quantized dot exactly.
+// e[b] (formats with mins) is exact - d * sum(q): q4_1 codes are 0..15, all of one sign, so the
+// kernels take the dot on q - 8 (centred, as accurate as q4_0) by adding 8 * d_w * e.
+// With `paired`, each pair of blocks (2p, 2p+1) is stored as [x0[0:16] x1[0:16] x0[16:32] x1[16:32]]:
+// the order in which one 32-byte load of two 4-bit weight blocks unpacks (low nibbles, then high
+// ones), so two blocks take one unpack; pd holds the pair's scales as [d0 x4, d1 x4]. A last odd
+// block stays in natural order.
+struct QuantizedActivations {
+  int64_t m, k;
+  bool paired;
+  std::vector<int8_t> q;
+  std::vector<float> d, s, e, pd;
+  int64_t blocks() const { return k / kSub; }
+};
+
+void QuantizeActivationRow(const float* x, int64_t k, bool paired, bool exact_sums, int8_t* q, float* d, float* s,
+                           float* e, float* pd) {
+  const int64_t nb = k / kSub;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * kSub;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kSub; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float db = amax / 127.0f;
+    const float id = db != 0.0f ? 1.0f / db : 0.0f;
+    const bool in_pair = paired && (b | 1) < nb;
+    const int64_t base = in_pair ? (b & ~int64_t{1}) * kSub : b * kSub;
+    int sum = 0;
+    float exact = 0.0f;
+    for (int64_t i = 0; i < kSub; ++i) {
+      exact += xb[i];
+      const int v = static_cast<int>(std::nearbyint(xb[i] * id));
+      // paired: element i of the pair's first (second) block goes to (i / 16) * 32 + (i % 16) (+ 16)
+      const int64_t at = in_pair ? base + (i / 16) * 32 + (b & 1) * 16 + (i % 16) : base + i;
+      q[at] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = db;
+    s[b] = exact_sums ? exact : db * static_cast<float>(sum);
+    if (exact_sums) e[b] = exact - db * static_cast<float>(sum);
+    if (in_pair)
+      for (int j = 0; j < 4; ++j) pd[(b & ~int64_t{1}) * 4 + (b & 1) * 4 + j] = db;
+  }
+}
+
+// A tile of outputs: rows r0..r0+rows-1 (rows <= 4) by columns col..col+cols-1 (cols <= 2),
+// written to y[r * cols + c].
+using TileFn = void (*)(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows,
+                        int cols, float* y);
+constexpr int kTileRows = 4, kTileCols = 1;
+
+// Every kernel computes, per weight group g and activation block b in g:
+//   d_w[g] * d_x[b] * sum(code * xq)  +  correction,
+// where codes are the stored integers (0..15 for 4-bit formats) and the correction is
+// -8 * d_w[g] * xs[b] for offset formats (q4_0, int4) and m[g] * xs[b] for q4_1.
+void TileScalar(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols,
+                float* y) {
+  const int64_t per_group = w.l.group / kSub;
+  for (int c = 0; c < cols; ++c) {
+    const uint8_t* row = w.row(col + c);
+    for (int r = 0; r < rows; ++r) {
+      const int8_t* xq = a.q.data() + (r0 + r) * a.k;  // natural order: the scalar tier never pairs
+      const float* xd = a.d.data() + (r0 + r) * a.blocks();
+      const float* xs = a.s.data() + (r0 + r) * a.blocks();
+      const float* xe = w.l.f->has_min ? a.e.data() + (r0 + r) * a.blocks() : nullptr;
+      float acc = 0.0f, corr = 0.0f;
+      for (int64_t b = 0; b < a.blocks(); ++b) {
+        int32_t dot = 0;
+        for (int64_t i = 0; i < kSub; ++i) dot += Code(w.l, row, b * kSub + i) * xq[b * kSub + i];
+        const float dw = w.scale(col + c, b / per_group);
+        acc += dw * xd[b] * static_cast<float>(dot);
+        if (w.l.f->offset8) corr -= 8.0f * dw * xs[b];
+        if (w.l.f->has_min) corr += w.min(col + c, b / per_group) * xs[b] + 8.0f * dw * xe[b];
+      }
+      y[r * cols + c] = acc + corr;
+    }
+  }
+}
+
+#ifdef TUNIX_RT_X86
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+
+AVX2_FN inline float HSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 codes of sub-block b as bytes: signed for 8-bit formats, 0..15 for 4-bit ones.
+template <int kBits>
+AVX2_FN inline __m256i LoadCodes(const uint8_t* row, int64_t b) {
+  if constexpr (kBits == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kSub));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kSub / 2));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+  }
+}
+
+template <bool kF16>
+AVX2_FN inline float ScaleAt(const void* scales, int64_t i) {
+  if constexpr (kF16) {
+    return _cvtsh_ss(static_cast<const uint16_t*>(scales)[i]);
+  } else {
+    return static_cast<const float*>(scales)[i];
+  }
+}
+
+template <int kBits, bool kOffset8, bool kHasMin, bool kF16, int R, int C>
+AVX2_FN void TileAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int,
+                      float* y) {
+  const int64_t nb = a.blocks(), per_group = w.l.group / kSub, groups = w.l.groups();
+  (void)nb;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][C];
+  float corr[R][C];
+  const uint8_t* wrow[C];
+  const int8_t* xq[R];
+  const float *xd[R], *xs[R];
+  for (int c = 0; c < C; ++c) wrow[c] = w.row(col + c);
+  for (int r = 0; r < R; ++r) {
+    xq[r] = a.q.data() + (r0 + r) * a.k;
+    xd[r] = a.d.data() + (r0 + r) * nb;
+    xs[r] = a.s.data() + (r0 + r) * nb;
+    for (int c = 0; c < C; ++c) {
+      acc[r][c] = _mm256_setzero_ps();
+      corr[r][c] = 0.0f;
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    float dw[C], mw[C];
+    for (int c = 0; c < C; ++c) {
+      dw[c] = ScaleAt<kF16>(w.scales, (col + c) * groups + g);
+      mw[c] = kHasMin ? _cvtsh_ss(w.mins[(col + c) * groups + g]) : 0.0f;
+    }
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      __m256i codes[C], wu[C];
+      for (int c = 0; c < C; ++c) {
+        codes[c] = LoadCodes<kBits>(wrow[c], b);
+        // maddubs multiplies unsigned by signed bytes: signed codes move their signs onto x.
+        wu[c] = kBits == 8 ? _mm256_sign_epi8(codes[c], codes[c]) : codes[c];
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * kSub));
+        const float xdb = xd[r][b], xsb = xs[r][b];
+        for (int c = 0; c < C; ++c) {
+          const __m256i xsgn = kBits == 8 ? _mm256_sign_epi8(xv, codes[c]) : xv;
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu[c], xsgn), ones);
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw[c] * xdb), acc[r][c]);
+          if constexpr (kOffset8) corr[r][c] += dw[c] * xsb;
+          if constexpr (kHasMin) corr[r][c] += mw[c] * xsb;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[r * C + c] = HSum(acc[r][c]) + (kOffset8 ? -8.0f * corr[r][c] : corr[r][c]);
+}
+
+// 4-bit formats over paired activations: one 32-byte load unpacks two weight blocks; both
+// blocks' int16 products add before one madd (|sum| <= 4 * 15 * 127, no saturation), and the
+// per-block scales multiply the 8 int32 lanes as [s0 x4, s1 x4].
+template <bool kOffset8, bool kHasMin, bool kF16, int R, int C>
+AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int,
+                           float* y) {
+  const int64_t nb = a.blocks(), groups = w.l.groups();
+  const int shift = w.l.group == 32 ? 0 : (w.l.group == 64 ? 1 : 2);  // block -> group: b >> shift
+  const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0f);
+  __m256 acc[R][C];
+  float corr[R][C];
+  const uint8_t* wrow[C];
+  const int8_t* xq[R];
+  const float *xs[R], *xd[R], *pd[R], *xe[R];
+  for (int c = 0; c < C; ++c) wrow[c] = w.row(col + c);
+  for (int r = 0; r < R; ++r) {
+    xq[r] = a.q.data() + (r0 + r) * a.k;
+    xd[r] = a.d.data() + (r0 + r) * nb;
+    xs[r] = a.s.data() + (r0 + r) * nb;
+    pd[r] = a.pd.data() + (r0 + r) * nb * 4;
+    xe[r] = kHasMin ? a.e.data() + (r0 + r) * nb : nullptr;
+    for (int c = 0; c < C; ++c) {
+      acc[r][c] = _mm256_setzero_ps();
+      corr[r][c] = 0.0f;
+    }
+  }
+  const int64_t pairs = nb / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t b0 = 2 * p, b1 = b0 + 1;
+    __m256i lo[C], hi[C];
+    __m256 dw[C];
+    float cw0[C], cw1[C], d0v[C], d1v[C];
+    for (int c = 0; c < C; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[c] + p * kSub));
+      lo[c] = _mm256_and_si256(raw, mask);
+      hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+      const float d0 = ScaleAt<kF16>(w.scales, (col + c) * groups + (b0 >> shift));
+      const float d1 = ScaleAt<kF16>(w.scales, (col + c) * groups + (b1 >> shift));
+      dw[c] = _mm256_set_m128(_mm_set1_ps(d1), _mm_set1_ps(d0));
+      d0v[c] = d0;
+      d1v[c] = d1;
+      if constexpr (kOffset8 || kHasMin) {
+        cw0[c] = kHasMin ? _cvtsh_ss(w.mins[(col + c) * groups + (b0 >> shift)]) : d0;
+        cw1[c] = kHasMin ? _cvtsh_ss(w.mins[(col + c) * groups + (b1 >> shift)]) : d1;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 2 * kSub));
+      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 2 * kSub + kSub));
+      const __m256 xdv = _mm256_loadu_ps(pd[r] + p * 8);
+      const float xs0 = xs[r][b0], xs1 = xs[r][b1];
+      for (int c = 0; c < C; ++c) {
+        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], xlo), _mm256_maddubs_epi16(hi[c], xhi));
+        const __m256i dot = _mm256_madd_epi16(s16, ones);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw[c], xdv), acc[r][c]);
+        if constexpr (kOffset8 || kHasMin) corr[r][c] += cw0[c] * xs0 + cw1[c] * xs1;
+        if constexpr (kHasMin) corr[r][c] += 8.0f * (d0v[c] * xe[r][b0] + d1v[c] * xe[r][b1]);
+      }
+    }
+  }
+  if (nb % 2) {  // the last, unpaired block (natural order)
+    const int64_t b = nb - 1;
+    for (int c = 0; c < C; ++c) {
+      const __m256i codes = LoadCodes<4>(wrow[c], b);
+      const float d = ScaleAt<kF16>(w.scales, (col + c) * groups + (b >> shift));
+      const float cw = kHasMin ? _cvtsh_ss(w.mins[(col + c) * groups + (b >> shift)]) : d;
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * kSub));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), ones);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[r][b]), acc[r][c]);
+        if constexpr (kOffset8 || kHasMin) corr[r][c] += cw * xs[r][b];
+        if constexpr (kHasMin) corr[r][c] += 8.0f * d * xe[r][b];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[r * C + c] = HSum(acc[r][c]) + (kOffset8 ? -8.0f * corr[r][c] : corr[r][c]);
+}
+
+// The R x C instantiations of one format, dispatched at run time by the tile's shape.
+template <int kBits, bool kOffset8, bool kHasMin, bool kF16, int R, int C>
+constexpr TileFn Tile() {
+  if constexpr (kBits == 8) {
+    return TileAvx2<kBits, kOffset8, kHasMin, kF16, R, C>;
+  } else {
+    return TilePairsAvx2<kOffset8, kHasMin, kF16, R, C>;
+  }
+}
+
+template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
+void TileAvx2Any(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols,
+                 float* y) {
+  static constexpr TileFn kTable[kTileRows] = {
+      Tile<kBits, kOffset8, kHasMin, kF16, 1, kTileCols>(), Tile<kBits, kOffset8, kHasMin, kF16, 2, kTileCols>(),
+      Tile<kBits, kOffset8, kHasMin, kF16, 3, kTileCols>(), Tile<kBits, kOffset8, kHasMin, kF16, 4, kTileCols>(),
+  };
+  kTable[rows - 1](w, a, col, r0, rows, cols, y);
+}
+#endif
+
+// Kernel per format id (rows of kFormats) for the detected ISA tier; `paired` tells the
+// activation layout it expects.
+TileFn SelectTile(int32_t fmt, bool* paired) {
+  *paired = false;
+#ifdef TUNIX_RT_X86
+  if (isa_level() >= IsaLevel::kAvx2 && cpu_features().f16c) {
+    static constexpr TileFn kAvx2[kNumFormats] = {
+        TileAvx2Any<8, false, false, true>,  // q8_0
+        TileAvx2Any<4, true, false, true>,   // q4_0
+        TileAvx2Any<4, false, true, true>,   // q4_1
+        TileAvx2Any<8, false, false, false>, // int8
+        TileAvx2Any<4, true, false, false>,  // int4
+    };
+    *paired = kFormats[fmt].bits == 4;
+    return kAvx2[fmt];
+  }
+#endif
+  return TileScalar;
+}
+
+
+// ---- GEMM: exact f32 products over dequantized weight panels ------------------------------------
+//
+// Past kGemvRows rows, dequantizing a panel of weights once and reusing it for every row costs as
+// much per multiply-add as the int8 path without VNNI, so large M takes the exact route: y equals
+// x @ dequantize(qt) up to f32 summation order. Panels are kPanelK deep (L1-resident with a
+// kMR x kPanelK slice of x); the micro-kernel keeps kMR x kNR accumulators along K.
+constexpr int64_t kGemvRows = 4;
+constexpr int64_t kPanelK = 512;  // a multiple of every group size
+constexpr int kMR = 4, kNR = 3;
+
+using DequantFn = void (*)(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out);
+// y[r * ldy + c] += sum_k x[r * ldx + k] * p[c * ldp + k], for r < rows, c < cols, k < kk.
+using MicroFn = void (*)(const float* x, int64_t ldx, const float* p, int64_t ldp, int64_t kk, float* y,
+                         int64_t ldy, int rows, int cols);
+
+void MicroScalar(const float* x, int64_t ldx, const float* p, int64_t ldp, int64_t kk, float* y, int64_t ldy,
+                 int rows, int cols) {
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < kk; ++k) acc += x[r * ldx + k] * p[c * ldp + k];
+      y[r * ldy + c] += acc;
+    }
+}
+
+#ifdef TUNIX_RT_X86
+template <int R, int C>
+AVX2_FN void MicroAvx2(const float* x, int64_t ldx, const float* p, int64_t ldp, int64_t kk, float* y, int64_t ldy) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kk; k += 8) {
+    __m256 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(p + c * ldp + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[r * ldy + c] += HSum(acc[r][c]);
+}
+
+void MicroAvx2Any(const float* x, int64_t ldx, const float* p, int64_t ldp, int64_t kk, float* y, int64_t ldy,
+                  int rows, int cols) {
+  using F = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+  static constexpr F kTable[kMR][kNR] = {
+      {MicroAvx2<1, 1>, MicroAvx2<1, 2>, MicroAvx2<1, 3>},
+      {MicroAvx2<2, 1>, MicroAvx2<2, 2>, MicroAvx2<2, 3>},
+      {MicroAvx2<3, 1>, MicroAvx2<3, 2>, MicroAvx2<3, 3>},
+      {MicroAvx2<4, 1>, MicroAvx2<4, 2>, MicroAvx2<4, 3>},
+  };
+  kTable[rows - 1][cols - 1](x, ldx, p, ldp, kk, y, ldy);
+}
+
+// Codes of 8 elements as f32: 4-bit codes come as bytes already unpacked.
+AVX2_FN inline __m256 BytesToF32(__m128i bytes8, bool is_signed) {
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
+}
+
+// Same arithmetic as DequantizeRange (d * (q - 8), d * q + m, d * q), eight lanes at a time.
+template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
+AVX2_FN void DequantizeRangeAvx2(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out) {
+  const uint8_t* row = w.row(col);
+  const int64_t groups = w.l.groups();
+  for (int64_t b = k0 / kSub; b < (k0 + kk) / kSub; ++b) {
+    const int64_t si = col * groups + b * kSub / w.l.group;
+    const __m256 d = _mm256_set1_ps(ScaleAt<kF16>(w.scales, si));
+    const __m256 m = _mm256_set1_ps(kHasMin ? _cvtsh_ss(w.mins[si]) : 0.0f);
+    __m128i part[4];  // 4 x 8 codes, in element order
+    if constexpr (kBits == 8) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kSub));
+      const __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
+      part[0] = lo;
+      part[1] = _mm_srli_si128(lo, 8);
+      part[2] = hi;
+      part[3] = _mm_srli_si128(hi, 8);
+    } else {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kSub / 2));
+      const __m128i mask = _mm_set1_epi8(0x0f);
+      const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+      part[0] = lo;
+      part[1] = _mm_srli_si128(lo, 8);
+      part[2] = hi;
+      part[3] = _mm_srli_si128(hi, 8);
+    }
+    float* o = out + b * kSub - k0;
+    for (int j = 0; j < 4; ++j) {
+      __m256 q = BytesToF32(part[j], kBits == 8);
+      if constexpr (kOffset8) q = _mm256_sub_ps(q, _mm256_set1_ps(8.0f));
+      __m256 v = _mm256_mul_ps(d, q);
+      if constexpr (kHasMin) v = _mm256_add_ps(v, m);
+      _mm256_storeu_ps(o + 8 * j, v);
+    }
+  }
+}
+#endif
+
+void SelectGemm(int32_t fmt, DequantFn* deq, MicroFn* micro) {
+  *deq = DequantizeRange;
+  *micro = MicroScalar;
+#ifdef TUNIX_RT_X86
+  if (isa_level() >= IsaLevel::kAvx2 && cpu_features().f16c) {
+    static constexpr DequantFn kDeq[kNumFormats] = {
+        DequantizeRangeAvx2<8, false, false, true>, DequantizeRangeAvx2<4, true, false, true>,
+        DequantizeRangeAvx2<4, false, true, true>,  DequantizeRangeAvx2<8, false, false, false>,
+        DequantizeRangeAvx2<4, true, false, false>,
+    };
+    *deq = kDeq[fmt];
+    *micro = MicroAvx2Any;
+  }
+#endif
+}
+
+// Columns [c_begin, c_end) of y (f32, row stride n, zeroed) from f32 x (M, K).
+void GemmColumns(const Weights& w, DequantFn deq, MicroFn micro, const float* x, int64_t m, float* y,
+                 int64_t c_begin, int64_t c_end) {
+  const int64_t k = w.l.k, n = w.l.n;
+  std::vector<float> panel(kNR * kPanelK);
+  for (int64_t k0 = 0; k0 < k; k0 += kPanelK) {
+    const int64_t kk = std::min(kPanelK, k - k0);
+    for (int64_t c0 = c_begin; c0 < c_end; c0 += kNR) {
+      const int cols = static_cast<int>(std::min<int64_t>(kNR, c_end - c0));
+      for (int c = 0; c < cols; ++c) deq(w, c0 + c, k0, kk, panel.data() + c * kPanelK);
+      for (int64_t r0 = 0; r0 < m; r0 += kMR) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMR, m - r0));
+        micro(x + r0 * k + k0, k, panel.data(), kPanelK, kk, y + r0 * n + c0, n, rows, cols);
+      }
+    }
+  }
+}
+
+// ---- handlers -----------------------------------------------------------------------------------
+
+bool FloatInput(const ffi::AnyBuffer& b) {
+  return b.element_type() == ffi::DataType::F32 || b.element_type() == ffi::DataType::BF16;
+}
+
+// Row r of an (R, C) f32/bf16 buffer as f32 (into scratch for bf16).
+const float* F32Row(const void* data, bool bf16, int64_t r, int64_t c, float* scratch) {
+  if (!bf16) return static_cast<const float*>(data) + r * c;
+  const uint16_t* src = static_cast<const uint16_t*>(data) + r * c;
+  for (int64_t i = 0; i < c; ++i) scratch[i] = Bf16ToF32(src[i]);
+  return scratch;
+}
+
+ffi::Future Quantize(ffi::ThreadPool pool, ffi::AnyBuffer wt, ffi::Result<ffi::AnyBuffer> qs,
+                     ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> mins, int32_t fmt,
+                     int64_t group) {
+  const auto wd = wt.dimensions();
+  if (wd.size() != 2 || !FloatInput(wt)) return ReadyFuture(InvalidArgument("quantize: w must be 2-D f32 or bf16"));
+  Layout l;
+  if (ffi::Error e = MakeLayout(fmt, group, wd[0], wd[1], &l); !e.success()) return ReadyFuture(e);
+  if (ffi::Error e = CheckWeights(l, *qs, *scales, *mins); !e.success()) return ReadyFuture(e);
+  const void* src = wt.untyped_data();
+  const bool bf16 = wt.element_type() == ffi::DataType::BF16;
+  uint8_t* q = static_cast<uint8_t*>(qs->untyped_data());
+  void* s = scales->untyped_data();
+  uint16_t* m = static_cast<uint16_t*>(mins->untyped_data());
+  const int64_t chunks = NumChunks(pool, l.n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(l.k, 1)));
+  return ParallelFor(pool, l.n, chunks, [=](int64_t, int64_t begin, int64_t end) {
+    std::vector<float> scratch(l.k);
+    for (int64_t r = begin; r < end; ++r)
+      QuantizeRow(l, F32Row(src, bf16, r, l.k, scratch.data()), q + r * l.row_bytes(), s, m, r);
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Future Dequantize(ffi::ThreadPool pool, ffi::AnyBuffer qs, ffi::AnyBuffer scales, ffi::AnyBuffer mins,
+                       ffi::Result<ffi::AnyBuffer> out, int32_t fmt, int64_t group) {
+  const auto od = out->dimensions();
+  if (od.size() != 2 || !FloatInput(*out)) return ReadyFuture(InvalidArgument("dequantize: output must be 2-D f32/bf16"));
+  Layout l;
+  if (ffi::Error e = MakeLayout(fmt, group, od[0], od[1], &l); !e.success()) return ReadyFuture(e);
+  if (ffi::Error e = CheckWeights(l, qs, scales, mins); !e.success()) return ReadyFuture(e);
+  const Weights w{l, static_cast<const uint8_t*>(qs.untyped_data()), scales.untyped_data(),
+                  static_cast<const uint16_t*>(mins.untyped_data())};
+  void* dst = out->untyped_data();
+  const bool bf16 = out->element_type() == ffi::DataType::BF16;
+  const int64_t chunks = NumChunks(pool, l.n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(l.k, 1)));
+  return ParallelFor(pool, l.n, chunks, [=](int64_t, int64_t begin, int64_t end) {
+    std::vector<float> row(l.k);
+    for (int64_t c = begin; c < end; ++c) {
+      float* target = bf16 ? row.data() : static_cast<float*>(dst) + c * l.k;
+      DequantizeRange(w, c, 0, l.k, target);
+      if (bf16) {
+        uint16_t* o = static_cast<uint16_t*>(dst) + c * l.k;
+        for (int64_t i = 0; i < l.k; ++i) o[i] = F32ToBf16(row[i]);
+      }
+    }
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Future QuantGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuffer& x, ffi::AnyBuffer y) {
+  const int64_t m = x.dimensions()[0], k = w.l.k, n = w.l.n;
+  // f32 views of x and y: the buffers themselves for f32, converted copies for bf16.
+  std::shared_ptr<std::vector<float>> x_copy, y_copy;
+  const float* xf = static_cast<const float*>(x.untyped_data());
+  if (x.element_type() == ffi::DataType::BF16) {
+    x_copy = std::make_shared<std::vector<float>>(m * k);
+    const uint16_t* src = static_cast<const uint16_t*>(x.untyped_data());
+    for (int64_t i = 0; i < m * k; ++i) (*x_copy)[i] = Bf16ToF32(src[i]);
+    xf = x_copy->data();
+  }
+  const bool out_bf16 = y.element_type() == ffi::DataType::BF16;
+  float* yf = static_cast<float*>(y.untyped_data());
+  if (out_bf16) {
+    y_copy = std::make_shared<std::vector<float>>(m * n);
+    yf = y_copy->data();
+  }
+  uint16_t* y_bf16 = out_bf16 ? static_cast<uint16_t*>(y.untyped_data()) : nullptr;
+  DequantFn deq;
+  MicroFn micro;
+  SelectGemm(static_cast<int32_t>(w.l.f - kFormats), &deq, &micro);
+  const int64_t col_tiles = (n + kNR - 1) / kNR;
+  const int64_t chunks = NumChunks(pool, col_tiles, std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, m * k * kNR)));
+  return ParallelFor(pool, col_tiles, chunks, [=](int64_t, int64_t begin, int64_t end) {
+    const int64_t c_begin = begin * kNR, c_end = std::min(n, end * kNR);
+    for (int64_t r = 0; r < m; ++r) std::fill(yf + r * n + c_begin, yf + r * n + c_end, 0.0f);
+    GemmColumns(w, deq, micro, xf, m, yf, c_begin, c_end);
+    if (y_bf16)
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = c_begin; c < c_end; ++c) y_bf16[r * n + c] = F32ToBf16(yf[r * n + c]);
+    (void)x_copy;  // keeps the bf16 conversions alive until every task is done
+    (void)y_copy;
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer qs, ffi::AnyBuffer scales,
+                        ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y, int32_t fmt, int64_t group) {
+  const auto xd = x.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || !FloatInput(x) || y->element_type() != x.element_type() ||
+      yd[0] != xd[0])
+    return ReadyFuture(InvalidArgument("quant_matmul: x must be (M, K) f32/bf16 and y (M, N) of x's dtype"));
+  Layout l;
+  if (ffi::Error e = MakeLayout(fmt, group, yd[1], xd[1], &l); !e.success()) return ReadyFuture(e);
+  if (ffi::Error e = CheckWeights(l, qs, scales, mins); !e.success()) return ReadyFuture(e);
+  const int64_t m = xd[0];
+  if (m == 0 || l.n == 0) return ReadyFuture(ffi::Error::Success());
+  const Weights w{l, static_cast<const uint8_t*>(qs.untyped_data()), scales.untyped_data(),
+                  static_cast<const uint16_t*>(mins.untyped_data())};
+  if (m > kGemvRows) return QuantGemm(pool, w, x, *y);
+
+  bool paired;
+  const TileFn tile_fn = SelectTile(fmt, &paired);
+  auto act = std::make_shared<QuantizedActivations>();
+  act->m = m;
+  act->k = l.k;
+  act->paired = paired;
+  act->q.resize(m * l.k);
+  act->d.resize(m * act->blocks());
+  act->s.resize(m * act->blocks());
+  act->e.resize(l.f->has_min ? m * act->blocks() : 0);
+  act->pd.resize(paired ? m * act->blocks() * 4 : 0);
+  {
+    const bool bf16 = x.element_type() == ffi::DataType::BF16;
+    std::vector<float> scratch(l.k);
+    for (int64_t r = 0; r < m; ++r)
+      QuantizeActivationRow(F32Row(x.untyped_data(), bf16, r, l.k, scratch.data()), l.k, paired, l.f->has_min,
+                            act->q.data() + r * l.k, act->d.data() + r * act->blocks(),
+                            act->s.data() + r * act->blocks(), l.f->has_min ? act->e.data() + r * act->blocks() : nullptr,
+                            paired ? act->pd.data() + r * act->blocks() * 4 : nullptr);
+  }
+  void* out = y->untyped_data();
+  const bool out_bf16 = y->element_type() == ffi::DataType::BF16;
+  const int64_t col_tiles = (l.n + kTileCols - 1) / kTileCols;
+  const int64_t work_per_tile = std::max<int64_t>(1, m * l.k * kTileCols);
+  const int64_t chunks = NumChunks(pool, col_tiles, std::max<int64_t>(1, (1 << 18) / work_per_tile));
+  return ParallelFor(pool, col_tiles, chunks, [=](int64_t, int64_t begin, int64_t end) {
+    float tile[kTileRows * kTileCols];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t c0 = t * kTileCols;
+      const int cols = static_cast<int>(std::min<int64_t>(kTileCols, l.n - c0));
+      for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
+        tile_fn(w, *act, c0, r0, rows, cols, tile);
+        for (int r = 0; r < rows; ++r) {
+          for (int c = 0; c < cols; ++c) {
+            const int64_t i = (r0 + r) * l.n + c0 + c;
+            if (out_bf16) {
+              static_cast<uint16_t*>(out)[i] = F32ToBf16(tile[r * cols + c]);
+            } else {
+              static_cast<float*>(out)[i] = tile[r * cols + c];
+            }
+          }
+        }
+      }
+    }
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeHandler, Quantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int64_t>("group"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeHandler, Dequantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int64_t>("group"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulHandler, QuantMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int64_t>("group"));
+
+}  // namespace tunix_rt

@@ -1,0 +1,52 @@
+"""Layers over quantized weights: drop-in replacements for nnx.Linear and nnx.Embed.
+
+The weight lives in a QuantWeight variable, not an nnx.Param, so optimizers and LoRA (which
+select Params) leave it frozen; gradients still flow to the activations through quant_matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tunix_rt.ops.quant import QuantizedTensor, dequantize_reference, quant_matmul
+
+
+class QuantWeight(nnx.Variable):
+    """A frozen quantized weight (its value is a QuantizedTensor pytree)."""
+
+
+class QuantLinear(nnx.Module):
+    """y = x @ W (+ b) with W a quantized (in, out) weight."""
+
+    def __init__(self, weight: QuantizedTensor, bias: jax.Array | None = None):
+        self.kernel = QuantWeight(weight)
+        self.bias = nnx.Param(bias) if bias is not None else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = quant_matmul(x, self.kernel.get_value())
+        return y if self.bias is None else y + self.bias[...].astype(y.dtype)
+
+
+class QuantEmbed(nnx.Module):
+    """An embedding table stored quantized as its transpose (hidden, vocab): GGUF's own layout.
+
+    Lookup dequantizes just the gathered columns; `attend` (tied output head) is a quant_matmul.
+    """
+
+    def __init__(self, table_t: QuantizedTensor, dtype):
+        self.table_t = QuantWeight(table_t)
+        self.dtype = jnp.dtype(dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        qt = self.table_t.get_value()
+        flat = tokens.reshape(-1)
+        rows = dataclasses.replace(qt, qs=qt.qs[flat], scales=qt.scales[flat], mins=qt.mins[flat],
+                                   shape=(qt.shape[0], flat.shape[0]))
+        return dequantize_reference(rows, self.dtype).T.reshape(*tokens.shape, qt.shape[0])
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        return quant_matmul(h, self.table_t.get_value())

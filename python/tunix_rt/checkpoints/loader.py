@@ -8,13 +8,17 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from tunix_rt.checkpoints import gguf_loader, hf_dir
+import numpy as np
+
+from tunix_rt.checkpoints import gguf_loader, hf_dir, quantized_dir
 from tunix_rt.checkpoints.default_model import default_model_path
 from tunix_rt.checkpoints.errors import CheckpointError
 from tunix_rt.checkpoints.tokenizer import Tokenizer
 from tunix_rt.checkpoints.weights import build_decoder
 from tunix_rt.models.config import ModelConfig
 from tunix_rt.models.decoder import Decoder
+from tunix_rt.ops.quant import QuantizedTensor
+from tunix_rt.ops.quant import dequantize as ops_dequantize
 
 DEFAULT = "default"
 
@@ -40,12 +44,19 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
 
 
 def load_model(model: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32, dequantize: bool = False) -> LoadedModel:
-    """Load a model; GGUF Q8_0/Q4_0/Q4_1 weights stay quantized unless `dequantize`."""
+    """Load a model; quantized weights (GGUF Q8_0/Q4_0/Q4_1, `tunix-rt quantize` output) stay
+    quantized unless `dequantize`."""
     path = resolve_model_path(model)
     if path.is_dir():
         config = hf_dir.read_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
-        decoder = build_decoder(config, hf_dir.iter_tensors(path), dtype=dtype)
+        tensors = hf_dir.iter_tensors(path)
+        qc = quantized_dir.quantization_config(path)
+        if qc is not None:
+            tensors = quantized_dir.group_quantized(tensors, qc["format"], qc["group_size"])
+            if dequantize:
+                tensors = ((n, np.asarray(ops_dequantize(v)).T if isinstance(v, QuantizedTensor) else v) for n, v in tensors)
+        decoder = build_decoder(config, tensors, dtype=dtype)
         return LoadedModel(decoder, tokenizer, hf_dir.read_generation_config(path), path)
     reader = gguf_loader.open_gguf(path)
     config_dict = gguf_loader.hf_config(reader)

@@ -74,7 +74,7 @@ def _swap_in_quantized(model: Decoder, path: tuple, qt: QuantizedTensor, dtype) 
         new = QuantEmbed(qt, dtype)
     else:
         bias = jnp.zeros(old.bias.shape, dtype) if getattr(old, "bias", None) is not None else None
-        new = QuantLinear(qt, bias)
+        new = QuantLinear(qt, bias, exact=path[0] == "lm_head")
     setattr(owner, attr, new)
 
 

@@ -22,19 +22,21 @@ class QuantWeight(nnx.Variable):
 class QuantLinear(nnx.Module):
     """y = x @ W (+ b) with W a quantized (in, out) weight."""
 
-    def __init__(self, weight: QuantizedTensor, bias: jax.Array | None = None):
+    def __init__(self, weight: QuantizedTensor, bias: jax.Array | None = None, *, exact: bool = False):
         self.kernel = QuantWeight(weight)
         self.bias = nnx.Param(bias) if bias is not None else None
+        self.exact = exact
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = quant_matmul(x, self.kernel.get_value())
+        y = quant_matmul(x, self.kernel.get_value(), exact=self.exact)
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 
 class QuantEmbed(nnx.Module):
     """An embedding table stored quantized as its transpose (hidden, vocab): GGUF's own layout.
 
-    Lookup dequantizes just the gathered columns; `attend` (tied output head) is a quant_matmul.
+    Lookup dequantizes just the gathered columns; `attend` (the tied output head) is an exact
+    quant_matmul: int8 activations flip greedy choices of a small model's logits.
     """
 
     def __init__(self, table_t: QuantizedTensor, dtype):
@@ -49,4 +51,4 @@ class QuantEmbed(nnx.Module):
         return dequantize_reference(rows, self.dtype).T.reshape(*tokens.shape, qt.shape[0])
 
     def attend(self, h: jax.Array) -> jax.Array:
-        return quant_matmul(h, self.table_t.get_value())
+        return quant_matmul(h, self.table_t.get_value(), exact=True)

@@ -32,6 +32,9 @@ def token_logprobs(model: Decoder, token_ids: list[int]) -> list[float | None]:
     n = len(token_ids)
     if n == 0:
         return []
+    vocab = model.config.vocab_size
+    if min(token_ids) < 0 or max(token_ids) >= vocab:
+        raise ValueError(f"token ids must lie in [0, {vocab}) for this model, got {min(token_ids)}..{max(token_ids)}")
     size = bucket(n)
     tokens = np.zeros((1, size), np.int32)
     tokens[0, :n] = token_ids

@@ -128,6 +128,29 @@ def _no_fma(x):
     return jax.lax.optimization_barrier(x)
 
 
+@functools.cache
+def _code_thresholds(c: float, top: int) -> tuple[float, ...]:
+    """For n = 1..top, the least f32 t with float32(t + c) >= n (one f32 rounding, as C adds)."""
+    c32, out = np.float32(c), []
+    for n in range(1, top + 1):
+        t = np.float32(n) - c32  # exact: small integers and halves
+        while np.float32(np.nextafter(t, np.float32(-np.inf)) + c32) >= n:
+            t = np.nextafter(t, np.float32(-np.inf))
+        out.append(float(t))
+    return tuple(out)
+
+
+def _trunc_add_codes(t, c: float):
+    """clip(trunc(float32(t + c)), 0, 15) for f32 t, ggml's 4-bit codes, without the add: XLA's
+    CPU backend contracts a multiply feeding an add into an FMA (optimization barriers are gone by
+    code generation), which skips the product's rounding and moves codes at .5 points. Comparisons
+    of t against precomputed thresholds are exact whatever t's producer fuses with."""
+    codes = jnp.zeros(t.shape, jnp.uint8)
+    for threshold in _code_thresholds(c, 15):
+        codes = codes + (t >= jnp.float32(threshold)).astype(jnp.uint8)
+    return codes
+
+
 def _div_const(a, c: float):
     """a / c rounded once, as C divides. XLA's simplifier rewrites division by a constant or a
     broadcast scalar into multiplication by its rounded reciprocal (an ulp off for 127 and 15);
@@ -149,7 +172,7 @@ def quantize_reference(w: jax.Array, fmt: str, group_size: int | None = None) ->
         imax = jnp.argmax(jnp.abs(blocks), axis=-1)[..., None]
         d = _div_const(jnp.take_along_axis(blocks, imax, axis=-1), -8)
         inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
-        codes = jnp.clip(jnp.trunc(_no_fma(blocks * inv) + jnp.float32(8.5)), 0, 15)
+        codes = _trunc_add_codes(blocks * inv, 8.5)
         qs = _pack_nibbles(codes.reshape(n, k))
         mins = jnp.zeros((n, 0), jnp.float16)
     else:
@@ -159,7 +182,7 @@ def quantize_reference(w: jax.Array, fmt: str, group_size: int | None = None) ->
         lo = jnp.take_along_axis(blocks, jnp.argmin(blocks, axis=-1)[..., None], axis=-1)
         d = _div_const(hi - lo, 15)
         inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
-        codes = jnp.clip(jnp.trunc(_no_fma((blocks - lo) * inv) + jnp.float32(0.5)), 0, 15)
+        codes = _trunc_add_codes((blocks - lo) * inv, 0.5)
         qs = _pack_nibbles(codes.reshape(n, k))
         mins = lo[..., 0].astype(jnp.float16)
     return QuantizedTensor(qs, d[..., 0].astype(f.scale_dtype), mins, f.name, (k, n), group)
@@ -187,7 +210,8 @@ def quantize(w: jax.Array, fmt: str, group_size: int | None = None) -> Quantized
 # --- dequantize ---------------------------------------------------------------------------------
 
 
-def _check_qt(qt) -> QuantFormat:
+def check_quantized(qt) -> QuantFormat:
+    """Validate a QuantizedTensor's arrays against its format and shape; returns the format."""
     if not isinstance(qt, QuantizedTensor):
         raise ValueError(f"qt must be a QuantizedTensor, got {type(qt).__name__}")
     f, group = resolve_format(qt.fmt, qt.group)
@@ -213,7 +237,7 @@ def _unpack_codes(qt: QuantizedTensor) -> jax.Array:
 
 
 def dequantize_reference(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
-    f = _check_qt(qt)
+    f = check_quantized(qt)
     k, n = qt.shape
     codes = _unpack_codes(qt).reshape(n, k // qt.group, qt.group)
     d = qt.scales.astype(jnp.float32)[..., None]
@@ -226,7 +250,7 @@ def dequantize_reference(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
 
 def dequantize(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
     """The (K, N) weight a QuantizedTensor stands for, in f32 (or bf16)."""
-    f = _check_qt(qt)
+    f = check_quantized(qt)
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"dequantize: dtype must be float32 or bfloat16, got {jnp.dtype(dtype)}")
     k, n = qt.shape
@@ -245,7 +269,7 @@ def dequantize(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
 
 
 def _check_matmul(x, qt) -> QuantFormat:
-    f = _check_qt(qt)
+    f = check_quantized(qt)
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"quant_matmul: x must be an array, got {type(x).__name__}")
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
@@ -255,26 +279,26 @@ def _check_matmul(x, qt) -> QuantFormat:
     return f
 
 
-def quant_matmul_reference(x: jax.Array, qt: QuantizedTensor) -> jax.Array:
-    """x @ dequantize(qt) in f32, cast to x's dtype."""
+def quant_matmul_reference(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False) -> jax.Array:
+    """x @ dequantize(qt) in f32, cast to x's dtype (`exact` is accepted for a matching signature)."""
     _check_matmul(x, qt)
     w = dequantize_reference(qt)
     return jnp.matmul(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
-def _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group):
+def _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group, exact):
     f = FORMATS[fmt]
     call = jax.ffi.ffi_call(_MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), x2.dtype), vmap_method="sequential")
-    return call(x2, qs, scales, mins, fmt=np.int32(f.id), group=np.int64(group))
+    return call(x2, qs, scales, mins, fmt=np.int32(f.id), group=np.int64(group), exact=exact)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _matmul(x2, qs, scales, mins, fmt, k, n, group):
-    return _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _matmul(x2, qs, scales, mins, fmt, k, n, group, exact):
+    return _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group, exact)
 
 
-def _matmul_fwd(x2, qs, scales, mins, fmt, k, n, group):
-    return _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group), (qs, scales, mins)
+def _matmul_fwd(x2, qs, scales, mins, fmt, k, n, group, exact):
+    return _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group, exact), (qs, scales, mins)
 
 
 def _frozen(a):
@@ -283,7 +307,7 @@ def _frozen(a):
     return jnp.zeros_like(a)
 
 
-def _matmul_bwd(fmt, k, n, group, residuals, dy):
+def _matmul_bwd(fmt, k, n, group, exact, residuals, dy):
     qs, scales, mins = residuals
     w = dequantize(QuantizedTensor(qs, scales, mins, fmt, (k, n), group))
     dx = jnp.matmul(dy.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST).astype(dy.dtype)
@@ -293,15 +317,20 @@ def _matmul_bwd(fmt, k, n, group, residuals, dy):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def quant_matmul(x: jax.Array, qt: QuantizedTensor) -> jax.Array:
-    """x (..., K) f32/bf16 times the quantized (K, N) weight -> (..., N) in x's dtype."""
+def quant_matmul(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False) -> jax.Array:
+    """x (..., K) f32/bf16 times the quantized (K, N) weight -> (..., N) in x's dtype.
+
+    Up to 4 rows the compiled op quantizes x to int8 per 32-block (memory-bound decode, llama.cpp's
+    scheme, ~0.5% relative error); more rows, or `exact=True`, compute x @ dequantize(qt) in f32
+    over dequantized panels. Output heads pass exact=True: their argmax is sensitive to it.
+    """
     _check_matmul(x, qt)
     k, n = qt.shape
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), k)
 
     def compiled(x2, qs, scales, mins):
-        return _matmul(x2, qs, scales, mins, qt.fmt, k, n, qt.group)
+        return _matmul(x2, qs, scales, mins, qt.fmt, k, n, qt.group, bool(exact))
 
     def reference(x2, qs, scales, mins):
         return quant_matmul_reference(x2, dataclasses.replace(qt, qs=qs, scales=scales, mins=mins))

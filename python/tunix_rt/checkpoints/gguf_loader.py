@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from tunix_rt.checkpoints.errors import CheckpointError
@@ -132,13 +133,12 @@ def _quantized(t) -> QuantizedTensor:
     block_bytes = header + 32 * f.bits // 8
     blocks = np.asarray(t.data, dtype=np.uint8).reshape(n, k // 32, block_bytes)
     scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
-    mins = (np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0] if f.has_min
-            else np.zeros((n, 0), np.float16))
+    mins = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0] if f.has_min else None
     qs = np.ascontiguousarray(blocks[..., header:]).reshape(n, -1)
     if f.bits == 8:
         qs = qs.view(np.int8)
     for what, arr in (("scales", scales), ("mins", mins)):
-        if not np.isfinite(arr).all():
+        if arr is not None and not np.isfinite(arr).all():
             raise CheckpointError(f"GGUF tensor {t.name} ({t.tensor_type.name}) has non-finite {what}: the file is corrupt")
     return QuantizedTensor(qs, scales, mins, f.name, (k, n), 32)
 
@@ -167,8 +167,7 @@ def iter_tensors(reader, config: dict, *, keep_quantized: bool = True) -> Iterat
         if keep_quantized and t.tensor_type.name in _KEPT and len(t.shape) == 2:
             qt = _quantized(t)
             if rope_heads:  # the permutation moves whole output rows: apply it to every array
-                qt = QuantizedTensor(*(_unpermute_rope(a, rope_heads) for a in (qt.qs, qt.scales, qt.mins)),
-                                     qt.fmt, qt.shape, qt.group)
+                qt = jax.tree.map(lambda a: _unpermute_rope(a, rope_heads), qt)
             yield name, qt
             continue
         try:

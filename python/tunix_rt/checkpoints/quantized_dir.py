@@ -2,8 +2,8 @@
 
 Layout: the source directory's files, with config.json gaining
     "quantization_config": {"quant_method": "tunix_rt", "format": F, "group_size": G}
-and every quantized weight X.weight (HF (out, in)) stored as X.weight.qs / .scales / .mins: the
-arrays of ops.quantize(W.T), whose (K, N) = (in, out) is the decoder's kernel orientation.
+and every quantized weight X.weight (HF (out, in)) stored as X.weight.qs / .scales (/ .mins for
+q4_1): the arrays of ops.quantize(W.T), whose (K, N) = (in, out) is the decoder's kernel orientation.
 Embeddings and norms stay as they were.
 """
 
@@ -67,7 +67,8 @@ def quantize_checkpoint(src: Path, out: Path, fmt: str, group_size: int | None =
         if linear and array.shape[1] % group == 0:
             qt = quantize(jnp.asarray(array, jnp.float32).T, fmt, group)
             for part in _PARTS:
-                tensors[f"{name}.{part}"] = np.asarray(getattr(qt, part))
+                if getattr(qt, part) is not None:
+                    tensors[f"{name}.{part}"] = np.asarray(getattr(qt, part))
             quantized += 1
         else:
             tensors[name] = np.asarray(array)
@@ -84,7 +85,9 @@ def quantize_checkpoint(src: Path, out: Path, fmt: str, group_size: int | None =
 
 
 def group_quantized(tensors: Iterable[tuple[str, np.ndarray]], fmt: str, group: int) -> Iterator[tuple[str, np.ndarray | QuantizedTensor]]:
-    """Reassemble X.weight.{qs,scales,mins} triples into QuantizedTensors named X.weight."""
+    """Reassemble X.weight.{qs,scales[,mins]} into QuantizedTensors named X.weight."""
+    f, group = resolve_format(fmt, group)
+    needed = len(_PARTS) if f.has_min else len(_PARTS) - 1
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, array in tensors:
         base, _, part = name.rpartition(".")
@@ -93,14 +96,14 @@ def group_quantized(tensors: Iterable[tuple[str, np.ndarray]], fmt: str, group: 
             continue
         parts = pending.setdefault(base, {})
         parts[part] = array
-        if len(parts) == len(_PARTS):
+        if len(parts) == needed:
             del pending[base]
             n = parts["qs"].shape[0]
             k = parts["scales"].shape[1] * group
             for what in ("scales", "mins"):
-                if not np.isfinite(np.asarray(parts[what], np.float32)).all():
+                if what in parts and not np.isfinite(np.asarray(parts[what], np.float32)).all():
                     raise CheckpointError(f"quantized tensor {base} has non-finite {what}: the file is corrupt")
-            qt = QuantizedTensor(parts["qs"], parts["scales"], parts["mins"], fmt, (k, n), group)
+            qt = QuantizedTensor(parts["qs"], parts["scales"], parts.get("mins"), fmt, (k, n), group)
             try:
                 check_quantized(qt)
             except ValueError as e:

@@ -46,8 +46,7 @@ class QuantEmbed(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         qt = self.table_t.get_value()
         flat = tokens.reshape(-1)
-        rows = dataclasses.replace(qt, qs=qt.qs[flat], scales=qt.scales[flat], mins=qt.mins[flat],
-                                   shape=(qt.shape[0], flat.shape[0]))
+        rows = dataclasses.replace(jax.tree.map(lambda a: a[flat], qt), shape=(qt.shape[0], flat.shape[0]))
         return dequantize_reference(rows, self.dtype).T.reshape(*tokens.shape, qt.shape[0])
 
     def attend(self, h: jax.Array) -> jax.Array:

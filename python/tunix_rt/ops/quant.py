@@ -56,13 +56,13 @@ class QuantizedTensor:
     """A quantized (K, N) weight: per output column n, K runs in blocks of `group`.
 
     qs: (N, K) int8 for 8-bit formats, (N, K/2) uint8 for 4-bit (byte j of each 32-block holds
-    element j low and j+16 high); scales: (N, K/group); mins: (N, K/group) for q4_1 else (N, 0).
+    element j low and j+16 high); scales: (N, K/group); mins: (N, K/group) for q4_1, else None.
     N leads every array, so sharding over output features splits all three alike.
     """
 
     qs: jax.Array
     scales: jax.Array
-    mins: jax.Array
+    mins: jax.Array | None
     fmt: str = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))  # logical (K, N)
     group: int = dataclasses.field(metadata=dict(static=True))
@@ -73,7 +73,7 @@ class QuantizedTensor:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in (self.qs, self.scales, self.mins))
+        return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(self))
 
 
 def resolve_format(fmt: str, group_size: int | None = None) -> tuple[QuantFormat, int]:
@@ -167,14 +167,14 @@ def quantize_reference(w: jax.Array, fmt: str, group_size: int | None = None) ->
         d = _div_const(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), 127)
         inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
         qs = _round_half_away(blocks * inv).astype(jnp.int8).reshape(n, k)
-        mins = jnp.zeros((n, 0), jnp.float16)
+        mins = None
     elif not f.has_min:
         imax = jnp.argmax(jnp.abs(blocks), axis=-1)[..., None]
         d = _div_const(jnp.take_along_axis(blocks, imax, axis=-1), -8)
         inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
         codes = _trunc_add_codes(blocks * inv, 8.5)
         qs = _pack_nibbles(codes.reshape(n, k))
-        mins = jnp.zeros((n, 0), jnp.float16)
+        mins = None
     else:
         # ggml keeps the first of equal extremes, which only shows for -0.0 vs 0.0; arg{max,min}
         # pick the first index, where XLA's max/min reductions pick either sign of zero.
@@ -197,7 +197,7 @@ def quantize(w: jax.Array, fmt: str, group_size: int | None = None) -> Quantized
     def compiled(w):
         call = jax.ffi.ffi_call(_QUANTIZE, _buffers(f, k, n, group))
         qs, scales, mins = call(w.T, fmt=np.int32(f.id), group=np.int64(group))
-        return qs, scales, mins
+        return qs, scales, mins if f.has_min else None
 
     def reference(w):
         qt = quantize_reference(w, fmt, group_size)
@@ -210,6 +210,11 @@ def quantize(w: jax.Array, fmt: str, group_size: int | None = None) -> Quantized
 # --- dequantize ---------------------------------------------------------------------------------
 
 
+def _mins_buffer(qs, mins):
+    """The FFI handlers take a mins buffer for every format: (N, 0) where there are none."""
+    return mins if mins is not None else jnp.zeros((qs.shape[0], 0), jnp.float16)
+
+
 def check_quantized(qt) -> QuantFormat:
     """Validate a QuantizedTensor's arrays against its format and shape; returns the format."""
     if not isinstance(qt, QuantizedTensor):
@@ -219,7 +224,11 @@ def check_quantized(qt) -> QuantFormat:
     if k % group:
         raise ValueError(f"qt.shape's K ({k}) must be a multiple of the {qt.fmt} block size {group}")
     want = _buffers(f, k, n, group)
+    if (qt.mins is not None) != f.has_min:
+        raise ValueError(f"qt.mins must be {'an array' if f.has_min else 'None'} for {qt.fmt}")
     for name, arr, spec in zip(("qs", "scales", "mins"), (qt.qs, qt.scales, qt.mins), want):
+        if arr is None:
+            continue
         if tuple(arr.shape) != spec.shape or jnp.dtype(arr.dtype) != jnp.dtype(spec.dtype):
             raise ValueError(f"qt.{name} must be {spec.dtype}{list(spec.shape)} for {qt.fmt} {qt.shape}, "
                              f"got {jnp.dtype(arr.dtype)}{list(arr.shape)}")
@@ -257,7 +266,7 @@ def dequantize(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
 
     def compiled(qs, scales, mins):
         call = jax.ffi.ffi_call(_DEQUANTIZE, jax.ShapeDtypeStruct((n, k), dtype))
-        return call(qs, scales, mins, fmt=np.int32(f.id), group=np.int64(qt.group)).T
+        return call(qs, scales, _mins_buffer(qs, mins), fmt=np.int32(f.id), group=np.int64(qt.group)).T
 
     def reference(qs, scales, mins):
         return dequantize_reference(dataclasses.replace(qt, qs=qs, scales=scales, mins=mins), dtype)
@@ -289,7 +298,7 @@ def quant_matmul_reference(x: jax.Array, qt: QuantizedTensor, *, exact: bool = F
 def _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group, exact):
     f = FORMATS[fmt]
     call = jax.ffi.ffi_call(_MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), x2.dtype), vmap_method="sequential")
-    return call(x2, qs, scales, mins, fmt=np.int32(f.id), group=np.int64(group), exact=exact)
+    return call(x2, qs, scales, _mins_buffer(qs, mins), fmt=np.int32(f.id), group=np.int64(group), exact=exact)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
@@ -302,6 +311,8 @@ def _matmul_fwd(x2, qs, scales, mins, fmt, k, n, group, exact):
 
 
 def _frozen(a):
+    if a is None:
+        return None
     if jnp.issubdtype(a.dtype, jnp.integer):
         return np.zeros(a.shape, jax.dtypes.float0)
     return jnp.zeros_like(a)

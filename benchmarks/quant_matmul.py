@@ -23,16 +23,23 @@ SMOLLM2 = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
 
 
 def median_time(fn, *args, repeats: int = 15, min_time: float = 0.2) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    start = time.perf_counter()
-    while len(times) < repeats or time.perf_counter() - start < min_time:
-        t = time.perf_counter()
+    return paired_medians([(fn, args)], repeats, min_time)[0]
+
+
+def paired_medians(calls, repeats: int = 21, min_time: float = 0.3) -> list[float]:
+    """Median time of each (fn, args), the calls alternating so machine drift hits all alike."""
+    for fn, args in calls:
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-        if len(times) >= 200:
+    times = [[] for _ in calls]
+    start = time.perf_counter()
+    while len(times[0]) < repeats or time.perf_counter() - start < min_time:
+        for slot, (fn, args) in zip(times, calls):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            slot.append(time.perf_counter() - t)
+        if len(times[0]) >= 200:
             break
-    return statistics.median(times)
+    return [statistics.median(t) for t in times]
 
 
 def measured_bandwidth() -> float:
@@ -62,9 +69,8 @@ def main() -> None:
         qts = {fmt: quantize(w, fmt) for fmt in formats}
         for m in ms:
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-            t_f32 = median_time(dot, x, w)
             for fmt in formats:
-                t_q = median_time(qmm, x, qts[fmt])
+                t_f32, t_q = paired_medians([(dot, (x, w)), (qmm, (x, qts[fmt]))])
                 print(f"{m:>5} {k:>6} {n:>6} {fmt:>5} {t_f32 * 1e3:>9.3f} {t_q * 1e3:>9.3f} {t_f32 / t_q:>7.2f}x "
                       f"{w.nbytes / t_f32 / 1e9:>9.1f} {qts[fmt].nbytes / t_q / 1e9:>10.1f}")
 

@@ -45,6 +45,9 @@ constexpr Format kFormats[] = {
 };
 constexpr int32_t kNumFormats = sizeof(kFormats) / sizeof(kFormats[0]);
 
+// log2(group / 32): groups are 32, 64 or 128 elements, so block b lies in group b >> shift.
+inline int GroupShift(int64_t group) { return group == 32 ? 0 : (group == 64 ? 1 : 2); }
+
 struct Layout {
   const Format* f;
   int64_t n, k, group;
@@ -54,7 +57,7 @@ struct Layout {
 
 ffi::Error MakeLayout(int32_t fmt, int64_t group, int64_t n, int64_t k, Layout* out) {
   if (fmt < 0 || fmt >= kNumFormats) return InvalidArgument("quant: unknown format id");
-  if (group <= 0 || group % kSub != 0) return InvalidArgument("quant: group must be a positive multiple of 32");
+  if (group != 32 && group != 64 && group != 128) return InvalidArgument("quant: group must be 32, 64 or 128");
   if (k % group != 0) return InvalidArgument("quant: K must be a multiple of the group size");
   *out = Layout{&kFormats[fmt], n, k, group};
   return ffi::Error::Success();
@@ -344,7 +347,7 @@ template <bool kOffset8, bool kHasMin, bool kF16, int R, int C>
 AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int,
                            float* y) {
   const int64_t nb = a.blocks(), groups = w.l.groups();
-  const int shift = w.l.group == 32 ? 0 : (w.l.group == 64 ? 1 : 2);  // block -> group: b >> shift
+  const int shift = GroupShift(w.l.group);  // block -> group: b >> shift
   const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0f);
   __m256 acc[R][C];
   float corr[R][C];
@@ -463,55 +466,98 @@ TileFn SelectTile(int32_t fmt, bool* paired) {
 // Past kGemvRows rows, dequantizing a panel of weights once and reusing it for every row costs as
 // much per multiply-add as the int8 path without VNNI, so large M takes the exact route: y equals
 // x @ dequantize(qt) up to f32 summation order. `exact` sends small M here too (output heads,
-// whose logits int8 activations would perturb). Panels are kPanelK deep (L1-resident with a
-// kMR x kPanelK slice of x); the micro-kernel keeps kMR x kNR accumulators along K.
+// whose logits int8 activations would perturb). A panel holds kNR columns x kPanelK rows of
+// dequantized weights, k-major (panel[k * kNR + j]); x is packed per k panel into kMR-row tiles,
+// k-major too (xp[k * kMR + r]: rows of x are K apart, and a power-of-two K would make them fight
+// over the same L1 sets). The micro-kernel broadcasts one x value per row into kNR columns at
+// once, keeping kMR x kNR outputs in registers.
 constexpr int64_t kGemvRows = 4;
-constexpr int64_t kPanelK = 512;  // a multiple of every group size
-constexpr int kMR = 4, kNR = 3;
+constexpr int64_t kPanelK = 256;  // a multiple of every group size
+constexpr int kMR = 6, kNR = 16;
 
 using DequantFn = void (*)(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out);
-// y[r * ldy + c] += sum_k x[r * ldx + k] * p[c * ldp + k], for r < rows, c < cols, k < kk.
-using MicroFn = void (*)(const float* x, int64_t ldx, const float* p, int64_t ldp, int64_t kk, float* y,
-                         int64_t ldy, int rows, int cols);
+using TransposeFn = void (*)(const float* colbuf, int64_t kk, float* panel);
 
-void MicroScalar(const float* x, int64_t ldx, const float* p, int64_t ldp, int64_t kk, float* y, int64_t ldy,
-                 int rows, int cols) {
+void TransposePanelScalar(const float* colbuf, int64_t kk, float* panel) {
+  for (int j = 0; j < kNR; ++j)
+    for (int64_t i = 0; i < kk; ++i) panel[i * kNR + j] = colbuf[j * kPanelK + i];
+}
+// y[r * ldy + j] += sum_k xp[k * kMR + r] * panel[k * kNR + j], r < rows, j < cols, k < kk.
+using MicroFn = void (*)(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int rows,
+                         int cols);
+
+void MicroScalar(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int rows, int cols) {
   for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < cols; ++c) {
+    for (int j = 0; j < cols; ++j) {
       float acc = 0.0f;
-      for (int64_t k = 0; k < kk; ++k) acc += x[r * ldx + k] * p[c * ldp + k];
-      y[r * ldy + c] += acc;
+      for (int64_t k = 0; k < kk; ++k) acc += xp[k * kMR + r] * panel[k * kNR + j];
+      y[r * ldy + j] += acc;
     }
 }
 
 #ifdef TUNIX_RT_X86
-template <int R, int C>
-AVX2_FN void MicroAvx2(const float* x, int64_t ldx, const float* p, int64_t ldp, int64_t kk, float* y, int64_t ldy) {
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kk; k += 8) {
-    __m256 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(p + c * ldp + k);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
-    }
+template <int R>
+AVX2_FN void MicroAvx2(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int cols) {
+  // Named accumulators: GCC keeps a 2-D array of them on the stack, storing 12 per step.
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t k = 0; k < kk; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(panel + k * kNR), b1 = _mm256_loadu_ps(panel + k * kNR + 8);
+    const float* a = xp + k * kMR;
+#define TUNIX_RT_ROW(r, lo, hi)                       \
+  if constexpr (R > r) {                              \
+    const __m256 ar = _mm256_broadcast_ss(a + r);     \
+    lo = _mm256_fmadd_ps(ar, b0, lo);                 \
+    hi = _mm256_fmadd_ps(ar, b1, hi);                 \
+  }
+    TUNIX_RT_ROW(0, c00, c01)
+    TUNIX_RT_ROW(1, c10, c11)
+    TUNIX_RT_ROW(2, c20, c21)
+    TUNIX_RT_ROW(3, c30, c31)
+    TUNIX_RT_ROW(4, c40, c41)
+    TUNIX_RT_ROW(5, c50, c51)
+#undef TUNIX_RT_ROW
+  }
+  alignas(32) float tile[kMR][kNR];
+  const __m256 acc[kMR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(tile[r], acc[r][0]);
+    _mm256_store_ps(tile[r] + 8, acc[r][1]);
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ldy + c] += HSum(acc[r][c]);
+    for (int j = 0; j < cols; ++j) y[r * ldy + j] += tile[r][j];
 }
 
-void MicroAvx2Any(const float* x, int64_t ldx, const float* p, int64_t ldp, int64_t kk, float* y, int64_t ldy,
-                  int rows, int cols) {
-  using F = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-  static constexpr F kTable[kMR][kNR] = {
-      {MicroAvx2<1, 1>, MicroAvx2<1, 2>, MicroAvx2<1, 3>},
-      {MicroAvx2<2, 1>, MicroAvx2<2, 2>, MicroAvx2<2, 3>},
-      {MicroAvx2<3, 1>, MicroAvx2<3, 2>, MicroAvx2<3, 3>},
-      {MicroAvx2<4, 1>, MicroAvx2<4, 2>, MicroAvx2<4, 3>},
-  };
-  kTable[rows - 1][cols - 1](x, ldx, p, ldp, kk, y, ldy);
+// The panel (k-major, kNR wide) from kNR dequantized columns (colbuf[j * kPanelK + i]), by 8 x 8
+// register transposes: strided scalar stores cost more than the multiply-adds they feed.
+AVX2_FN void TransposePanelAvx2(const float* colbuf, int64_t kk, float* panel) {
+  for (int jb = 0; jb < kNR; jb += 8) {
+    for (int64_t i0 = 0; i0 < kk; i0 += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(colbuf + (jb + j) * kPanelK + i0);
+      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+      const __m256 out[8] = {
+          _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+          _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+          _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+          _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+      for (int k = 0; k < 8; ++k) _mm256_storeu_ps(panel + (i0 + k) * kNR + jb, out[k]);
+    }
+  }
+}
+
+void MicroAvx2Any(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int rows, int cols) {
+  using F = void (*)(const float*, const float*, int64_t, float*, int64_t, int);
+  static constexpr F kTable[kMR] = {MicroAvx2<1>, MicroAvx2<2>, MicroAvx2<3>,
+                                    MicroAvx2<4>, MicroAvx2<5>, MicroAvx2<6>};
+  kTable[rows - 1](xp, panel, kk, y, ldy, cols);
 }
 
 // Codes of 8 elements as f32: 4-bit codes come as bytes already unpacked.
@@ -524,8 +570,9 @@ template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
 AVX2_FN void DequantizeRangeAvx2(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out) {
   const uint8_t* row = w.row(col);
   const int64_t groups = w.l.groups();
+  const int shift = GroupShift(w.l.group);  // block -> group without a division per block
   for (int64_t b = k0 / kSub; b < (k0 + kk) / kSub; ++b) {
-    const int64_t si = col * groups + b * kSub / w.l.group;
+    const int64_t si = col * groups + (b >> shift);
     const __m256 d = _mm256_set1_ps(ScaleAt<kF16>(w.scales, si));
     const __m256 m = _mm256_set1_ps(kHasMin ? _cvtsh_ss(w.mins[si]) : 0.0f);
     __m128i part[4];  // 4 x 8 codes, in element order
@@ -557,8 +604,9 @@ AVX2_FN void DequantizeRangeAvx2(const Weights& w, int64_t col, int64_t k0, int6
 }
 #endif
 
-void SelectGemm(int32_t fmt, DequantFn* deq, MicroFn* micro) {
+void SelectGemm(int32_t fmt, DequantFn* deq, TransposeFn* transpose, MicroFn* micro) {
   *deq = DequantizeRange;
+  *transpose = TransposePanelScalar;
   *micro = MicroScalar;
 #ifdef TUNIX_RT_X86
   if (isa_level() >= IsaLevel::kAvx2 && cpu_features().f16c) {
@@ -568,24 +616,40 @@ void SelectGemm(int32_t fmt, DequantFn* deq, MicroFn* micro) {
         DequantizeRangeAvx2<4, true, false, false>,
     };
     *deq = kDeq[fmt];
+    *transpose = TransposePanelAvx2;
     *micro = MicroAvx2Any;
   }
 #endif
 }
 
 // Columns [c_begin, c_end) of y (f32, row stride n, zeroed) from f32 x (M, K).
-void GemmColumns(const Weights& w, DequantFn deq, MicroFn micro, const float* x, int64_t m, float* y,
-                 int64_t c_begin, int64_t c_end) {
+void GemmColumns(const Weights& w, DequantFn deq, TransposeFn transpose, MicroFn micro, const float* x, int64_t m,
+                 float* y, int64_t c_begin, int64_t c_end) {
   const int64_t k = w.l.k, n = w.l.n;
-  std::vector<float> panel(kNR * kPanelK);
+  const int64_t row_tiles = (m + kMR - 1) / kMR;
+  std::vector<float> panel(kPanelK * kNR), columns(kNR * kPanelK), xp(row_tiles * kPanelK * kMR);
   for (int64_t k0 = 0; k0 < k; k0 += kPanelK) {
     const int64_t kk = std::min(kPanelK, k - k0);
+    for (int64_t t = 0; t < row_tiles; ++t)  // pack x[:, k0:k0+kk]; rows past M are zero
+      for (int64_t i = 0; i < kk; ++i)
+        for (int r = 0; r < kMR; ++r) {
+          const int64_t row = t * kMR + r;
+          xp[(t * kPanelK + i) * kMR + r] = row < m ? x[row * k + k0 + i] : 0.0f;
+        }
     for (int64_t c0 = c_begin; c0 < c_end; c0 += kNR) {
       const int cols = static_cast<int>(std::min<int64_t>(kNR, c_end - c0));
-      for (int c = 0; c < cols; ++c) deq(w, c0 + c, k0, kk, panel.data() + c * kPanelK);
+      for (int j = 0; j < kNR; ++j) {  // columns past the end stay zero
+        float* col = columns.data() + j * kPanelK;
+        if (j < cols) {
+          deq(w, c0 + j, k0, kk, col);
+        } else {
+          std::fill(col, col + kk, 0.0f);
+        }
+      }
+      transpose(columns.data(), kk, panel.data());
       for (int64_t r0 = 0; r0 < m; r0 += kMR) {
         const int rows = static_cast<int>(std::min<int64_t>(kMR, m - r0));
-        micro(x + r0 * k + k0, k, panel.data(), kPanelK, kk, y + r0 * n + c0, n, rows, cols);
+        micro(xp.data() + (r0 / kMR) * kPanelK * kMR, panel.data(), kk, y + r0 * n + c0, n, rows, cols);
       }
     }
   }
@@ -672,14 +736,15 @@ ffi::Future QuantGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuf
   }
   uint16_t* y_bf16 = out_bf16 ? static_cast<uint16_t*>(y.untyped_data()) : nullptr;
   DequantFn deq;
+  TransposeFn transpose;
   MicroFn micro;
-  SelectGemm(static_cast<int32_t>(w.l.f - kFormats), &deq, &micro);
+  SelectGemm(static_cast<int32_t>(w.l.f - kFormats), &deq, &transpose, &micro);
   const int64_t col_tiles = (n + kNR - 1) / kNR;
   const int64_t chunks = NumChunks(pool, col_tiles, std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, m * k * kNR)));
   return ParallelFor(pool, col_tiles, chunks, [=](int64_t, int64_t begin, int64_t end) {
     const int64_t c_begin = begin * kNR, c_end = std::min(n, end * kNR);
     for (int64_t r = 0; r < m; ++r) std::fill(yf + r * n + c_begin, yf + r * n + c_end, 0.0f);
-    GemmColumns(w, deq, micro, xf, m, yf, c_begin, c_end);
+    GemmColumns(w, deq, transpose, micro, xf, m, yf, c_begin, c_end);
     if (y_bf16)
       for (int64_t r = 0; r < m; ++r)
         for (int64_t c = c_begin; c < c_end; ++c) y_bf16[r * n + c] = F32ToBf16(yf[r * n + c]);

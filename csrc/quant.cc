@@ -477,6 +477,15 @@ constexpr int kMR = 6, kNR = 16;
 
 using DequantFn = void (*)(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out);
 using TransposeFn = void (*)(const float* colbuf, int64_t kk, float* panel);
+// sum_k a[k] * b[k] for k < kk (kk a multiple of 32): the exact path's small-M kernel, which dots
+// each dequantized column with each row instead of building panels.
+using DotF32Fn = float (*)(const float* a, const float* b, int64_t kk);
+
+float DotF32Scalar(const float* a, const float* b, int64_t kk) {
+  float acc = 0.0f;
+  for (int64_t k = 0; k < kk; ++k) acc += a[k] * b[k];
+  return acc;
+}
 
 void TransposePanelScalar(const float* colbuf, int64_t kk, float* panel) {
   for (int j = 0; j < kNR; ++j)
@@ -560,6 +569,17 @@ void MicroAvx2Any(const float* xp, const float* panel, int64_t kk, float* y, int
   kTable[rows - 1](xp, panel, kk, y, ldy, cols);
 }
 
+AVX2_FN float DotF32Avx2(const float* a, const float* b, int64_t kk) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  for (int64_t k = 0; k < kk; k += 32) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), s1);
+    s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16), _mm256_loadu_ps(b + k + 16), s2);
+    s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 24), _mm256_loadu_ps(b + k + 24), s3);
+  }
+  return HSum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+}
+
 // Codes of 8 elements as f32: 4-bit codes come as bytes already unpacked.
 AVX2_FN inline __m256 BytesToF32(__m128i bytes8, bool is_signed) {
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
@@ -604,10 +624,15 @@ AVX2_FN void DequantizeRangeAvx2(const Weights& w, int64_t col, int64_t k0, int6
 }
 #endif
 
-void SelectGemm(int32_t fmt, DequantFn* deq, TransposeFn* transpose, MicroFn* micro) {
-  *deq = DequantizeRange;
-  *transpose = TransposePanelScalar;
-  *micro = MicroScalar;
+struct GemmKernels {
+  DequantFn deq;
+  TransposeFn transpose;
+  MicroFn micro;
+  DotF32Fn dot;
+};
+
+GemmKernels SelectGemm(int32_t fmt) {
+  GemmKernels g{DequantizeRange, TransposePanelScalar, MicroScalar, DotF32Scalar};
 #ifdef TUNIX_RT_X86
   if (isa_level() >= IsaLevel::kAvx2 && cpu_features().f16c) {
     static constexpr DequantFn kDeq[kNumFormats] = {
@@ -615,17 +640,24 @@ void SelectGemm(int32_t fmt, DequantFn* deq, TransposeFn* transpose, MicroFn* mi
         DequantizeRangeAvx2<4, false, true, true>,  DequantizeRangeAvx2<8, false, false, false>,
         DequantizeRangeAvx2<4, true, false, false>,
     };
-    *deq = kDeq[fmt];
-    *transpose = TransposePanelAvx2;
-    *micro = MicroAvx2Any;
+    g = GemmKernels{kDeq[fmt], TransposePanelAvx2, MicroAvx2Any, DotF32Avx2};
   }
 #endif
+  return g;
 }
 
 // Columns [c_begin, c_end) of y (f32, row stride n, zeroed) from f32 x (M, K).
-void GemmColumns(const Weights& w, DequantFn deq, TransposeFn transpose, MicroFn micro, const float* x, int64_t m,
-                 float* y, int64_t c_begin, int64_t c_end) {
+void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, int64_t m, float* y, int64_t c_begin,
+                 int64_t c_end) {
   const int64_t k = w.l.k, n = w.l.n;
+  if (m <= kGemvRows) {  // too few rows to pay for panels: dequantize a column, dot it with each row
+    std::vector<float> column(k);
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      g.deq(w, c, 0, k, column.data());
+      for (int64_t r = 0; r < m; ++r) y[r * n + c] = g.dot(x + r * k, column.data(), k);
+    }
+    return;
+  }
   const int64_t row_tiles = (m + kMR - 1) / kMR;
   std::vector<float> panel(kPanelK * kNR), columns(kNR * kPanelK), xp(row_tiles * kPanelK * kMR);
   for (int64_t k0 = 0; k0 < k; k0 += kPanelK) {
@@ -641,15 +673,15 @@ void GemmColumns(const Weights& w, DequantFn deq, TransposeFn transpose, MicroFn
       for (int j = 0; j < kNR; ++j) {  // columns past the end stay zero
         float* col = columns.data() + j * kPanelK;
         if (j < cols) {
-          deq(w, c0 + j, k0, kk, col);
+          g.deq(w, c0 + j, k0, kk, col);
         } else {
           std::fill(col, col + kk, 0.0f);
         }
       }
-      transpose(columns.data(), kk, panel.data());
+      g.transpose(columns.data(), kk, panel.data());
       for (int64_t r0 = 0; r0 < m; r0 += kMR) {
         const int rows = static_cast<int>(std::min<int64_t>(kMR, m - r0));
-        micro(xp.data() + (r0 / kMR) * kPanelK * kMR, panel.data(), kk, y + r0 * n + c0, n, rows, cols);
+        g.micro(xp.data() + (r0 / kMR) * kPanelK * kMR, panel.data(), kk, y + r0 * n + c0, n, rows, cols);
       }
     }
   }
@@ -735,16 +767,13 @@ ffi::Future QuantGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuf
     yf = y_copy->data();
   }
   uint16_t* y_bf16 = out_bf16 ? static_cast<uint16_t*>(y.untyped_data()) : nullptr;
-  DequantFn deq;
-  TransposeFn transpose;
-  MicroFn micro;
-  SelectGemm(static_cast<int32_t>(w.l.f - kFormats), &deq, &transpose, &micro);
+  const GemmKernels kernels = SelectGemm(static_cast<int32_t>(w.l.f - kFormats));
   const int64_t col_tiles = (n + kNR - 1) / kNR;
   const int64_t chunks = NumChunks(pool, col_tiles, std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, m * k * kNR)));
   return ParallelFor(pool, col_tiles, chunks, [=](int64_t, int64_t begin, int64_t end) {
     const int64_t c_begin = begin * kNR, c_end = std::min(n, end * kNR);
     for (int64_t r = 0; r < m; ++r) std::fill(yf + r * n + c_begin, yf + r * n + c_end, 0.0f);
-    GemmColumns(w, deq, transpose, micro, xf, m, yf, c_begin, c_end);
+    GemmColumns(w, kernels, xf, m, yf, c_begin, c_end);
     if (y_bf16)
       for (int64_t r = 0; r < m; ++r)
         for (int64_t c = c_begin; c < c_end; ++c) y_bf16[r * n + c] = F32ToBf16(yf[r * n + c]);

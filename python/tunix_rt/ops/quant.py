@@ -2,9 +2,10 @@
 
 `quantize(w, fmt)` takes w of shape (K, N) and quantizes along K in blocks (ggml's row blocks: one
 GGUF weight row is one column here). `quant_matmul(x, qt)` ~= x @ dequantize(qt) for x (..., K):
-the compiled op quantizes x to int8 per 32-block and uses integer dot products, as llama.cpp does;
-its gradient with respect to x is exact (dy @ dequantize(qt).T) and the weights stay frozen, which
-is what QLoRA needs. Each FFI op has a pure-JAX reference with the same signature; quantize and
+up to 4 rows the compiled op quantizes x to int8 per 32-block and uses integer dot products, as
+llama.cpp does; more rows (or exact=True) run exact f32 products over dequantized weights. Its
+gradient with respect to x is exact (dy @ dequantize(qt).T) and the weights stay frozen, which is
+what QLoRA needs. Each FFI op has a pure-JAX reference with the same signature; quantize and
 dequantize references reproduce gguf.quants bit for bit.
 """
 
@@ -124,7 +125,8 @@ def _pack_nibbles(q):
 
 
 def _no_fma(x):
-    """Keep XLA from contracting the next add into an FMA: ggml rounds after every operation."""
+    """Keep XLA's simplifier from fusing x into the next add (ggml rounds after every operation);
+    codegen may still contract, which is why quantize_reference avoids adds after products."""
     return jax.lax.optimization_barrier(x)
 
 

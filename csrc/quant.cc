@@ -734,12 +734,13 @@ ffi::Future Dequantize(ffi::ThreadPool pool, ffi::AnyBuffer qs, ffi::AnyBuffer s
                   static_cast<const uint16_t*>(mins.untyped_data())};
   void* dst = out->untyped_data();
   const bool bf16 = out->element_type() == ffi::DataType::BF16;
+  const DequantFn deq = SelectGemm(fmt).deq;
   const int64_t chunks = NumChunks(pool, l.n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(l.k, 1)));
   return ParallelFor(pool, l.n, chunks, [=](int64_t, int64_t begin, int64_t end) {
     std::vector<float> row(l.k);
     for (int64_t c = begin; c < end; ++c) {
       float* target = bf16 ? row.data() : static_cast<float*>(dst) + c * l.k;
-      DequantizeRange(w, c, 0, l.k, target);
+      deq(w, c, 0, l.k, target);
       if (bf16) {
         uint16_t* o = static_cast<uint16_t*>(dst) + c * l.k;
         for (int64_t i = 0; i < l.k; ++i) o[i] = F32ToBf16(row[i]);

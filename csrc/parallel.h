@@ -1,9 +1,11 @@
 // Splitting a handler's work over the XLA FFI thread pool.
 //
-// ParallelFor returns an ffi::Future completed by a countdown: the last chunk to finish runs the
-// optional `finish` step (e.g. a deterministic cross-chunk reduction) and then resolves the
-// future. Chunk 0 always runs on the calling thread, and the pool itself may run tasks inline, so
-// nothing here assumes a task runs elsewhere.
+// ParallelFor cuts [0, n) into chunks that the calling thread and up to (pool threads - 1) pool
+// tasks claim from a shared counter, so a participant the OS delays leaves its share to the
+// others. An ffi::Future is completed by a countdown over participants: the last one to finish
+// runs the optional `finish` step (e.g. a deterministic cross-chunk reduction: chunk c always
+// covers the same range, whoever ran it) and then resolves the future. The pool may also run
+// tasks inline, so nothing here assumes a task runs elsewhere.
 #pragma once
 
 #include <algorithm>
@@ -30,11 +32,14 @@ inline ffi::Future ReadyFuture(ffi::Error error) {
   return future;
 }
 
-// Number of chunks for n items of which each chunk should hold at least `grain`.
+inline int64_t Workers(const ffi::ThreadPool& pool) { return std::max<int64_t>(1, pool.num_threads()); }
+
+// Number of chunks for n items of which each chunk should hold at least `grain`: up to
+// kOversplit per worker, for balance.
+constexpr int64_t kOversplit = 4;
 inline int64_t NumChunks(const ffi::ThreadPool& pool, int64_t n, int64_t grain) {
   if (n <= 0) return 0;
-  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  return std::clamp<int64_t>(n / std::max<int64_t>(grain, 1), 1, workers);
+  return std::clamp<int64_t>(n / std::max<int64_t>(grain, 1), 1, kOversplit * Workers(pool));
 }
 
 // body(chunk, begin, end) -> ffi::Error over [begin, end) slices of [0, n); finish() -> ffi::Error
@@ -51,20 +56,21 @@ ffi::Future ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t num_chunks, Bo
     Body body;
     Finish finish;
     int64_t n, chunks;
-    std::atomic<int64_t> remaining;
+    std::atomic<int64_t> next{0}, participants;
     std::mutex mu;
     ffi::Error error = ffi::Error::Success();
     ffi::Promise promise;
-    State(Body b, Finish f, int64_t n_, int64_t c)
-        : body(std::move(b)), finish(std::move(f)), n(n_), chunks(c), remaining(c) {}
-    void Run(int64_t chunk) {
-      const int64_t begin = n * chunk / chunks, end = n * (chunk + 1) / chunks;
-      ffi::Error err = body(chunk, begin, end);
-      if (!err.success()) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (error.success()) error = std::move(err);
+    State(Body b, Finish f, int64_t n_, int64_t c, int64_t p)
+        : body(std::move(b)), finish(std::move(f)), n(n_), chunks(c), participants(p) {}
+    void Run() {
+      for (int64_t chunk = next.fetch_add(1); chunk < chunks; chunk = next.fetch_add(1)) {
+        ffi::Error err = body(chunk, n * chunk / chunks, n * (chunk + 1) / chunks);
+        if (!err.success()) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (error.success()) error = std::move(err);
+        }
       }
-      if (remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+      if (participants.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
       ffi::Error final_error = ffi::Error::Success();
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -78,12 +84,11 @@ ffi::Future ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t num_chunks, Bo
       }
     }
   };
-  auto state = std::make_shared<State>(std::move(body), std::move(finish), n, num_chunks);
+  const int64_t participants = std::min(num_chunks, Workers(pool));
+  auto state = std::make_shared<State>(std::move(body), std::move(finish), n, num_chunks, participants);
   ffi::Future future(state->promise);
-  for (int64_t c = 1; c < num_chunks; ++c) {
-    pool.Schedule([state, c] { state->Run(c); });
-  }
-  state->Run(0);
+  for (int64_t p = 1; p < participants; ++p) pool.Schedule([state] { state->Run(); });
+  state->Run();
   return future;
 }
 

@@ -416,3 +416,29 @@ def test_llama3_rope_freqs_file_is_rejected(tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match="rope_freqs"):
         gguf_loader.hf_config(gguf_loader.open_gguf(path))
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K])
+def test_k_quant_tensors_dequantize_like_gguf(tmp_path, qtype):
+    """K-quants are not kept packed: they load as gguf.quants' own dequantization, bit for bit."""
+    rows, cols = 8, 512  # two 256-element super-blocks per row
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = np.random.default_rng(0).integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
+    half = np.array([0.01], np.float16).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q4_K:  # d, dmin lead the block
+        raw[..., 0:2], raw[..., 2:4] = half, half
+    else:  # Q6_K: d closes the block
+        raw[..., -2:] = half
+    raw = raw.reshape(rows, -1)
+    path = tmp_path / "k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=qtype)  # shape in bytes, as gguf wants
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf_loader.open_gguf(path)
+    (name, got), = gguf_loader.iter_tensors(reader, {"model_type": "llama"})
+    assert name == "model.layers.0.mlp.down_proj.weight" and got.shape == (rows, cols)
+    want = gguf.quants.dequantize(reader.tensors[0].data, qtype)
+    np.testing.assert_array_equal(got, want)

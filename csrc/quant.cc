@@ -185,18 +185,21 @@ void DequantizeRange(const Weights& w, int64_t col, int64_t k0, int64_t kk, floa
 // kernels take the dot on q - 8 (centred, as accurate as q4_0) by adding 8 * d_w * e.
 // With `paired`, each pair of blocks (2p, 2p+1) is stored as [x0[0:16] x1[0:16] x0[16:32] x1[16:32]]:
 // the order in which one 32-byte load of two 4-bit weight blocks unpacks (low nibbles, then high
-// ones), so two blocks take one unpack; pd holds the pair's scales as [d0 x4, d1 x4]. A last odd
-// block stays in natural order.
+// ones), so two blocks take one unpack; pd holds the pair's scales as [d0 x4, d1 x4], and pc (for
+// offset formats) the pair's 8 * sum(q) as int32 lanes [8 s0, 0, 0, 0, 8 s1, 0, 0, 0], which the
+// kernels subtract from the integer dot: sum((code - 8) * q) exactly, with no scalar correction.
+// A last odd block stays in natural order.
 struct QuantizedActivations {
   int64_t m, k;
   bool paired;
   std::vector<int8_t> q;
   std::vector<float> d, s, e, pd;
+  std::vector<int32_t> pc;
   int64_t blocks() const { return k / kSub; }
 };
 
 void QuantizeActivationRow(const float* x, int64_t k, bool paired, bool exact_sums, int8_t* q, float* d, float* s,
-                           float* e, float* pd) {
+                           float* e, float* pd, int32_t* pc) {
   const int64_t nb = k / kSub;
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * kSub;
@@ -221,6 +224,8 @@ void QuantizeActivationRow(const float* x, int64_t k, bool paired, bool exact_su
     if (exact_sums) e[b] = exact - db * static_cast<float>(sum);
     if (in_pair)
       for (int j = 0; j < 4; ++j) pd[(b & ~int64_t{1}) * 4 + (b & 1) * 4 + j] = db;
+    if (in_pair && pc != nullptr)
+      for (int j = 0; j < 4; ++j) pc[(b & ~int64_t{1}) * 4 + (b & 1) * 4 + j] = j == 0 ? 8 * sum : 0;
   }
 }
 
@@ -354,12 +359,14 @@ AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int6
   const uint8_t* wrow[C];
   const int8_t* xq[R];
   const float *xs[R], *xd[R], *pd[R], *xe[R];
+  const int32_t* pc[R];
   for (int c = 0; c < C; ++c) wrow[c] = w.row(col + c);
   for (int r = 0; r < R; ++r) {
     xq[r] = a.q.data() + (r0 + r) * a.k;
     xd[r] = a.d.data() + (r0 + r) * nb;
     xs[r] = a.s.data() + (r0 + r) * nb;
     pd[r] = a.pd.data() + (r0 + r) * nb * 4;
+    pc[r] = kOffset8 ? a.pc.data() + (r0 + r) * nb * 4 : nullptr;
     xe[r] = kHasMin ? a.e.data() + (r0 + r) * nb : nullptr;
     for (int c = 0; c < C; ++c) {
       acc[r][c] = _mm256_setzero_ps();
@@ -381,9 +388,9 @@ AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int6
       dw[c] = _mm256_set_m128(_mm_set1_ps(d1), _mm_set1_ps(d0));
       d0v[c] = d0;
       d1v[c] = d1;
-      if constexpr (kOffset8 || kHasMin) {
-        cw0[c] = kHasMin ? _cvtsh_ss(w.mins[(col + c) * groups + (b0 >> shift)]) : d0;
-        cw1[c] = kHasMin ? _cvtsh_ss(w.mins[(col + c) * groups + (b1 >> shift)]) : d1;
+      if constexpr (kHasMin) {
+        cw0[c] = _cvtsh_ss(w.mins[(col + c) * groups + (b0 >> shift)]);
+        cw1[c] = _cvtsh_ss(w.mins[(col + c) * groups + (b1 >> shift)]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -391,12 +398,15 @@ AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int6
       const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 2 * kSub + kSub));
       const __m256 xdv = _mm256_loadu_ps(pd[r] + p * 8);
       const float xs0 = xs[r][b0], xs1 = xs[r][b1];
+      __m256i pcv = _mm256_setzero_si256();
+      if constexpr (kOffset8) pcv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc[r] + p * 8));
       for (int c = 0; c < C; ++c) {
         const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], xlo), _mm256_maddubs_epi16(hi[c], xhi));
-        const __m256i dot = _mm256_madd_epi16(s16, ones);
+        __m256i dot = _mm256_madd_epi16(s16, ones);
+        if constexpr (kOffset8) dot = _mm256_sub_epi32(dot, pcv);
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw[c], xdv), acc[r][c]);
-        if constexpr (kOffset8 || kHasMin) corr[r][c] += cw0[c] * xs0 + cw1[c] * xs1;
-        if constexpr (kHasMin) corr[r][c] += 8.0f * (d0v[c] * xe[r][b0] + d1v[c] * xe[r][b1]);
+        if constexpr (kHasMin)
+          corr[r][c] += cw0[c] * xs0 + cw1[c] * xs1 + 8.0f * (d0v[c] * xe[r][b0] + d1v[c] * xe[r][b1]);
       }
     }
   }
@@ -810,6 +820,7 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
   act->s.resize(m * act->blocks());
   act->e.resize(l.f->has_min ? m * act->blocks() : 0);
   act->pd.resize(paired ? m * act->blocks() * 4 : 0);
+  act->pc.resize(paired && l.f->offset8 ? m * act->blocks() * 4 : 0);
   {
     const bool bf16 = x.element_type() == ffi::DataType::BF16;
     std::vector<float> scratch(l.k);
@@ -817,7 +828,8 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
       QuantizeActivationRow(F32Row(x.untyped_data(), bf16, r, l.k, scratch.data()), l.k, paired, l.f->has_min,
                             act->q.data() + r * l.k, act->d.data() + r * act->blocks(),
                             act->s.data() + r * act->blocks(), l.f->has_min ? act->e.data() + r * act->blocks() : nullptr,
-                            paired ? act->pd.data() + r * act->blocks() * 4 : nullptr);
+                            paired ? act->pd.data() + r * act->blocks() * 4 : nullptr,
+                            act->pc.empty() ? nullptr : act->pc.data() + r * act->blocks() * 4);
   }
   void* out = y->untyped_data();
   const bool out_bf16 = y->element_type() == ffi::DataType::BF16;

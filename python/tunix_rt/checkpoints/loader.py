@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import jax.numpy as jnp
-
 import numpy as np
 
 from tunix_rt.checkpoints import gguf_loader, hf_dir, quantized_dir

@@ -483,6 +483,9 @@ TileFn SelectTile(int32_t fmt, bool* paired) {
 // once, keeping kMR x kNR outputs in registers.
 constexpr int64_t kGemvRows = 4;
 constexpr int64_t kPanelK = 256;  // a multiple of every group size
+// Stride of the dequantized-column scratch: not a multiple of 1 KiB, so columns 4 apart do not
+// alias in the low 12 address bits (false store-to-load dependencies).
+constexpr int64_t kColStride = kPanelK + 16;
 constexpr int kMR = 6, kNR = 16;
 
 using DequantFn = void (*)(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out);
@@ -499,7 +502,7 @@ float DotF32Scalar(const float* a, const float* b, int64_t kk) {
 
 void TransposePanelScalar(const float* colbuf, int64_t kk, float* panel) {
   for (int j = 0; j < kNR; ++j)
-    for (int64_t i = 0; i < kk; ++i) panel[i * kNR + j] = colbuf[j * kPanelK + i];
+    for (int64_t i = 0; i < kk; ++i) panel[i * kNR + j] = colbuf[j * kColStride + i];
 }
 // y[r * ldy + j] += sum_k xp[k * kMR + r] * panel[k * kNR + j], r < rows, j < cols, k < kk.
 using MicroFn = void (*)(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int rows,
@@ -547,13 +550,13 @@ AVX2_FN void MicroAvx2(const float* xp, const float* panel, int64_t kk, float* y
     for (int j = 0; j < cols; ++j) y[r * ldy + j] += tile[r][j];
 }
 
-// The panel (k-major, kNR wide) from kNR dequantized columns (colbuf[j * kPanelK + i]), by 8 x 8
+// The panel (k-major, kNR wide) from kNR dequantized columns (colbuf[j * kColStride + i]), by 8 x 8
 // register transposes: strided scalar stores cost more than the multiply-adds they feed.
 AVX2_FN void TransposePanelAvx2(const float* colbuf, int64_t kk, float* panel) {
   for (int jb = 0; jb < kNR; jb += 8) {
     for (int64_t i0 = 0; i0 < kk; i0 += 8) {
       __m256 r[8];
-      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(colbuf + (jb + j) * kPanelK + i0);
+      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(colbuf + (jb + j) * kColStride + i0);
       const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
       const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
       const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -669,7 +672,7 @@ void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, int64_t
     return;
   }
   const int64_t row_tiles = (m + kMR - 1) / kMR;
-  std::vector<float> panel(kPanelK * kNR), columns(kNR * kPanelK), xp(row_tiles * kPanelK * kMR);
+  std::vector<float> panel(kPanelK * kNR), columns(kNR * kColStride), xp(row_tiles * kPanelK * kMR);
   for (int64_t k0 = 0; k0 < k; k0 += kPanelK) {
     const int64_t kk = std::min(kPanelK, k - k0);
     for (int64_t t = 0; t < row_tiles; ++t)  // pack x[:, k0:k0+kk]; rows past M are zero
@@ -681,7 +684,7 @@ void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, int64_t
     for (int64_t c0 = c_begin; c0 < c_end; c0 += kNR) {
       const int cols = static_cast<int>(std::min<int64_t>(kNR, c_end - c0));
       for (int j = 0; j < kNR; ++j) {  // columns past the end stay zero
-        float* col = columns.data() + j * kPanelK;
+        float* col = columns.data() + j * kColStride;
         if (j < cols) {
           g.deq(w, c0 + j, k0, kk, col);
         } else {

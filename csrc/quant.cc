@@ -383,9 +383,16 @@ AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int6
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[c] + p * kSub));
       lo[c] = _mm256_and_si256(raw, mask);
       hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-      const float d0 = ScaleAt<kF16>(w.scales, (col + c) * groups + (b0 >> shift));
-      const float d1 = ScaleAt<kF16>(w.scales, (col + c) * groups + (b1 >> shift));
-      dw[c] = _mm256_set_m128(_mm_set1_ps(d1), _mm_set1_ps(d0));
+      const int64_t s0 = (col + c) * groups + (b0 >> shift), s1 = (col + c) * groups + (b1 >> shift);
+      const float d0 = ScaleAt<kF16>(w.scales, s0), d1 = ScaleAt<kF16>(w.scales, s1);
+      if (kF16 && shift == 0) {  // two adjacent halves: one load, one conversion, one permute
+        uint32_t both;
+        std::memcpy(&both, static_cast<const uint16_t*>(w.scales) + s0, sizeof(both));
+        dw[c] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(both)))),
+                                         _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+      } else {
+        dw[c] = _mm256_set_m128(_mm_set1_ps(d1), _mm_set1_ps(d0));
+      }
       d0v[c] = d0;
       d1v[c] = d1;
       if constexpr (kHasMin) {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import platform
@@ -66,6 +67,7 @@ def _load(args):
 def _generate(args) -> int:
     from tunix_rt.engine.reference_generator import GenerationConfig, generate
 
+    # Built before loading so bad sampling flags fail fast; stop ids are added once the tokenizer is known.
     config = GenerationConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
     loaded = _load(args)
@@ -77,7 +79,7 @@ def _generate(args) -> int:
         prompt_ids = tok.encode(args.prompt)
     if not prompt_ids:
         raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
-    config = GenerationConfig(**{**config.__dict__, "stop_token_ids": tuple(tok.eos_token_ids)})
+    config = dataclasses.replace(config, stop_token_ids=tuple(tok.eos_token_ids))
     start = time.perf_counter()
     (out,) = generate(loaded.model, [prompt_ids], config)
     log.info("generated %d tokens in %.1fs", len(out.token_ids), time.perf_counter() - start)

@@ -57,6 +57,17 @@ inline int64_t LeadingSize(ffi::Span<const int64_t> dims) {
 }
 inline int64_t LastDim(ffi::Span<const int64_t> dims) { return dims.size() == 0 ? 1 : dims.back(); }
 
+inline bool IsF32OrBf16(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+// Row r of a row-major (R, c) f32 or bf16 buffer as f32: a pointer into the buffer itself for
+// f32, or into `scratch` (c floats) after conversion for bf16.
+inline const float* RowAsF32(const void* data, bool bf16, int64_t r, int64_t c, float* scratch) {
+  if (!bf16) return static_cast<const float*>(data) + r * c;
+  const uint16_t* src = static_cast<const uint16_t*>(data) + r * c;
+  for (int64_t i = 0; i < c; ++i) scratch[i] = Bf16ToF32(src[i]);
+  return scratch;
+}
+
 inline ffi::Error InvalidArgument(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
 }

@@ -709,17 +709,7 @@ void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, int64_t
 
 // ---- handlers -----------------------------------------------------------------------------------
 
-bool FloatInput(const ffi::AnyBuffer& b) {
-  return b.element_type() == ffi::DataType::F32 || b.element_type() == ffi::DataType::BF16;
-}
-
-// Row r of an (R, C) f32/bf16 buffer as f32 (into scratch for bf16).
-const float* F32Row(const void* data, bool bf16, int64_t r, int64_t c, float* scratch) {
-  if (!bf16) return static_cast<const float*>(data) + r * c;
-  const uint16_t* src = static_cast<const uint16_t*>(data) + r * c;
-  for (int64_t i = 0; i < c; ++i) scratch[i] = Bf16ToF32(src[i]);
-  return scratch;
-}
+bool FloatInput(const ffi::AnyBuffer& b) { return IsF32OrBf16(b.element_type()); }
 
 ffi::Future Quantize(ffi::ThreadPool pool, ffi::AnyBuffer wt, ffi::Result<ffi::AnyBuffer> qs,
                      ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> mins, int32_t fmt,
@@ -738,7 +728,7 @@ ffi::Future Quantize(ffi::ThreadPool pool, ffi::AnyBuffer wt, ffi::Result<ffi::A
   return ParallelFor(pool, l.n, chunks, [=](int64_t, int64_t begin, int64_t end) {
     std::vector<float> scratch(l.k);
     for (int64_t r = begin; r < end; ++r)
-      QuantizeRow(l, F32Row(src, bf16, r, l.k, scratch.data()), q + r * l.row_bytes(), s, m, r);
+      QuantizeRow(l, RowAsF32(src, bf16, r, l.k, scratch.data()), q + r * l.row_bytes(), s, m, r);
     return ffi::Error::Success();
   });
 }
@@ -835,7 +825,7 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
     const bool bf16 = x.element_type() == ffi::DataType::BF16;
     std::vector<float> scratch(l.k);
     for (int64_t r = 0; r < m; ++r)
-      QuantizeActivationRow(F32Row(x.untyped_data(), bf16, r, l.k, scratch.data()), l.k, paired, l.f->has_min,
+      QuantizeActivationRow(RowAsF32(x.untyped_data(), bf16, r, l.k, scratch.data()), l.k, paired, l.f->has_min,
                             act->q.data() + r * l.k, act->d.data() + r * act->blocks(),
                             act->s.data() + r * act->blocks(), l.f->has_min ? act->e.data() + r * act->blocks() : nullptr,
                             paired ? act->pd.data() + r * act->blocks() * 4 : nullptr,

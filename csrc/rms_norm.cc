@@ -191,12 +191,7 @@ struct Rows {
       : data(b.untyped_data()), bf16(b.element_type() == ffi::DataType::BF16), d(LastDim(b.dimensions())) {}
 
   // Row r as f32: a pointer into the buffer for f32, or into `scratch` after conversion.
-  const float* Read(int64_t r, float* scratch) const {
-    if (!bf16) return static_cast<const float*>(data) + r * d;
-    const uint16_t* src = static_cast<const uint16_t*>(data) + r * d;
-    for (int64_t i = 0; i < d; ++i) scratch[i] = Bf16ToF32(src[i]);
-    return scratch;
-  }
+  const float* Read(int64_t r, float* scratch) const { return RowAsF32(data, bf16, r, d, scratch); }
   // Where to compute row r's f32 result: in place for f32, else in scratch, then Flush().
   float* Target(int64_t r, float* scratch) const {
     return bf16 ? scratch : static_cast<float*>(data) + r * d;
@@ -207,8 +202,6 @@ struct Rows {
     for (int64_t i = 0; i < d; ++i) dst[i] = F32ToBf16(src[i]);
   }
 };
-
-bool IsF32OrBf16(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 
 struct Geometry {
   int64_t rows, d, groups, rows_per_group;

@@ -12,6 +12,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormBwdHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(DequantizeHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantMatmulHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(WriteKvHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PagedAttentionHandler);
 }  // namespace tunix_rt
 
 namespace {
@@ -34,6 +36,8 @@ NB_MODULE(_ext, m) {
     d["tunix_rt_quantize"] = Capsule(tunix_rt::QuantizeHandler);
     d["tunix_rt_dequantize"] = Capsule(tunix_rt::DequantizeHandler);
     d["tunix_rt_quant_matmul"] = Capsule(tunix_rt::QuantMatmulHandler);
+    d["tunix_rt_write_kv"] = Capsule(tunix_rt::WriteKvHandler);
+    d["tunix_rt_paged_attention"] = Capsule(tunix_rt::PagedAttentionHandler);
     return d;
   });
 

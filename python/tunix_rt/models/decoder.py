@@ -12,7 +12,7 @@ from flax import nnx
 
 from tunix_rt.models.attention import attention_mask, dot_product_attention
 from tunix_rt.models.config import ModelConfig
-from tunix_rt.models.kv_cache import DenseKVCache
+from tunix_rt.models.kv_cache import DenseKVCache, PagedKVCache
 from tunix_rt.models.rope import apply_rope, inverse_frequencies
 from tunix_rt.ops import rms_norm
 
@@ -53,7 +53,7 @@ class Attention(nnx.Module):
         self.shape = (h, kv, d)
         self.scale, self.softcap, self.qk_norm = cfg.query_scale, cfg.attn_logit_softcap, cfg.qk_norm
 
-    def __call__(self, x, positions, cache: DenseKVCache | None):
+    def __call__(self, x, positions, cache: DenseKVCache | PagedKVCache | None):
         b, t, _ = x.shape
         h, kv, d = self.shape
         q = self.q_proj(x).reshape(b, t, h, d)
@@ -65,12 +65,11 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         if cache is None:
-            k_pos = positions
+            mask = attention_mask(positions, positions, self.window)
+            out = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
         else:
-            cache, k, v = cache.write(self.layer, k, v)
-            k_pos = cache.positions
-        mask = attention_mask(positions, k_pos, self.window)
-        out = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
+            cache, out = cache.attend(self.layer, q, k, v, positions, window=self.window, scale=self.scale,
+                                      softcap=self.softcap)
         return self.o_proj(out.reshape(b, t, h * d)), cache
 
 
@@ -117,16 +116,16 @@ class Decoder(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(dtype, rngs, cfg.hidden_size, cfg.vocab_size, False)
 
-    def hidden_states(self, tokens, positions, cache: DenseKVCache | None = None):
+    def hidden_states(self, tokens, positions, cache: DenseKVCache | PagedKVCache | None = None):
         x = self.embed(tokens)
         if self.config.embed_scale is not None:  # HF rounds the scale to the weights' dtype first
             x = x * jnp.asarray(self.config.embed_scale, self.dtype)
         if cache is not None:
-            cache = cache.with_positions(positions)
+            cache = cache.begin(positions)
         for layer in self.layers:
             x, cache = layer(x, positions, cache)
         if cache is not None:
-            cache = cache.advance(tokens.shape[1])
+            cache = cache.end(tokens.shape[1])
         return self.final_norm(x), cache
 
     def logits(self, h: jax.Array) -> jax.Array:
@@ -140,7 +139,7 @@ class Decoder(nnx.Module):
             out = jnp.tanh(out / cap) * cap
         return out
 
-    def __call__(self, tokens, positions, cache: DenseKVCache | None = None):
+    def __call__(self, tokens, positions, cache: DenseKVCache | PagedKVCache | None = None):
         h, cache = self.hidden_states(tokens, positions, cache)
         logits = self.logits(h)
         return logits if cache is None else (logits, cache)

@@ -1,8 +1,11 @@
-"""A dense per-sequence KV cache: the reference generator's cache (the engine uses paged blocks).
+"""The decoder's KV caches. Each implements the three calls the decoder makes per forward pass:
+`begin(positions)`, `attend(layer, q, k, v, positions, ...)` per layer, and `end(num_tokens)`.
 
-Slots are written in order at one shared index for the whole batch (prompts are left-padded), and
-each slot keeps the absolute position of its token, -1 while empty, which is all attention needs
-to build its mask.
+DenseKVCache is the reference generator's per-sequence cache: slots are written in order at one
+shared index for the whole batch (prompts are left-padded), and each slot keeps the absolute
+position of its token, -1 while empty, which is all attention needs to build its mask.
+PagedKVCache is the engine's: per-layer block pools plus the step's slot mapping and block tables,
+served by the write_kv / paged_attention FFI ops.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from tunix_rt.models.attention import attention_mask, dot_product_attention
+from tunix_rt.ops.paged_attention import paged_attention, write_kv
 
 
 @jax.tree_util.register_dataclass
@@ -35,19 +41,57 @@ class DenseKVCache:
     def max_len(self) -> int:
         return self.positions.shape[1]
 
-    def with_positions(self, positions: jax.Array) -> "DenseKVCache":
+    def begin(self, positions: jax.Array) -> "DenseKVCache":
         """Record the positions of the T tokens about to be written at `index`."""
         new = jax.lax.dynamic_update_slice(self.positions, positions.astype(jnp.int32), (0, self.index))
         return dataclasses.replace(self, positions=new)
 
-    def write(self, layer: int, k: jax.Array, v: jax.Array) -> tuple["DenseKVCache", jax.Array, jax.Array]:
-        """Store this step's k/v (B, T, KV, D) for `layer`; return the cache and the layer's full k/v."""
+    def attend(self, layer: int, q, k, v, positions, *, window, scale, softcap) -> tuple["DenseKVCache", jax.Array]:
+        """Store this step's k/v (B, T, KV, D) for `layer`, then attend q (B, T, H, D) over the layer's cache."""
         start = (0, self.index, 0, 0)
         layer_k = jax.lax.dynamic_update_slice(self.k[layer], k.astype(self.k[layer].dtype), start)
         layer_v = jax.lax.dynamic_update_slice(self.v[layer], v.astype(self.v[layer].dtype), start)
-        new_k = self.k[:layer] + (layer_k,) + self.k[layer + 1:]
-        new_v = self.v[:layer] + (layer_v,) + self.v[layer + 1:]
-        return dataclasses.replace(self, k=new_k, v=new_v), layer_k, layer_v
+        mask = attention_mask(positions, self.positions, window)
+        out = dot_product_attention(q, layer_k, layer_v, mask, scale=scale, softcap=softcap)
+        cache = dataclasses.replace(self, k=_replace(self.k, layer, layer_k), v=_replace(self.v, layer, layer_v))
+        return cache, out
 
-    def advance(self, steps: int) -> "DenseKVCache":
-        return dataclasses.replace(self, index=self.index + steps)
+    def end(self, num_tokens: int) -> "DenseKVCache":
+        return dataclasses.replace(self, index=self.index + num_tokens)
+
+
+def _replace(buffers: tuple, i: int, new) -> tuple:
+    return buffers[:i] + (new,) + buffers[i + 1:]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """One engine step's view of the block pools: tokens arrive packed as a (1, T) batch.
+
+    slots (T,): where each token's k/v goes (-1 = padding); token_seq (T,): the row of
+    block_tables (S, max_blocks) each token belongs to (-1 = padding). The pools are updated in
+    place by write_kv when the engine's jitted step donates them.
+    """
+
+    k: tuple[jax.Array, ...]  # per layer (num_blocks, block_size, KV, D)
+    v: tuple[jax.Array, ...]
+    slots: jax.Array
+    token_seq: jax.Array
+    block_tables: jax.Array
+
+    def begin(self, positions: jax.Array) -> "PagedKVCache":
+        return self
+
+    def attend(self, layer: int, q, k, v, positions, *, window, scale, softcap) -> tuple["PagedKVCache", jax.Array]:
+        if q.shape[0] != 1:
+            raise ValueError(f"PagedKVCache takes a step's tokens packed as one row (1, T), got batch {q.shape[0]}")
+        dtype = self.k[layer].dtype
+        layer_k, layer_v = write_kv(self.k[layer], self.v[layer], k[0].astype(dtype), v[0].astype(dtype), self.slots)
+        out = paged_attention(q[0], layer_k, layer_v, self.block_tables, self.token_seq, positions[0].astype(jnp.int32),
+                              scale=scale, softcap=softcap, window=window)
+        cache = dataclasses.replace(self, k=_replace(self.k, layer, layer_k), v=_replace(self.v, layer, layer_v))
+        return cache, out[None]
+
+    def end(self, num_tokens: int) -> "PagedKVCache":
+        return self

@@ -1,5 +1,6 @@
 """Custom XLA FFI ops, each beside its pure-JAX reference (same signature)."""
 
+from tunix_rt.ops.paged_attention import paged_attention, paged_attention_reference, write_kv, write_kv_reference
 from tunix_rt.ops.quant import (
     FORMATS,
     QuantizedTensor,
@@ -17,10 +18,14 @@ __all__ = [
     "QuantizedTensor",
     "dequantize",
     "dequantize_reference",
+    "paged_attention",
+    "paged_attention_reference",
     "quant_matmul",
     "quant_matmul_reference",
     "quantize",
     "quantize_reference",
     "rms_norm",
     "rms_norm_reference",
+    "write_kv",
+    "write_kv_reference",
 ]

@@ -378,33 +378,24 @@ AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int6
     const int64_t b0 = 2 * p, b1 = b0 + 1;
     __m256i lo[C], hi[C];
     __m256 dw[C];
-    float cw0[C], cw1[C], d0v[C], d1v[C];
     for (int c = 0; c < C; ++c) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[c] + p * kSub));
       lo[c] = _mm256_and_si256(raw, mask);
       hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
       const int64_t s0 = (col + c) * groups + (b0 >> shift), s1 = (col + c) * groups + (b1 >> shift);
-      const float d0 = ScaleAt<kF16>(w.scales, s0), d1 = ScaleAt<kF16>(w.scales, s1);
       if (kF16 && shift == 0) {  // two adjacent halves: one load, one conversion, one permute
         uint32_t both;
         std::memcpy(&both, static_cast<const uint16_t*>(w.scales) + s0, sizeof(both));
         dw[c] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(both)))),
                                          _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
       } else {
-        dw[c] = _mm256_set_m128(_mm_set1_ps(d1), _mm_set1_ps(d0));
-      }
-      d0v[c] = d0;
-      d1v[c] = d1;
-      if constexpr (kHasMin) {
-        cw0[c] = _cvtsh_ss(w.mins[(col + c) * groups + (b0 >> shift)]);
-        cw1[c] = _cvtsh_ss(w.mins[(col + c) * groups + (b1 >> shift)]);
+        dw[c] = _mm256_set_m128(_mm_set1_ps(ScaleAt<kF16>(w.scales, s1)), _mm_set1_ps(ScaleAt<kF16>(w.scales, s0)));
       }
     }
     for (int r = 0; r < R; ++r) {
       const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 2 * kSub));
       const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 2 * kSub + kSub));
       const __m256 xdv = _mm256_loadu_ps(pd[r] + p * 8);
-      const float xs0 = xs[r][b0], xs1 = xs[r][b1];
       __m256i pcv = _mm256_setzero_si256();
       if constexpr (kOffset8) pcv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc[r] + p * 8));
       for (int c = 0; c < C; ++c) {
@@ -412,8 +403,6 @@ AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int6
         __m256i dot = _mm256_madd_epi16(s16, ones);
         if constexpr (kOffset8) dot = _mm256_sub_epi32(dot, pcv);
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw[c], xdv), acc[r][c]);
-        if constexpr (kHasMin)
-          corr[r][c] += cw0[c] * xs0 + cw1[c] * xs1 + 8.0f * (d0v[c] * xe[r][b0] + d1v[c] * xe[r][b1]);
       }
     }
   }
@@ -422,13 +411,32 @@ AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int6
     for (int c = 0; c < C; ++c) {
       const __m256i codes = LoadCodes<4>(wrow[c], b);
       const float d = ScaleAt<kF16>(w.scales, (col + c) * groups + (b >> shift));
-      const float cw = kHasMin ? _cvtsh_ss(w.mins[(col + c) * groups + (b >> shift)]) : d;
       for (int r = 0; r < R; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * kSub));
         const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), ones);
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[r][b]), acc[r][c]);
-        if constexpr (kOffset8 || kHasMin) corr[r][c] += cw * xs[r][b];
-        if constexpr (kHasMin) corr[r][c] += 8.0f * d * xe[r][b];
+        if constexpr (kOffset8) corr[r][c] += d * xs[r][b];
+      }
+    }
+  }
+  if constexpr (kHasMin) {  // sum over blocks of m * s + 8 * d * e, eight blocks per step
+    for (int c = 0; c < C; ++c) {
+      const uint16_t* mc = w.mins + (col + c) * groups;
+      const uint16_t* dc = static_cast<const uint16_t*>(w.scales) + (col + c) * groups;
+      for (int r = 0; r < R; ++r) {
+        __m256 v = _mm256_setzero_ps();
+        int64_t b = 0;
+        if (shift == 0)
+          for (; b + 8 <= nb; b += 8) {
+            const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mc + b)));
+            const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dc + b)));
+            v = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs[r] + b), v);
+            v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), d8), _mm256_loadu_ps(xe[r] + b), v);
+          }
+        float tail = 0.0f;
+        for (; b < nb; ++b)
+          tail += _cvtsh_ss(mc[b >> shift]) * xs[r][b] + 8.0f * _cvtsh_ss(dc[b >> shift]) * xe[r][b];
+        corr[r][c] = HSum(v) + tail;
       }
     }
   }

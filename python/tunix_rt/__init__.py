@@ -1,6 +1,8 @@
 """tunix-rt: a JAX-native LLM post-training and rollout runtime."""
 
 from tunix_rt.checkpoints.loader import load
+from tunix_rt.engine.engine import Engine, EngineStats
+from tunix_rt.engine.params import RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["load", "__version__"]
+__all__ = ["Engine", "EngineStats", "RequestOutput", "SamplingParams", "load", "__version__"]

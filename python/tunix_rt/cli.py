@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import platform
@@ -29,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate a completion with the reference generator")
+    gen = sub.add_parser("generate", help="generate a completion with the rollout engine")
     _add_model_arg(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
@@ -65,11 +64,12 @@ def _load(args):
 
 
 def _generate(args) -> int:
-    from tunix_rt.engine.reference_generator import GenerationConfig, generate
+    from tunix_rt.engine.engine import Engine
+    from tunix_rt.engine.params import SamplingParams
 
-    # Built before loading so bad sampling flags fail fast; stop ids are added once the tokenizer is known.
-    config = GenerationConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, seed=args.seed)
+    # Built before loading so bad sampling flags fail fast.
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
     loaded = _load(args)
     tok = loaded.tokenizer
     if args.chat:
@@ -79,16 +79,16 @@ def _generate(args) -> int:
         prompt_ids = tok.encode(args.prompt)
     if not prompt_ids:
         raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
-    config = dataclasses.replace(config, stop_token_ids=tuple(tok.eos_token_ids))
+    max_len = min(loaded.model.config.max_position_embeddings, len(prompt_ids) + args.max_tokens)
+    engine = Engine(loaded.model, tok, max_model_len=max(max_len, len(prompt_ids) + 1), max_num_seqs=1)
     start = time.perf_counter()
-    (out,) = generate(loaded.model, [prompt_ids], config)
+    (out,) = engine.generate([prompt_ids], params)
     log.info("generated %d tokens in %.1fs", len(out.token_ids), time.perf_counter() - start)
-    text = tok.decode(out.token_ids, skip_special_tokens=True)
     if args.json:
-        print(json.dumps({"text": text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
                           "finish_reason": out.finish_reason}))
     else:
-        print(text)
+        print(out.text)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Token selection from logits: greedy, temperature, top-k, top-p, all traced (no recompiles)."""
+"""Token selection from logits: greedy, temperature, min-p, top-k, top-p, all traced (no recompiles)."""
 
 from __future__ import annotations
 
@@ -6,31 +6,52 @@ import jax
 import jax.numpy as jnp
 
 
-def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Mask (to -inf) tokens outside the top_k (0 = all) and outside the top_p nucleus, per row.
+def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array | None = None) -> jax.Array:
+    """Mask (to -inf) tokens outside the min_p floor, the top_k (0 = all) and the top_p nucleus, per row.
 
-    logits (B, V) f32; top_k (B,) int32; top_p (B,) f32 in (0, 1]. The most likely token always
-    survives; ties at the threshold survive together.
+    logits (B, V) f32; top_k (B,) int32; top_p (B,) f32 in (0, 1], 1 = off; min_p (B,) f32 in [0, 1],
+    0 = off (None: off for every row). In vLLM's order: min_p first (a token survives when its
+    probability is >= min_p * the row's largest probability), then top-k and top-p over the survivors,
+    the nucleus renormalised over them. The most likely token always survives; ties at the top-k /
+    top-p threshold survive together. A row whose options are all off is returned unchanged, so a
+    row's result never depends on the other rows' options.
     """
     vocab = logits.shape[-1]
-    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    cum_before = jnp.cumsum(probs, axis=-1) - probs
-    in_nucleus = cum_before < top_p[:, None]
-    in_top_k = jnp.arange(vocab)[None, :] < k[:, None]
-    keep = jnp.maximum(jnp.sum(in_nucleus & in_top_k, axis=-1), 1)
-    threshold = jnp.take_along_axis(sorted_logits, (keep - 1)[:, None], axis=-1)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+    if min_p is not None:
+        row_max = jnp.max(logits, axis=-1, keepdims=True)
+        # p / p_max = exp(logit - max logit): the normaliser cancels, and the max row's ratio is exactly 1.
+        floor_ok = jnp.exp(logits - row_max) >= min_p[:, None]
+        logits = jnp.where(floor_ok | (logits == row_max), logits, -jnp.inf)
+
+    def sort_filter(logits):
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        cum_before = jnp.cumsum(probs, axis=-1) - probs
+        # top_p >= 1 is off outright: f32 cumsum rounding must not drop the far tail.
+        in_nucleus = (cum_before < top_p[:, None]) | (top_p[:, None] >= 1)
+        in_top_k = jnp.arange(vocab)[None, :] < k[:, None]
+        keep = jnp.maximum(jnp.sum(in_nucleus & in_top_k, axis=-1), 1)
+        threshold = jnp.take_along_axis(sorted_logits, (keep - 1)[:, None], axis=-1)
+        return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+    # The vocab sort is the costly part: skipped at run time when no row has top-k or top-p on.
+    needs_sort = jnp.any((top_k > 0) & (top_k < vocab)) | jnp.any(top_p < 1)
+    return jax.lax.cond(needs_sort, sort_filter, lambda x: x, logits)
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Next token per row: argmax where temperature == 0, else a draw from the filtered softmax."""
+def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+           min_p: jax.Array | None = None) -> jax.Array:
+    """Next token per row: argmax where temperature == 0, else a draw from the filtered softmax.
+
+    One key for the whole batch (the reference generator's); the rollout engine's per-request
+    seeds, penalties and logprobs are in `tunix_rt.engine.sampler.sample_tokens`.
+    """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw():  # skipped at run time when every row is greedy: the vocab sort is the costly part
         scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        drawn = jax.random.categorical(key, filter_logits(scaled, top_k, top_p), axis=-1)
+        drawn = jax.random.categorical(key, filter_logits(scaled, top_k, top_p, min_p), axis=-1)
         return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
 
     return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)

@@ -1,0 +1,297 @@
+"""The rollout engine: continuous batching over a paged KV cache, embedded in-process.
+
+Four parts with one job each: the KV manager (blocks, prefix cache), the scheduler (who runs this
+step, how many tokens), the runner (fixed-shape jitted forward + sampler) and the requests
+(tokens, detokenized text, stop rules). `step()` is one turn of the loop; `generate` and `stream`
+drive it, `AsyncEngine` (async_engine.py) drives it from a thread for the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+from flax import nnx
+
+from tunix_rt.engine.detokenizer import IncrementalDetokenizer
+from tunix_rt.engine.kv_cache_manager import KVCacheManager
+from tunix_rt.engine.params import RequestOutput, SamplingParams
+from tunix_rt.engine.request import Request, Status
+from tunix_rt.engine.runner import ModelRunner
+from tunix_rt.engine.scheduler import Scheduler
+from tunix_rt.models.decoder import Decoder
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks held by requests
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of which served from cached blocks
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_compiles: int  # distinct compiled step programs so far
+    prompt_tokens: int  # totals since start
+    generation_tokens: int
+    num_blocks: int
+    block_size: int
+
+
+class Engine:
+    def __init__(self, model: Decoder | str | os.PathLike | None = "default", tokenizer=None, *,
+                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int = 1 << 30,
+                 enable_prefix_caching: bool = True, dequantize: bool = False, seed: int = 0):
+        if not isinstance(model, Decoder):
+            from tunix_rt.checkpoints.loader import load_model
+
+            loaded = load_model(model, dequantize=dequantize)
+            model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
+        cfg = model.config
+        if max_model_len is None:
+            max_model_len = min(cfg.max_position_embeddings, 4096)
+        for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Engine: {name} must be a positive integer, got {value!r}")
+        if num_kv_blocks is None:  # no more than max_num_seqs full-length sequences could ever use
+            num_kv_blocks = min(kv_cache_memory // ModelRunner.block_bytes(model, block_size),
+                                max_num_seqs * -(-max_model_len // block_size))
+        if num_kv_blocks < 1:
+            raise ValueError(f"Engine: the KV cache needs at least one block of {block_size} tokens, "
+                             f"got {num_kv_blocks} (raise kv_cache_memory or num_kv_blocks)")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        self.runner = ModelRunner(model, num_blocks=num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer is not None else ())
+        self._requests: dict[str, list[Request]] = {}
+        self._ids = itertools.count()
+        self._seeds = np.random.default_rng(seed)
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        log.info("engine: %d KV blocks of %d tokens (%.0f MiB), max_model_len %d", num_kv_blocks, block_size,
+                 num_kv_blocks * ModelRunner.block_bytes(model, block_size) / 2**20, max_model_len)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: pass token ids or give the Engine a tokenizer")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt holds token id {bad}, outside the model's vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                             f"request has {len(ids)} input tokens. Please reduce the length of the input.")
+        return ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    *, cache_salt: str | None = None) -> str:
+        """Queue a prompt (text or token ids); returns its request id. n > 1 queues n sequences."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._prompt_ids(prompt)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        need = self.kv.blocks_needed(len(ids) + max_tokens)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(f"request needs up to {need} KV blocks ({len(ids)} prompt + {max_tokens} new tokens) but "
+                             f"the pool has {self.kv.pool.num_blocks}: it can never fit (lower max_tokens or enlarge "
+                             f"the KV cache)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to detokenize with")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        base_seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
+        seqs = []
+        for i in range(params.n):
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                                               stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+            seqs.append(Request(request_id, i, ids, params, max_tokens=max_tokens, stop_ids=stop_ids,
+                                seed=(base_seed + i) % 2**32, detokenizer=detok,
+                                extra_keys=() if cache_salt is None else (cache_salt,)))
+        self._requests[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self._prompt_tokens += len(ids) * params.n
+        return request_id
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Stop a request (all its samples) and free its KV blocks at once."""
+        seqs = self._requests.pop(str(request_id), None)
+        if seqs is None:
+            return []
+        self.scheduler.abort(str(request_id))
+        outs = []
+        for seq in seqs:
+            if seq.status is not Status.FINISHED:
+                seq.finish("abort")
+            outs.append(seq.output())
+        return outs
+
+    def has_request(self, request_id: str) -> bool:
+        """True while any sample of `request_id` is queued or running."""
+        return str(request_id) in self._requests
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step; returns an output for every sequence that advanced."""
+        if self.is_sleeping:
+            raise RuntimeError("the engine is asleep: call wake_up() before generating")
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            if self.scheduler.has_work():  # cannot happen with add_request's fit check; never spin silently
+                raise RuntimeError("scheduler made no progress with requests queued")
+            return []
+        try:
+            result = self.runner.execute(scheduled, self.kv.blocks)
+        except Exception:
+            # The step's blocks were allocated (and entered in the prefix cache) but never written:
+            # forget the cache and send the step's requests back to be recomputed.
+            self.kv.reset_prefix_cache()
+            self.scheduler.preempt_all([s.request for s in scheduled])
+            raise
+        outputs = []
+        for i, s in enumerate(scheduled):
+            if not s.completes:
+                continue  # a prefill chunk: its logits are not a next token yet
+            req = s.request
+            top = None
+            if req.params.logprobs:
+                k = req.params.logprobs
+                top = dict(zip(result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()))
+            req.append(int(result.tokens[i]), float(result.logprobs[i]), top)
+            self._generation_tokens += 1
+            if req.status is Status.FINISHED:
+                self.scheduler.finish(req)
+            outputs.append(req.output())
+        for out in outputs:
+            seqs = self._requests.get(out.request_id)
+            if out.finished and seqs and all(s.status is Status.FINISHED for s in seqs):
+                del self._requests[out.request_id]
+        return outputs
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = False) -> list[RequestOutput] | list[list[RequestOutput]]:
+        """Run prompts to completion: one RequestOutput per prompt, or a list of n per prompt when n > 1."""
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
+        prompts = [prompts] if single else list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.add_request(prompt, p))
+        except ValueError:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        results: dict[str, list[RequestOutput | None]] = {rid: [None] * p.n for rid, p in zip(ids, params)}
+        pending = sum(p.n for p in params)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=pending, desc="generating", unit="seq")
+        try:
+            while pending:
+                for out in self.step():
+                    slot = results.get(out.request_id)
+                    if slot is not None and out.finished:
+                        slot[out.index] = out
+                        pending -= 1
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:  # an error or an interrupt: leave nothing of ours queued
+            for rid in ids:
+                self.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid][0] if p.n == 1 else results[rid] for rid, p in zip(ids, params)]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+               ) -> Iterator[RequestOutput]:
+        """Yield each sequence's output as it advances (delta_text / delta_token_ids hold what is new).
+
+        Closing the iterator early aborts the request.
+        """
+        rid = self.add_request(prompt, params, request_id)
+        remaining = (params or SamplingParams()).n
+        try:
+            while remaining:
+                for out in self.step():
+                    if out.request_id == rid:
+                        remaining -= out.finished
+                        yield out
+        finally:
+            if remaining:
+                self.abort(rid)
+
+    # -- weights and memory -----------------------------------------------------------------
+
+    def update_weights(self, params: nnx.State | Decoder) -> None:
+        """Swap the model's weights in place (same shapes and dtypes: nothing recompiles); the
+        prefix cache is reset since cached K/V came from the old weights."""
+        state = nnx.split(params)[1] if isinstance(params, Decoder) else params
+        self.runner.update_weights(state)
+        self.kv.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free the KV cache memory (e.g. for a training phase); requests must be finished first."""
+        if self.scheduler.has_work():
+            raise RuntimeError("sleep() with requests in flight: finish or abort them first")
+        self.runner.release_cache()
+        self.kv.reset_prefix_cache()
+
+    def wake_up(self) -> None:
+        if self.runner.k is None:
+            self.runner.allocate_cache()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.runner.k is None
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.queries, prefix_cache_hits=self.kv.hits,
+            prefix_cache_hit_rate=self.kv.hit_rate(), num_preemptions=self.scheduler.num_preemptions,
+            num_compiles=len(self.runner.compiled), prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens, num_blocks=self.kv.pool.num_blocks,
+            block_size=self.kv.block_size)

@@ -1,0 +1,102 @@
+"""What a caller asks of the engine (SamplingParams) and what it gets back (RequestOutput).
+
+Names and defaults mirror vLLM's, so code written against vLLM reads the same here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+MAX_LOGPROBS = 20  # top-logprobs per token, OpenAI's limit
+
+
+@dataclasses.dataclass(kw_only=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = up to the context window
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None = off; k >= 0 = the sampled token's logprob plus the top k
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        def fail(field, why):
+            raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not is_int(self.n) or self.n < 1:
+            fail("n", "must be a positive integer")
+        if not is_num(self.temperature) or self.temperature < 0:
+            fail("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            fail("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            fail("top_k", "must be an integer >= -1 (0 or -1 = off)")
+        self.top_k = max(self.top_k, 0)
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            fail("min_p", "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                fail(name, "must be in [-2, 2]")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            fail("repetition_penalty", "must be > 0 (1 = off)")
+        if self.seed is not None and not is_int(self.seed):
+            fail("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            fail("max_tokens", "must be a positive integer or None")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            fail("stop", "must be a non-empty string or a list of non-empty strings")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be a list of non-negative integers")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            fail("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One completion of one prompt, as it stands (while streaming) or as it ended.
+
+    With n > 1, `generate` returns a list of these per prompt (index 0..n-1).
+    """
+
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[float] | None = None  # log p of each generated token (raw model distribution)
+    top_logprobs: list[dict[int, float]] | None = None  # per token, the top-k ids -> log p
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    delta_text: str = ""  # streaming: text added since the previous output of this request
+    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

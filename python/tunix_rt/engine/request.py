@@ -1,0 +1,85 @@
+"""One sequence's state inside the engine (a prompt with n > 1 becomes n of these)."""
+
+from __future__ import annotations
+
+import enum
+
+from tunix_rt.engine.detokenizer import IncrementalDetokenizer
+from tunix_rt.engine.params import RequestOutput, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, *,
+                 max_tokens: int, stop_ids: frozenset[int], seed: int, detokenizer: IncrementalDetokenizer | None,
+                 extra_keys: tuple = ()):
+        self.request_id = request_id
+        self.index = index
+        self.seq_id = f"{request_id}#{index}"  # the unit the KV manager keys blocks by
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.max_tokens = max_tokens
+        self.stop_ids = stop_ids
+        self.seed = seed
+        self.detokenizer = detokenizer
+        self.extra_keys = extra_keys
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0  # catches up with len(all_token_ids); reset to 0 by preemption
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[float] | None = [] if params.logprobs is not None else None
+        self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs else None
+        self.text = ""
+        self._sent_tokens = 0
+        self._sent_text = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def append(self, token: int, logprob: float, top: dict[int, float] | None) -> None:
+        """Record a sampled token and decide whether the sequence ends with it."""
+        self.all_token_ids.append(token)
+        self.output_token_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
+        if self.top_logprobs is not None:
+            self.top_logprobs.append(top or {})
+        n = len(self.output_token_ids)
+        if self.detokenizer is not None:
+            self.text += self.detokenizer.add([token])
+            if self.detokenizer.stop_reason is not None:
+                self.finish("stop", self.detokenizer.stop_reason)
+                self.text = self.detokenizer.text
+                return
+        if token in self.stop_ids:
+            self.finish("stop", token)
+        elif n >= self.max_tokens:
+            self.finish("length")
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        if self.detokenizer is not None and self.detokenizer.stop_reason is None:
+            self.text += self.detokenizer.flush()
+
+    def output(self) -> RequestOutput:
+        """The request as it stands, with what changed since the last output() as deltas."""
+        delta_ids = self.output_token_ids[self._sent_tokens:]
+        delta_text = self.text[self._sent_text:]
+        self._sent_tokens, self._sent_text = len(self.output_token_ids), len(self.text)
+        return RequestOutput(
+            request_id=self.request_id, index=self.index, prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.output_token_ids), text=self.text, finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason, logprobs=None if self.logprobs is None else list(self.logprobs),
+            top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
+            num_cached_tokens=self.num_cached_tokens or 0, delta_text=delta_text, delta_token_ids=delta_ids)

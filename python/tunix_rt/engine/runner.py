@@ -1,0 +1,186 @@
+"""The model runner: turns a scheduled step into fixed-shape arrays and runs two jitted programs.
+
+1. forward: the step's tokens packed into T_b slots (T_b from a small set of token buckets) run
+   through the decoder over the paged KV pools, which the program takes donated and gives back.
+   Block tables have min(T_b, max_num_seqs) rows and a fixed width (max_model_len / block_size).
+2. sample: the rows' last hidden states -> logits -> SamplerOutput, for B_b rows (sequence buckets).
+
+So the set of shapes, and of compiled programs, is fixed by the engine's configuration; each new
+program is logged and counted, and weights swap in place (same shapes and dtypes, no recompile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tunix_rt.engine.params import MAX_LOGPROBS
+from tunix_rt.engine.sampler import SamplerOutput, SamplingTensors, sample_tokens
+from tunix_rt.engine.scheduler import ScheduledRequest
+from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.kv_cache import PagedKVCache
+
+log = logging.getLogger(__name__)
+
+
+def buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """Powers of two from `smallest`, capped by (and ending with) `largest`."""
+    out, size = [], smallest
+    while size < largest:
+        out.append(size)
+        size *= 2
+    return (*out, largest)
+
+
+def _fit(n: int, sizes: tuple[int, ...]) -> int:
+    return next(s for s in sizes if s >= n)
+
+
+def _compile_step(graphdef, treedef):
+    """The two jitted programs with the model's structure closed over: a static graphdef argument
+    would be hashed on every call, and passing flat weight leaves skips pytree flattening."""
+
+    def model_of(leaves):
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def forward(leaves, k, v, tokens, positions, slots, token_seq, block_tables):
+        cache = PagedKVCache(k, v, slots, token_seq, block_tables)
+        h, cache = model_of(leaves).hidden_states(tokens[None], positions[None], cache)
+        return h[0], cache.k, cache.v
+
+    @functools.partial(jax.jit, static_argnums=6)
+    def sample(leaves, hidden, rows, params, prompt_tokens, output_tokens, num_top_logprobs):
+        logits = model_of(leaves).logits(hidden[rows])
+        return sample_tokens(logits, params, prompt_tokens, output_tokens, num_top_logprobs=num_top_logprobs)
+
+    return forward, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    tokens: np.ndarray  # (B,) one per scheduled request, in order
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+class ModelRunner:
+    def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int):
+        graphdef, state = nnx.split(model)
+        self.leaves, self.treedef = jax.tree.flatten(state)
+        self._forward, self._sample = _compile_step(graphdef, self.treedef)
+        cfg = model.config
+        self.cache_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.num_layers = cfg.num_layers
+        self.vocab_size = cfg.vocab_size
+        self.dtype = model.dtype
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.token_buckets = buckets(1, max_num_batched_tokens)
+        self.seq_buckets = buckets(1, max_num_seqs)
+        self.k: tuple[jax.Array, ...] | None = None
+        self.v: tuple[jax.Array, ...] | None = None
+        self.compiled: set[tuple] = set()
+        self.allocate_cache()
+
+    @staticmethod
+    def block_bytes(model: Decoder, block_size: int) -> int:
+        c = model.config
+        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+
+    def allocate_cache(self) -> None:
+        zeros = lambda: tuple(jnp.zeros(self.cache_shape, self.dtype) for _ in range(self.num_layers))
+        self.k, self.v = zeros(), zeros()
+
+    def release_cache(self) -> None:
+        for buf in (*(self.k or ()), *(self.v or ())):
+            buf.delete()
+        self.k = self.v = None
+
+    def update_weights(self, state: nnx.State) -> None:
+        """Swap in new weights of the same structure, shapes and dtypes (so nothing recompiles)."""
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        if treedef != self.treedef:
+            raise ValueError(f"update_weights: the new weights' structure differs from the engine's model:\n{treedef}\n"
+                             f"vs\n{self.treedef}")
+        for (path, new), old in zip(paths_leaves, self.leaves):
+            if new.shape != old.shape or new.dtype != old.dtype:
+                raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {new.dtype}{list(new.shape)}, the "
+                                 f"engine's model has {old.dtype}{list(old.shape)}")
+        self.leaves = [leaf for _, leaf in paths_leaves]
+
+    def _note_compile(self, key: tuple) -> None:
+        if key not in self.compiled:
+            self.compiled.add(key)
+            log.info("compiling %s (new shape; %d programs so far)", key, len(self.compiled))
+
+    def execute(self, scheduled: list[ScheduledRequest], block_lists: dict[str, list[int]]) -> StepResult:
+        """Run one step; block_lists maps each sequence to its KV blocks (the KV manager's table)."""
+        if self.k is None:
+            raise RuntimeError("the engine is asleep: call wake_up() before generating")
+        num_tokens = sum(s.num_new for s in scheduled)
+        t_b = _fit(num_tokens, self.token_buckets)
+        table_rows = min(t_b, self.max_num_seqs)
+        b_b = _fit(len(scheduled), self.seq_buckets)
+        tokens = np.zeros(t_b, np.int32)
+        positions = np.zeros(t_b, np.int32)
+        slots = np.full(t_b, -1, np.int32)
+        token_seq = np.full(t_b, -1, np.int32)
+        tables = np.zeros((table_rows, self.max_blocks_per_seq), np.int32)
+        rows = np.zeros(b_b, np.int32)
+        bs = self.block_size
+        offset = 0
+        for i, s in enumerate(scheduled):
+            req, n = s.request, s.num_new
+            blocks = np.asarray(block_lists[req.seq_id], np.int32)
+            pos = np.arange(s.start, s.start + n, dtype=np.int32)
+            tokens[offset:offset + n] = req.all_token_ids[s.start:s.start + n]
+            positions[offset:offset + n] = pos
+            slots[offset:offset + n] = blocks[pos // bs] * bs + pos % bs
+            token_seq[offset:offset + n] = i
+            tables[i, :len(blocks)] = blocks
+            offset += n
+            rows[i] = offset - 1
+        params, prompt_hist, output_hist, num_top = self._sampling_inputs(scheduled, b_b)
+
+        self._note_compile(("forward", t_b))
+        hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, tokens, positions, slots, token_seq, tables)
+        self._note_compile(("sample", t_b, b_b, prompt_hist.shape[1], num_top))
+        out: SamplerOutput = self._sample(self.leaves, hidden, rows, params, prompt_hist, output_hist, num_top)
+        n = len(scheduled)
+        return StepResult(np.asarray(out.tokens)[:n], np.asarray(out.logprobs)[:n], np.asarray(out.top_ids)[:n],
+                          np.asarray(out.top_logprobs)[:n])
+
+    def _sampling_inputs(self, scheduled: list[ScheduledRequest], b_b: int):
+        rows = []
+        penalties = False
+        num_top = 0
+        for s in scheduled:
+            p, req = s.request.params, s.request
+            rows.append(dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                             repetition_penalty=p.repetition_penalty, seed=req.seed, step=len(req.output_token_ids)))
+            penalties |= p.uses_penalties
+            num_top = max(num_top, p.logprobs or 0)
+        params = SamplingTensors.from_rows(rows, b_b)
+        width = self.max_model_len if penalties else 1
+        prompt_hist = np.full((b_b, width), -1, np.int32)
+        output_hist = np.full((b_b, width), -1, np.int32)
+        if penalties:
+            for i, s in enumerate(scheduled):
+                if s.request.params.uses_penalties:
+                    p_ids, o_ids = s.request.prompt_token_ids, s.request.output_token_ids
+                    prompt_hist[i, :len(p_ids)] = p_ids
+                    output_hist[i, :len(o_ids)] = o_ids
+        return params, prompt_hist, output_hist, min(MAX_LOGPROBS, self.vocab_size) if num_top else 0
+

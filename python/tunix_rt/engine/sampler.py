@@ -1,0 +1,209 @@
+"""The rollout engine's sampler: vLLM (v1) semantics, traced with fixed shapes.
+
+Every per-request option is a (B,) array (`SamplingTensors`), so one compiled step serves any mix of
+requests and changing a value never recompiles. The order follows vLLM v1:
+
+1. penalties on the logits: repetition (prompt and output tokens), then frequency and presence
+   (output tokens only);
+2. greedy rows (temperature < SAMPLING_EPS) take the argmax of the penalised logits;
+3. the other rows: temperature, then min_p, top_k, top_p (`sampling.filter_logits`), then a draw
+   with the row's own key `fold_in(key(seed), step)`, so a request's tokens depend only on its
+   seed, its step counter and its logits, never on the batch it shares.
+
+Logprobs are of the raw model distribution (log_softmax of the unmodified logits, vLLM's default
+"raw_logprobs"). Costly parts are skipped at run time with `lax.cond` when no row needs them: the
+penalty scatters, the draw (and its vocab sort), and statically the top-k logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tunix_rt.engine.sampling import filter_logits
+
+# vLLM's _SAMPLING_EPS: a temperature below it samples greedily.
+SAMPLING_EPS = 1e-5
+
+# Neutral per-row values: the padding rows of `SamplingTensors.from_rows` and any key a row leaves out.
+NEUTRAL: dict[str, Any] = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0,
+                               frequency_penalty=0.0, repetition_penalty=1.0, seed=0, step=0)
+_DTYPES = dict(temperature=np.float32, top_k=np.int32, top_p=np.float32, min_p=np.float32,
+               presence_penalty=np.float32, frequency_penalty=np.float32, repetition_penalty=np.float32,
+               seed=np.uint32, step=np.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling options as (B,) arrays so one compiled step serves any mix of requests."""
+
+    temperature: jax.Array  # f32, 0 (below SAMPLING_EPS) = greedy
+    top_k: jax.Array  # i32, 0 = off
+    top_p: jax.Array  # f32 in (0, 1], 1 = off
+    min_p: jax.Array  # f32 in [0, 1], 0 = off
+    presence_penalty: jax.Array  # f32, 0 = off: subtract p if the token appeared in the output
+    frequency_penalty: jax.Array  # f32, 0 = off: subtract f * count of the token in the output
+    repetition_penalty: jax.Array  # f32, 1 = off: tokens in prompt or output: logit / r if logit > 0 else logit * r
+    seed: jax.Array  # uint32 per-request seed
+    step: jax.Array  # i32: tokens this request has generated so far (the draw's counter)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[dict], batch: int) -> SamplingTensors:
+        """NumPy (B,) arrays from one dict per request, padded to `batch` rows with neutral values.
+
+        A dict's keys are the field names; a key left out (or None) takes the neutral value of
+        `NEUTRAL` (greedy, no filter, no penalty, seed 0, step 0). Values are taken as given: check
+        them first with `check_sampling_values`. Seeds are reduced mod 2**32. The engine must give
+        every unseeded request a seed of its own, or equal prompts would draw equal tokens.
+        """
+        if len(rows) > batch:
+            raise ValueError(f"{len(rows)} rows do not fit a batch of {batch}")
+        columns = {name: np.full((batch,), value, _DTYPES[name]) for name, value in NEUTRAL.items()}
+        for i, row in enumerate(rows):
+            unknown = set(row) - set(NEUTRAL)
+            if unknown:
+                raise ValueError(f"rows[{i}] has unknown sampling fields {sorted(unknown)}")
+            for name, value in row.items():
+                if value is not None:
+                    columns[name][i] = int(value) % 2**32 if name == "seed" else value
+        return cls(**columns)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    tokens: jax.Array  # (B,) i32
+    logprobs: jax.Array  # (B,) f32: log p of the chosen token under the raw model distribution
+    top_ids: jax.Array  # (B, K) i32: the K most likely tokens of the raw distribution, descending
+    top_logprobs: jax.Array  # (B, K) f32
+
+
+def _counts(tokens: jax.Array, vocab: int) -> jax.Array:
+    """(B, L) ids padded with -1 -> (B, V) int32 occurrence counts; ids outside [0, V) are dropped."""
+    # Negative indices would wrap around: send every padding id to V, out of range, and drop it.
+    ids = jnp.where((tokens >= 0) & (tokens < vocab), tokens, vocab)
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    return jnp.zeros((tokens.shape[0], vocab), jnp.int32).at[rows, ids].add(1, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax.Array,
+                    output_tokens: jax.Array) -> jax.Array:
+    """vLLM's apply_penalties: repetition over prompt and output tokens, then frequency and presence
+    over output tokens only. Skipped (logits returned as they are) when every row is neutral."""
+    vocab = logits.shape[-1]
+
+    def penalise(logits):
+        out_counts = _counts(output_tokens, vocab)
+        seen = (_counts(prompt_tokens, vocab) > 0) | (out_counts > 0)
+        r = jnp.where(seen, params.repetition_penalty[:, None], 1.0)
+        logits = jnp.where(logits > 0, logits / r, logits * r)
+        logits = logits - params.frequency_penalty[:, None] * out_counts.astype(logits.dtype)
+        return logits - params.presence_penalty[:, None] * (out_counts > 0).astype(logits.dtype)
+
+    needed = (jnp.any(params.repetition_penalty != 1) | jnp.any(params.frequency_penalty != 0)
+              | jnp.any(params.presence_penalty != 0))
+    return jax.lax.cond(needed, penalise, lambda x: x, logits)
+
+
+def _row_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
+    # threefry pinned: the draws must not change with the process-wide default PRNG implementation.
+    return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s, impl="threefry2x32"), n))(
+        seed.astype(jnp.uint32), step.astype(jnp.int32))
+
+
+def sample_tokens(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax.Array, output_tokens: jax.Array,
+                  *, num_top_logprobs: int = 0) -> SamplerOutput:
+    """One token per row, vLLM v1 semantics (see the module docstring). Trace it inside a jitted step.
+
+    logits (B, V); params: (B,) arrays; prompt_tokens (B, Lp) and output_tokens (B, Lo) int32 padded
+    with -1 (any Lp, Lo >= 1; a width-1 all -1 array when no row has penalties). num_top_logprobs
+    (static) K: SamplerOutput.top_ids / top_logprobs are (B, K), (B, 0) when K == 0.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be (B, V), got shape {logits.shape}")
+    batch, vocab = logits.shape
+    for field in dataclasses.fields(params):
+        if getattr(params, field.name).shape != (batch,):
+            raise ValueError(f"params.{field.name} must have shape ({batch},), got "
+                             f"{getattr(params, field.name).shape}")
+    for name, toks in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
+        if toks.ndim != 2 or toks.shape[0] != batch:
+            raise ValueError(f"{name} must be ({batch}, L), got shape {toks.shape}")
+    if not 0 <= num_top_logprobs <= vocab:
+        raise ValueError(f"num_top_logprobs must be in [0, {vocab}], got {num_top_logprobs}")
+
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    penalised = apply_penalties(logits, params, prompt_tokens, output_tokens)
+    greedy_rows = params.temperature < SAMPLING_EPS
+    greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+
+    def draw():
+        scaled = penalised / jnp.where(greedy_rows, 1.0, params.temperature)[:, None]
+        # Greedy rows' filters are turned off so they cannot make the sort run for nothing.
+        filtered = filter_logits(scaled, jnp.where(greedy_rows, 0, params.top_k),
+                                 jnp.where(greedy_rows, 1.0, params.top_p),
+                                 jnp.where(greedy_rows, 0.0, params.min_p))
+        keys = _row_keys(params.seed, params.step)
+        drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        return jnp.where(greedy_rows, greedy, drawn)
+
+    tokens = jax.lax.cond(jnp.any(~greedy_rows), draw, lambda: greedy)
+    logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    if num_top_logprobs:
+        top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
+    else:
+        top_logprobs, top_ids = jnp.zeros((batch, 0), jnp.float32), jnp.zeros((batch, 0), jnp.int32)
+    return SamplerOutput(tokens, logprobs, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def check_sampling_values(*, temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
+                          repetition_penalty, vocab_size: int) -> dict[str, Any]:
+    """Check one request's options (vLLM's bounds); raise ValueError naming the bad field.
+
+    Returns the normalised values as a dict for `SamplingTensors.from_rows`: floats as float, a
+    temperature below SAMPLING_EPS as 0.0 (greedy), top_k -1 (vLLM's "off") or >= vocab_size as 0.
+    """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    temperature = _number("temperature", temperature)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < -1:
+        raise ValueError(f"top_k must be an integer >= 0, or -1 or 0 for off, got {top_k!r}")
+    top_p = _number("top_p", top_p)
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    min_p = _number("min_p", min_p)
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
+    presence_penalty = _number("presence_penalty", presence_penalty)
+    if not -2 <= presence_penalty <= 2:
+        raise ValueError(f"presence_penalty must be in [-2, 2], got {presence_penalty!r}")
+    frequency_penalty = _number("frequency_penalty", frequency_penalty)
+    if not -2 <= frequency_penalty <= 2:
+        raise ValueError(f"frequency_penalty must be in [-2, 2], got {frequency_penalty!r}")
+    repetition_penalty = _number("repetition_penalty", repetition_penalty)
+    if not repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {repetition_penalty!r}")
+    return dict(temperature=0.0 if temperature < SAMPLING_EPS else temperature,
+                top_k=0 if top_k == -1 or top_k >= vocab_size else int(top_k), top_p=top_p, min_p=min_p,
+                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                repetition_penalty=repetition_penalty)

@@ -1,0 +1,119 @@
+"""The scheduler, with vLLM v1's one invariant.
+
+Every request has num_computed_tokens catching up with its tokens (prompt + generated). Each step
+hands out a budget of tokens: running requests first (a decode needs 1, a chunked prefill takes
+what the budget leaves), then waiting requests in arrival order (FCFS, no skipping) as long as
+budget, blocks and the running-sequence limit allow. There are no separate prefill and decode
+phases: a step is whatever mix of both fits the budget. When the pool runs out of blocks the most
+recently admitted running request is preempted: its blocks are freed and it goes back to the front
+of the queue to be recomputed later (its prefix may still be found in the prefix cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from tunix_rt.engine.kv_cache_manager import KVCacheManager
+from tunix_rt.engine.request import Request, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    start: int  # num_computed_tokens before this step
+    num_new: int
+
+    @property
+    def completes(self) -> bool:
+        """True when this step catches the request up, so its last logits yield the next token."""
+        return self.start + self.num_new == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req.seq_id, req.all_token_ids, req.num_computed_tokens, num_new,
+                                       extra=req.extra_keys):
+                victim = self.running.pop()  # never one scheduled above: those sit before index i
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+        # Admitting while preempting would only thrash: the queue waits for the next step.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            cached, num_cached = self.kv.computed_blocks(req.all_token_ids, req.extra_keys)
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate(req.seq_id, req.all_token_ids, num_cached, num_new, cached, req.extra_keys):
+                break
+            self.waiting.popleft()
+            self.kv.record_lookup(req.num_tokens, num_cached)
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            req.status = Status.RUNNING
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, num_cached, num_new))
+            budget -= num_new
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_new
+        return scheduled
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.seq_id)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def preempt_all(self, requests: list[Request]) -> None:
+        """Send running requests back to the queue front, in their order, to be recomputed."""
+        for req in reversed(requests):
+            if req.status is Status.RUNNING:
+                self.running.remove(req)
+                self._preempt(req)
+                self.num_preemptions -= 1  # a failed step, not memory pressure
+
+    def finish(self, req: Request) -> None:
+        """Drop a finished request from the running set and free its blocks at once."""
+        self.running.remove(req)
+        self.kv.free(req.seq_id)
+
+    def abort(self, request_id: str) -> list[Request]:
+        """Remove every sequence of `request_id` (all n samples) wherever it is; returns them."""
+        found = [r for r in self.running if r.request_id == request_id]
+        found += [r for r in self.waiting if r.request_id == request_id]
+        for req in found:
+            if req.status is Status.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self.kv.free(req.seq_id)
+        return found

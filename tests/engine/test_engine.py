@@ -1,0 +1,679 @@
+"""The rollout engine end to end on tiny random models: greedy output equals the reference generator
+(chunked prefill, preemption, prefix caching, sliding windows and softcaps, bf16), n > 1 shares the
+prompt, seeded sampling is batch-independent, no KV leaks, input errors, a bounded set of compiled
+programs, weight updates, sleep / wake-up, streaming, logprobs, stop rules and text.
+
+Engines compile a fresh set of programs each, so each is built once per module and reused; every
+test leaves its engine idle (no request in flight, every KV block free).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tunix_rt.engine.engine import Engine
+from tunix_rt.engine.params import SamplingParams
+from tunix_rt.engine.reference_generator import GenerationConfig, generate as reference_generate
+from tunix_rt.models.config import FULL, SLIDING, ModelConfig, RopeConfig
+from tunix_rt.models.decoder import Decoder
+
+GREEDY = dict(temperature=0.0)
+_ENGINES: list[Engine] = []
+
+
+# -- models and engines -----------------------------------------------------------------------
+
+
+def _llama_config(**kw) -> ModelConfig:
+    base = dict(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=8, rope=((FULL, RopeConfig(theta=10000.0)),))
+    return ModelConfig(**{**base, **kw})
+
+
+def _gemma_config() -> ModelConfig:
+    return ModelConfig(
+        architecture="gemma2", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, layer_types=(SLIDING, FULL), sliding_window=5,
+        rope=((FULL, RopeConfig(theta=10000.0)), (SLIDING, RopeConfig(theta=100.0))),
+        attn_logit_softcap=20.0, final_logit_softcap=3.0, norm_offset=1.0, sandwich_norms=True,
+        embed_scale=32**0.5, activation="gelu_tanh", tie_word_embeddings=True)
+
+
+def _engine(model, tokenizer=None, **kw) -> Engine:
+    engine = Engine(model, tokenizer, **kw)
+    _ENGINES.append(engine)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """The workhorse: chunked prefill past 16 tokens; 64 blocks of 4 hold ~4 full-length sequences of 8."""
+    model = Decoder(_llama_config(), rngs=nnx.Rngs(0))
+    return model, _engine(model, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4,
+                          num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """Sliding window 5 over blocks of 3, an 8-token budget and a pool too small for 64-token requests."""
+    model = Decoder(_gemma_config(), rngs=nnx.Rngs(0))
+    return model, _engine(model, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, block_size=3,
+                          num_kv_blocks=20)
+
+
+@pytest.fixture(autouse=True)
+def _cleanup():
+    """Whatever a failing test left behind must not break the next one."""
+    yield
+    for engine in _ENGINES:
+        for rid in list(engine._requests):
+            engine.abort(rid)
+        if engine.is_sleeping:
+            engine.wake_up()
+
+
+def _prompts(seed: int, lengths, vocab: int = 97) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+
+
+def _reference(model, prompts, max_tokens, stop_token_ids=()):
+    """The reference generator's greedy tokens. The batch is padded to 8 prompts, one of 33 tokens, so that
+    calls with up to 8 prompts of up to 64 tokens and up to 64 new tokens share one pair of compiled programs."""
+    assert len(prompts) <= 8 and max_tokens <= 64
+    padded = list(prompts) + [[0] * 33] * (8 - len(prompts))
+    config = GenerationConfig(max_tokens=max_tokens, stop_token_ids=tuple(stop_token_ids))
+    return [o.token_ids for o in reference_generate(model, padded, config)][:len(prompts)]
+
+
+def _assert_idle(engine: Engine) -> None:
+    pool = engine.kv.pool
+    assert not engine.has_unfinished_requests() and not engine._requests
+    assert pool.num_free == pool.num_blocks and all(r == 0 for r in pool.ref_count)
+    assert not engine.kv.blocks and not engine.kv.hashes
+    stats = engine.stats()
+    assert stats.kv_cache_usage == 0 and stats.num_running == 0 and stats.num_waiting == 0
+
+
+@contextlib.contextmanager
+def _scheduled(engine: Engine):
+    """Record each step's schedule as (seq_id, start, num_new, completes) tuples."""
+    log: list[list[tuple]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        log.append([(s.request.seq_id, s.start, s.num_new, s.completes) for s in out])
+        return out
+
+    engine.scheduler.schedule = recording
+    try:
+        yield log
+    finally:
+        del engine.scheduler.schedule
+
+
+@contextlib.contextmanager
+def _backend_compiles():
+    """Count XLA compilations (jax's backend_compile duration events) inside the block."""
+    events: list[str] = []
+
+    def listener(event, duration, **kwargs):
+        if "backend_compile" in event:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_logits(graphdef, state, tokens):
+    return nnx.merge(graphdef, state)(tokens[None], jnp.arange(tokens.shape[0])[None])[0]
+
+
+def _log_softmax_teacher_forced(model, seq: list[int], pad_to: int = 64) -> np.ndarray:
+    """log_softmax of the model's logits at every position of `seq` (causal: end padding changes nothing)."""
+    tokens = np.zeros(pad_to, np.int32)
+    tokens[:len(seq)] = seq
+    graphdef, state = nnx.split(model)
+    return np.asarray(jax.nn.log_softmax(_forward_logits(graphdef, state, jnp.asarray(tokens))))[:len(seq)]
+
+
+# -- greedy equals the reference generator ----------------------------------------------------
+
+
+def test_greedy_matches_reference_with_chunked_prefill(llama):
+    model, engine = llama
+    prompts = _prompts(1, [1, 2, 5, 9, 16, 23, 33, 40])
+    preempted = engine.stats().num_preemptions
+    with _scheduled(engine) as log:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
+    assert [o.token_ids for o in outs] == _reference(model, prompts, 8)
+    assert all(o.finish_reason == "length" and o.prompt_token_ids == p for o, p in zip(outs, prompts))
+    # prompts longer than the 16-token budget were prefilled in chunks, alongside decodes
+    chunks = [s for step in log for s in step if not s[3]]
+    assert chunks and all(sum(s[2] for s in step) <= 16 for step in log)
+    assert any(len(step) > 1 and any(s[3] and s[2] == 1 for s in step) and any(not s[3] for s in step)
+               for step in log)
+    assert engine.stats().num_preemptions == preempted
+    _assert_idle(engine)
+
+
+def test_greedy_matches_reference_under_preemption(llama):
+    model, engine = llama
+    prompts = _prompts(2, [30, 40, 35, 38, 31, 40, 33, 36])  # ~15 blocks each at the end: the pool holds 4
+    before = engine.stats().num_preemptions
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
+    assert engine.stats().num_preemptions > before
+    assert [o.token_ids for o in outs] == _reference(model, prompts, 24)
+    _assert_idle(engine)
+
+
+def test_greedy_matches_reference_with_shared_prefixes(llama):
+    model, engine = llama
+    [prefix] = _prompts(3, [27])
+    prompts = [prefix + tail for tail in _prompts(4, [1, 3, 6, 9, 12, 2, 5, 11])]
+    stats = engine.stats()
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
+    after = engine.stats()
+    assert after.prefix_cache_hits > stats.prefix_cache_hits
+    assert after.prefix_cache_queries - stats.prefix_cache_queries == sum(map(len, prompts))
+    expected = _reference(model, prompts, 8)
+    assert [o.token_ids for o in outs] == expected
+    assert any(o.num_cached_tokens >= 24 for o in outs)
+    # again: now every prompt is served from the cache up to its last full block
+    again = engine.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
+    assert [o.token_ids for o in again] == expected
+    assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 4 * 4 for p in prompts]
+    _assert_idle(engine)
+
+
+def test_gemma_style_greedy_matches_reference(gemma):
+    """Sliding window + attention softcap + final softcap, under an 8-token budget and preemption."""
+    model, engine = gemma
+    prompts = _prompts(5, [1, 4, 11, 17, 29, 40])
+    preempted = engine.stats().num_preemptions
+    with _scheduled(engine) as log:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
+    assert [o.token_ids for o in outs] == _reference(model, prompts, 8)
+    assert any(not s[3] for step in log for s in step)  # chunked
+    assert engine.stats().num_preemptions > preempted
+    _assert_idle(engine)
+
+
+def test_bf16_greedy_matches_reference():
+    cfg = _llama_config()
+    model = Decoder(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+    engine = _engine(model, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=8, block_size=4,
+                     num_kv_blocks=32)
+    prompts = _prompts(6, [1, 9, 24, 40])  # steps of 8 or 1 tokens only: few programs
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
+    assert engine.runner.k[0].dtype == jnp.bfloat16
+    assert [o.token_ids for o in outs] == _reference(model, prompts, 6)
+    _assert_idle(engine)
+
+
+# -- n > 1 and seeds --------------------------------------------------------------------------
+
+
+def test_n_samples_share_the_prompt(llama):
+    model, engine = llama
+    [prompt] = _prompts(7, [21])
+    before = engine.stats()
+    with _scheduled(engine) as log:
+        [outs] = engine.generate(prompt, SamplingParams(n=8, temperature=1.0, seed=1234, max_tokens=8))
+    after = engine.stats()
+    assert isinstance(outs, list) and len(outs) == 8 and [o.index for o in outs] == list(range(8))
+    full = (len(prompt) - 1) // 4 * 4  # 20 tokens in full blocks
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 8 * len(prompt)
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 7 * full  # hit rate 140/168 ~ 7/8
+    # the prompt's full blocks were computed once: 21 tokens, then 1 per other copy
+    prefill = sum(n for step in log for (sid, start, n, _) in step if start < len(prompt))
+    assert prefill == len(prompt) + 7 * (len(prompt) - full)
+    samples = [tuple(o.token_ids) for o in outs]
+    assert len(set(samples)) == 8  # different seeds per sample
+    [again] = engine.generate(prompt, SamplingParams(n=8, temperature=1.0, seed=1234, max_tokens=8))
+    assert [tuple(o.token_ids) for o in again] == samples
+    [other] = engine.generate(prompt, SamplingParams(n=8, temperature=1.0, seed=99, max_tokens=8))
+    assert [tuple(o.token_ids) for o in other] != samples
+    # greedy samples agree with each other and the reference
+    [greedy] = engine.generate(prompt, SamplingParams(n=3, max_tokens=8, **GREEDY))
+    assert [o.token_ids for o in greedy] == _reference(model, [prompt], 8) * 3
+    _assert_idle(engine)
+
+
+def test_seeded_request_is_independent_of_its_batch(llama):
+    _, engine = llama
+    [prompt, a, b, c] = _prompts(8, [13, 5, 37, 22])
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=10)
+    [alone] = [o.token_ids for o in engine.generate(prompt, params)]
+    noisy = SamplingParams(temperature=0.8, max_tokens=14)
+    outs = engine.generate([a, prompt, b, c], [noisy, params, SamplingParams(max_tokens=3, **GREEDY), noisy])
+    assert outs[1].token_ids == alone
+    # and when it joins a batch already decoding, through add_request / step
+    rid = engine.add_request(b, SamplingParams(temperature=1.0, max_tokens=20))
+    engine.step()
+    engine.step()
+    mine = engine.add_request(prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done[mine].token_ids == alone and done[rid].finished
+    _assert_idle(engine)
+
+
+# -- leaks --------------------------------------------------------------------------------------
+
+
+def test_no_leaks_after_finished_aborted_and_preempted(llama):
+    _, engine = llama
+    prompts = _prompts(9, [40, 38, 36, 35, 39, 2, 30, 37, 33, 20])
+    before = engine.stats().num_preemptions
+    ids = [engine.add_request(p, SamplingParams(max_tokens=24, temperature=0.5, n=1 + i % 2))
+           for i, p in enumerate(prompts)]
+    aborted = {}
+    for step in range(300):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        if step == 1:  # one still waiting, never scheduled
+            waiting = engine.scheduler.waiting[-1].request_id
+            aborted[waiting] = engine.abort(waiting)
+        decoding = [r for r in engine.scheduler.running if len(r.output_token_ids) >= 3]
+        if decoding and "decoding" not in aborted:  # one mid-generation
+            aborted["decoding"] = engine.abort(decoding[0].request_id)
+            assert all(o.finish_reason == "abort" for o in aborted["decoding"])
+            assert max(len(o.token_ids) for o in aborted["decoding"]) >= 3
+        if step == 12:  # one aborted straight after it was queued
+            late = engine.add_request(prompts[0], SamplingParams(max_tokens=5))
+            aborted[late] = engine.abort(late)
+    assert not engine.has_unfinished_requests()
+    assert engine.stats().num_preemptions > before
+    assert len(aborted) == 3
+    for outs in aborted.values():
+        assert outs and all(o.finish_reason == "abort" for o in outs)
+    assert engine.abort(ids[0]) == [] and engine.abort("no such request") == []
+    _assert_idle(engine)
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+def test_request_that_can_never_fit_raises(gemma):
+    _, engine = gemma  # 20 blocks of 3 = 60 tokens < max_model_len 64
+    with pytest.raises(ValueError, match="can never fit"):
+        engine.add_request(list(range(40)), SamplingParams(max_tokens=None))
+    # generate aborts the prompts it already queued
+    with pytest.raises(ValueError, match="can never fit"):
+        engine.generate([[1, 2, 3], list(range(40))], SamplingParams(max_tokens=24))
+    _assert_idle(engine)
+    [out] = engine.generate(list(range(40)), SamplingParams(max_tokens=8, **GREEDY))
+    assert out.finish_reason == "length"
+
+
+def test_prompt_errors(llama):
+    _, engine = llama
+    for n in (64, 100):
+        with pytest.raises(ValueError, match="maximum context length"):
+            engine.add_request([1] * n)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[]])
+    for bad in ([1, 97], [-1, 2], [5, 1000]):
+        with pytest.raises(ValueError, match="vocabulary"):
+            engine.add_request(bad)
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.add_request("some text")
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.add_request([1, 2], SamplingParams(stop=["x"]))
+    with pytest.raises(ValueError, match="SamplingParams"):
+        engine.add_request([1, 2], {"temperature": 0})
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        engine.generate([[1, 2]], [SamplingParams(), SamplingParams()])
+    rid = engine.add_request([1, 2], request_id="dup")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([3, 4], request_id="dup")
+    engine.abort(rid)
+    assert engine.generate([]) == []
+    _assert_idle(engine)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 0), ("n", 1.5), ("temperature", -0.1), ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.01),
+    ("top_k", -2), ("min_p", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+    ("repetition_penalty", 0.0), ("seed", 1.5), ("max_tokens", 0), ("stop", [""]), ("stop", [3]),
+    ("stop_token_ids", [-1]), ("logprobs", 21), ("logprobs", -1),
+])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("kw", [dict(max_model_len=-1), dict(max_model_len=2.5), dict(max_num_seqs=0),
+                                dict(max_num_batched_tokens=-1), dict(block_size=0), dict(num_kv_blocks=0)])
+def test_bad_engine_arguments(llama, kw):
+    model, _ = llama
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        Engine(model, **kw)
+
+
+def test_zero_max_model_len_is_refused(llama):
+    model, _ = llama
+    with pytest.raises(ValueError, match="max_model_len"):
+        Engine(model, max_model_len=0, num_kv_blocks=4)
+
+
+# -- compiled programs ------------------------------------------------------------------------------
+
+
+def _reachable_shapes(engine: Engine) -> list[tuple[int, int]]:
+    """(token bucket, sequence bucket) pairs a step can land in: s sequences need >= s tokens."""
+    runner, out = engine.runner, []
+    for t in runner.token_buckets:
+        for i, b in enumerate(runner.seq_buckets):
+            lowest = runner.seq_buckets[i - 1] + 1 if i else 1
+            if lowest <= t:
+                out.append((t, b))
+    return out
+
+
+def test_no_recompiles_after_warm_up(llama):
+    _, engine = llama
+    runner = engine.runner
+    # warm-up: one step per reachable shape, b prompts of t tokens in all, one token each
+    shapes = _reachable_shapes(engine)
+    for i, (t, b) in enumerate(shapes):
+        s = min(b, t)
+        lengths = [t // s + (j < t % s) for j in range(s)]
+        engine.reset_prefix_cache()  # so every prompt token is computed
+        engine.generate(_prompts(100 + i, lengths), SamplingParams(max_tokens=1, **GREEDY))
+    expected = {("forward", t) for t in runner.token_buckets} | {("sample", t, b, 1, 0) for t, b in shapes}
+    assert expected <= runner.compiled
+    compiled, num_compiles = set(runner.compiled), engine.stats().num_compiles
+    bound = len(runner.token_buckets) + len(shapes) * 2 * 2  # x {no penalties, penalties} x {no logprobs, logprobs}
+    assert num_compiles <= bound
+
+    # ~50 requests of varied lengths and options arriving while others run
+    rng = np.random.default_rng(0)
+    with _backend_compiles() as events:
+        added, done = 0, 0
+        while added < 50 or engine.has_unfinished_requests():
+            for _ in range(rng.integers(0, 4) if added < 50 else 0):
+                prompt = rng.integers(0, 97, size=int(rng.integers(1, 41))).tolist()
+                params = SamplingParams(temperature=float(rng.choice([0.0, 0.7, 1.0])),
+                                        top_k=int(rng.choice([0, 5])), top_p=float(rng.choice([1.0, 0.8])),
+                                        max_tokens=int(rng.integers(1, 17)), n=int(rng.choice([1, 1, 2])),
+                                        seed=int(rng.integers(100)) if rng.random() < 0.5 else None)
+                rid = engine.add_request(prompt, params)
+                added += 1
+                if rng.random() < 0.1:
+                    engine.abort(rid)
+            done += sum(o.finished for o in engine.step())
+    assert done > 40
+    assert runner.compiled == compiled and engine.stats().num_compiles == num_compiles
+    assert events == []
+    _assert_idle(engine)
+
+
+# -- weights and memory -----------------------------------------------------------------------------
+
+
+def test_update_weights(llama):
+    model, engine = llama
+    other = Decoder(_llama_config(), rngs=nnx.Rngs(1))
+    prompts = _prompts(11, [5, 17, 29, 40, 2, 11, 36, 23])
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    first = engine.generate(prompts, params)  # warm, and the prompts are in the prefix cache
+    assert engine.kv.pool.key_of
+    try:
+        with _backend_compiles() as events:
+            engine.update_weights(other)
+            assert not engine.kv.pool.key_of  # the prefix cache was reset
+            outs = engine.generate(prompts, params)
+        assert events == []
+        assert [o.num_cached_tokens for o in outs] == [0] * len(prompts)
+        assert [o.token_ids for o in outs] == _reference(other, prompts, 8)
+        assert [o.token_ids for o in outs] != [o.token_ids for o in first]
+        # an nnx.State works as well as a model
+        engine.update_weights(nnx.split(model)[1])
+        assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in first]
+        # wrong shapes, dtypes or structure are refused, and the old weights stay (abstract models: no init cost)
+        for cfg, dtype in ((_llama_config(hidden_size=16, intermediate_size=24), jnp.float32),
+                           (_llama_config(), jnp.bfloat16), (_llama_config(num_layers=3), jnp.float32)):
+            bad = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+            with pytest.raises(ValueError, match="update_weights"):
+                engine.update_weights(bad)
+            with pytest.raises(ValueError, match="update_weights"):
+                engine.update_weights(nnx.split(bad)[1])
+        assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in first]
+    finally:
+        engine.update_weights(model)
+    _assert_idle(engine)
+
+
+def test_sleep_and_wake_up(llama):
+    _, engine = llama
+    prompts = _prompts(12, [3, 19, 33])
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    first = [o.token_ids for o in engine.generate(prompts, params)]
+    rid = engine.add_request(prompts[0], params)
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.sleep()
+    engine.abort(rid)
+    engine.sleep()
+    assert engine.is_sleeping and engine.runner.k is None and not engine.kv.pool.key_of
+    engine.sleep()  # twice is harmless
+    engine.wake_up()
+    assert not engine.is_sleeping
+    with _backend_compiles() as events:
+        assert [o.token_ids for o in engine.generate(prompts, params)] == first
+    assert events == []
+    _assert_idle(engine)
+
+
+def test_generate_while_asleep_raises_and_changes_nothing(llama):
+    _, engine = llama
+    prompts = _prompts(13, [9, 26])
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    first = [o.token_ids for o in engine.generate(prompts, params)]
+    engine.sleep()
+    try:
+        with pytest.raises(RuntimeError, match="asleep"):
+            engine.generate(prompts, params)
+        left_in_flight = engine.has_unfinished_requests()
+        engine.wake_up()
+        for rid in list(engine._requests):  # even with the stuck requests gone,
+            engine.abort(rid)
+        again = [o.token_ids for o in engine.generate(prompts, params)]  # the prefix cache serves unwritten blocks
+        assert (left_in_flight, again) == (False, first)
+    finally:
+        engine.wake_up()
+        for rid in list(engine._requests):
+            engine.abort(rid)
+        engine.reset_prefix_cache()
+
+
+# -- streaming ----------------------------------------------------------------------------------------
+
+
+def test_stream_deltas_add_up(llama):
+    _, engine = llama
+    [prompt] = _prompts(14, [11])
+    params = SamplingParams(max_tokens=7, **GREEDY)
+    outs = list(engine.stream(prompt, params))
+    assert len(outs) == 7 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert [t for o in outs for t in o.delta_token_ids] == outs[-1].token_ids
+    assert all(len(o.delta_token_ids) == 1 for o in outs)
+    assert outs[-1].token_ids == engine.generate(prompt, params)[0].token_ids
+    # n = 2: each sample's deltas add up to its own tokens
+    outs = list(engine.stream(prompt, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=5)))
+    for i in range(2):
+        mine = [o for o in outs if o.index == i]
+        assert [t for o in mine for t in o.delta_token_ids] == mine[-1].token_ids and mine[-1].finished
+    _assert_idle(engine)
+
+
+def test_closing_a_stream_aborts_it(llama):
+    _, engine = llama
+    [prompt] = _prompts(15, [30])
+    it = engine.stream(prompt, SamplingParams(max_tokens=30, temperature=1.0), request_id="s")
+    next(it)
+    next(it)
+    assert engine.kv.pool.num_free < engine.kv.pool.num_blocks
+    it.close()
+    _assert_idle(engine)
+
+
+# -- logprobs -----------------------------------------------------------------------------------------
+
+
+def test_logprobs_match_the_model(llama):
+    model, engine = llama
+    prompts = _prompts(16, [6, 25])
+    params = [SamplingParams(logprobs=3, max_tokens=6, **GREEDY),
+              SamplingParams(logprobs=3, temperature=1.0, seed=5, max_tokens=6)]
+    outs = engine.generate(prompts, params)
+    for prompt, out, p in zip(prompts, outs, params):
+        lsm = _log_softmax_teacher_forced(model, prompt + out.token_ids)
+        assert len(out.logprobs) == len(out.top_logprobs) == len(out.token_ids) == 6
+        for i, (tok, lp, top) in enumerate(zip(out.token_ids, out.logprobs, out.top_logprobs)):
+            row = lsm[len(prompt) - 1 + i]
+            assert lp == pytest.approx(row[tok], abs=1e-4)
+            assert len(top) == 3
+            assert list(top) == sorted(top, key=top.get, reverse=True)  # most likely first
+            assert set(top) == set(np.argsort(-row)[:3].tolist())
+            for t, v in top.items():
+                assert v == pytest.approx(row[t], abs=1e-4)
+            if p.temperature == 0:
+                assert tok in top and top[tok] == pytest.approx(lp, abs=1e-6) and tok == int(np.argmax(row))
+    # logprobs=0: the sampled token's logprob only
+    [out] = engine.generate(prompts[0], SamplingParams(logprobs=0, max_tokens=3, **GREEDY))
+    assert out.top_logprobs is None and len(out.logprobs) == 3
+    assert engine.generate(prompts[0], SamplingParams(max_tokens=3, **GREEDY))[0].logprobs is None
+    _assert_idle(engine)
+
+
+def test_logprobs_with_a_vocabulary_smaller_than_max_logprobs():
+    cfg = _llama_config(vocab_size=11, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1)
+    engine = _engine(Decoder(cfg, rngs=nnx.Rngs(0)), max_model_len=8, max_num_seqs=1, max_num_batched_tokens=4,
+                     block_size=4, num_kv_blocks=4)
+    [out] = engine.generate([[1, 2, 3]], SamplingParams(logprobs=2, max_tokens=2, **GREEDY))
+    assert [len(top) for top in out.top_logprobs] == [2, 2]
+
+
+# -- stop rules ---------------------------------------------------------------------------------------
+
+
+def test_stop_token_ids_and_max_tokens(llama, monkeypatch):
+    model, engine = llama
+    [prompt] = _prompts(17, [9])
+    [free] = engine.generate(prompt, SamplingParams(max_tokens=10, **GREEDY))
+    assert free.finish_reason == "length" and free.stop_reason is None and len(free.token_ids) == 10
+    stop = free.token_ids[4]
+    cut = free.token_ids.index(stop) + 1
+    [out] = engine.generate(prompt, SamplingParams(max_tokens=10, stop_token_ids=[stop], **GREEDY))
+    assert out.token_ids == free.token_ids[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == _reference(model, [prompt], 10, stop_token_ids=[stop])[0]
+    # max_tokens=None runs to the context window
+    [long] = engine.generate(list(range(60)), SamplingParams(max_tokens=None, **GREEDY))
+    assert len(long.token_ids) == 4 and long.finish_reason == "length"
+    # EOS (a tokenizer's) stops unless ignore_eos; explicit stop ids still stop with ignore_eos
+    monkeypatch.setattr(engine, "eos_token_ids", frozenset({stop}))
+    [eos] = engine.generate(prompt, SamplingParams(max_tokens=10, **GREEDY))
+    assert eos.token_ids == free.token_ids[:cut] and eos.finish_reason == "stop" and eos.stop_reason == stop
+    [ignored] = engine.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY))
+    assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
+    [both] = engine.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[stop], **GREEDY))
+    assert both.token_ids == free.token_ids[:cut] and both.finish_reason == "stop"
+    _assert_idle(engine)
+
+
+# -- text -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_engine():
+    gguf = pytest.importorskip("gguf")
+    from tunix_rt.checkpoints.default_model import DefaultModelMissing, default_model_path
+    from tunix_rt.checkpoints.tokenizer import Tokenizer
+
+    try:
+        path = default_model_path()
+    except DefaultModelMissing as e:
+        pytest.skip(str(e))
+    tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    cfg = _llama_config(vocab_size=tokenizer.vocab_size, hidden_size=16, intermediate_size=32, num_layers=1,
+                        num_heads=2, num_kv_heads=1, tie_word_embeddings=True)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    return tokenizer, _engine(model, tokenizer, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                              block_size=8, num_kv_blocks=16)
+
+
+PROMPT = "The quick brown fox jumps over"
+
+
+def test_text_is_the_decoded_tokens(text_engine):
+    tokenizer, engine = text_engine
+    [out] = engine.generate(PROMPT, SamplingParams(max_tokens=16, **GREEDY))
+    assert out.prompt_token_ids == tokenizer.encode(PROMPT)
+    assert out.finish_reason == "length" and len(out.token_ids) == 16
+    assert out.text == tokenizer.decode(out.token_ids) and out.text
+    streamed = list(engine.stream(PROMPT, SamplingParams(max_tokens=16, **GREEDY)))
+    assert "".join(o.delta_text for o in streamed) == out.text == streamed[-1].text
+    # sampled (varied) tokens too, two prompts at once
+    outs = engine.generate([PROMPT, "Hello"], SamplingParams(max_tokens=24, temperature=1.0, seed=1))
+    for out in outs:
+        assert out.text == tokenizer.decode(out.token_ids) and len(set(out.token_ids)) > 10
+    _assert_idle(engine)
+
+
+def test_stop_strings(text_engine):
+    _, engine = text_engine
+    # the tiny random model's greedy text repeats one token, so a stop string would match at once:
+    # seeded sampling gives reproducible, varied text instead
+    params = dict(max_tokens=24, temperature=1.0, seed=0)
+    [full] = engine.generate(PROMPT, SamplingParams(**params))
+    text = full.text
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    at = text.find(stop)
+    assert at > 0, (text, stop)
+    [out] = engine.generate(PROMPT, SamplingParams(stop=[stop], **params))
+    assert out.text == text[:at]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == full.token_ids[:len(out.token_ids)] and len(out.token_ids) < len(full.token_ids)
+    [kept] = engine.generate(PROMPT, SamplingParams(stop=stop, include_stop_str_in_output=True, **params))
+    assert kept.text == text[:at + len(stop)] and kept.stop_reason == stop
+    assert kept.token_ids == out.token_ids
+    # a stop string that never appears changes nothing
+    [same] = engine.generate(PROMPT, SamplingParams(stop=["\x00never"], **params))
+    assert same.text == text and same.finish_reason == "length" and same.stop_reason is None
+    # streamed text never shows the stop string, not even a prefix of it
+    streamed = list(engine.stream(PROMPT, SamplingParams(stop=[stop], **params)))
+    assert "".join(o.delta_text for o in streamed) == text[:at] and streamed[-1].finish_reason == "stop"
+    _assert_idle(engine)
+
+
+def test_stats_fields(llama):
+    _, engine = llama
+    [prompt] = _prompts(18, [14])
+    engine.generate([prompt, prompt], SamplingParams(max_tokens=2, **GREEDY))
+    stats = engine.stats()
+    assert dataclasses.asdict(stats)["num_blocks"] == 64 and stats.block_size == 4
+    assert stats.prompt_tokens > 0 and stats.generation_tokens > 0
+    assert 0 < stats.prefix_cache_hit_rate < 1
+    assert stats.prefix_cache_hit_rate == pytest.approx(stats.prefix_cache_hits / stats.prefix_cache_queries)

@@ -505,14 +505,20 @@ constexpr int kMR = 6, kNR = 16;
 
 using DequantFn = void (*)(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out);
 using TransposeFn = void (*)(const float* colbuf, int64_t kk, float* panel);
-// sum_k a[k] * b[k] for k < kk (kk a multiple of 32): the exact path's small-M kernel, which dots
-// each dequantized column with each row instead of building panels.
-using DotF32Fn = float (*)(const float* a, const float* b, int64_t kk);
+// The exact path's small-M kernel: y[r * ldy + col] = x[r] . dequantize(column col) for r < m,
+// without building panels. `column` is scratch for K floats (the scalar version's).
+using ColumnDotsFn = void (*)(const Weights& w, int64_t col, const float* x, int64_t m, float* column, float* y,
+                              int64_t ldy);
 
-float DotF32Scalar(const float* a, const float* b, int64_t kk) {
-  float acc = 0.0f;
-  for (int64_t k = 0; k < kk; ++k) acc += a[k] * b[k];
-  return acc;
+void ColumnDotsScalar(const Weights& w, int64_t col, const float* x, int64_t m, float* column, float* y,
+                      int64_t ldy) {
+  const int64_t k = w.l.k;
+  DequantizeRange(w, col, 0, k, column);
+  for (int64_t r = 0; r < m; ++r) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < k; ++i) acc += x[r * k + i] * column[i];
+    y[r * ldy + col] = acc;
+  }
 }
 
 void TransposePanelScalar(const float* colbuf, int64_t kk, float* panel) {
@@ -597,17 +603,6 @@ void MicroAvx2Any(const float* xp, const float* panel, int64_t kk, float* y, int
   kTable[rows - 1](xp, panel, kk, y, ldy, cols);
 }
 
-AVX2_FN float DotF32Avx2(const float* a, const float* b, int64_t kk) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-  for (int64_t k = 0; k < kk; k += 32) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), s1);
-    s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16), _mm256_loadu_ps(b + k + 16), s2);
-    s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 24), _mm256_loadu_ps(b + k + 24), s3);
-  }
-  return HSum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-}
-
 // Codes of 8 elements as f32: 4-bit codes come as bytes already unpacked.
 AVX2_FN inline __m256 BytesToF32(__m128i bytes8, bool is_signed) {
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
@@ -650,17 +645,65 @@ AVX2_FN void DequantizeRangeAvx2(const Weights& w, int64_t col, int64_t k0, int6
     }
   }
 }
+
+// Dequantize-and-dot for up to kGemvRows rows: each 32-block's weights are dequantized in
+// registers (DequantizeRangeAvx2's arithmetic) and multiplied into every row's accumulators.
+template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
+AVX2_FN void ColumnDotsAvx2(const Weights& w, int64_t col, const float* x, int64_t m, float*, float* y, int64_t ldy) {
+  const uint8_t* row = w.row(col);
+  const int64_t k = w.l.k, groups = w.l.groups();
+  const int shift = GroupShift(w.l.group);
+  __m256 acc0[kGemvRows], acc1[kGemvRows];
+  for (int64_t r = 0; r < m; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / kSub; ++b) {
+    const int64_t si = col * groups + (b >> shift);
+    const __m256 d = _mm256_set1_ps(ScaleAt<kF16>(w.scales, si));
+    const __m256 mn = _mm256_set1_ps(kHasMin ? _cvtsh_ss(w.mins[si]) : 0.0f);
+    __m128i part[4];
+    if constexpr (kBits == 8) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kSub));
+      const __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
+      part[0] = lo;
+      part[1] = _mm_srli_si128(lo, 8);
+      part[2] = hi;
+      part[3] = _mm_srli_si128(hi, 8);
+    } else {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kSub / 2));
+      const __m128i mask = _mm_set1_epi8(0x0f);
+      const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+      part[0] = lo;
+      part[1] = _mm_srli_si128(lo, 8);
+      part[2] = hi;
+      part[3] = _mm_srli_si128(hi, 8);
+    }
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) {
+      __m256 q = BytesToF32(part[j], kBits == 8);
+      if constexpr (kOffset8) q = _mm256_sub_ps(q, _mm256_set1_ps(8.0f));
+      v[j] = _mm256_mul_ps(d, q);
+      if constexpr (kHasMin) v[j] = _mm256_add_ps(v[j], mn);
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xb = x + r * k + b * kSub;
+      acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb), v[0], acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), v[1], acc1[r]);
+      acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), v[2], acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), v[3], acc1[r]);
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) y[r * ldy + col] = HSum(_mm256_add_ps(acc0[r], acc1[r]));
+}
 #endif
 
 struct GemmKernels {
   DequantFn deq;
   TransposeFn transpose;
   MicroFn micro;
-  DotF32Fn dot;
+  ColumnDotsFn column_dots;
 };
 
 GemmKernels SelectGemm(int32_t fmt) {
-  GemmKernels g{DequantizeRange, TransposePanelScalar, MicroScalar, DotF32Scalar};
+  GemmKernels g{DequantizeRange, TransposePanelScalar, MicroScalar, ColumnDotsScalar};
 #ifdef TUNIX_RT_X86
   if (isa_level() >= IsaLevel::kAvx2 && cpu_features().f16c) {
     static constexpr DequantFn kDeq[kNumFormats] = {
@@ -668,7 +711,12 @@ GemmKernels SelectGemm(int32_t fmt) {
         DequantizeRangeAvx2<4, false, true, true>,  DequantizeRangeAvx2<8, false, false, false>,
         DequantizeRangeAvx2<4, true, false, false>,
     };
-    g = GemmKernels{kDeq[fmt], TransposePanelAvx2, MicroAvx2Any, DotF32Avx2};
+    static constexpr ColumnDotsFn kDots[kNumFormats] = {
+        ColumnDotsAvx2<8, false, false, true>, ColumnDotsAvx2<4, true, false, true>,
+        ColumnDotsAvx2<4, false, true, true>,  ColumnDotsAvx2<8, false, false, false>,
+        ColumnDotsAvx2<4, true, false, false>,
+    };
+    g = GemmKernels{kDeq[fmt], TransposePanelAvx2, MicroAvx2Any, kDots[fmt]};
   }
 #endif
   return g;
@@ -680,10 +728,7 @@ void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, int64_t
   const int64_t k = w.l.k, n = w.l.n;
   if (m <= kGemvRows) {  // too few rows to pay for panels: dequantize a column, dot it with each row
     std::vector<float> column(k);
-    for (int64_t c = c_begin; c < c_end; ++c) {
-      g.deq(w, c, 0, k, column.data());
-      for (int64_t r = 0; r < m; ++r) y[r * n + c] = g.dot(x + r * k, column.data(), k);
-    }
+    for (int64_t c = c_begin; c < c_end; ++c) g.column_dots(w, c, x, m, column.data(), y, n);
     return;
   }
   const int64_t row_tiles = (m + kMR - 1) / kMR;

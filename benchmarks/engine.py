@@ -155,25 +155,23 @@ def main() -> None:
     print(f"default model (SmolLM2-135M-Instruct Q4_1), kernel tier {isa_level()}, {jax.device_count()} device(s), "
           f"medians of {repeats}")
 
-    rows = []
+    ll_decode, ll_prefill = llama_cpp_rates(args.tokens, repeats, vocab)
+    print(f"{'':<28}{'engine tok/s':>14}{'reference':>12}{'llama.cpp':>12}{'eng/ref':>9}{'eng/llama':>11}", flush=True)
+
+    def row(label, e, r, ll=None):
+        print(f"{label:<28}{e:>14.1f}{r:>12.1f}{(f'{ll:.1f}' if ll else 'n/a'):>12}{e / r:>8.2f}x"
+              f"{(f'{e / ll:.2f}x' if ll else 'n/a'):>11}", flush=True)
+
+    decode = {}
     for s in streams:
-        e = median_rate(lambda: engine_decode(engine, s, args.tokens, s), repeats)
+        decode[s] = median_rate(lambda: engine_decode(engine, s, args.tokens, s), repeats)
         r = median_rate(lambda: reference_decode(model, s, args.tokens, s), repeats)
-        rows.append((f"decode, {s} stream{'s' if s > 1 else ''}", e, r))
+        row(f"decode, {s} stream{'s' if s > 1 else ''}", decode[s], r, ll_decode if s == 1 else None)
     e = median_rate(lambda: engine_prefill(engine, 3), repeats)
     r = median_rate(lambda: reference_prefill(model, 3), repeats)
-    rows.append((f"prefill, {PREFILL_LEN}-token prompt", e, r))
-    ll_decode, ll_prefill = llama_cpp_rates(args.tokens, repeats, vocab)
-    llama = {rows[0][0]: ll_decode, rows[-1][0]: ll_prefill}
-
-    print(f"{'':<28}{'engine tok/s':>14}{'reference':>12}{'llama.cpp':>12}{'eng/ref':>9}{'eng/llama':>11}")
-    for label, e, r in rows:
-        ll = llama.get(label)
-        print(f"{label:<28}{e:>14.1f}{r:>12.1f}{(f'{ll:.1f}' if ll else 'n/a'):>12}{e / r:>8.2f}x"
-              f"{(f'{e / ll:.2f}x' if ll else 'n/a'):>11}")
-    single = rows[0][1]
-    for label, e, _ in rows[1:-1]:
-        print(f"  aggregate {label}: {e / single:.2f}x single-stream")
+    row(f"prefill, {PREFILL_LEN}-token prompt", e, r, ll_prefill)
+    for s in streams[1:]:
+        print(f"  aggregate decode, {s} streams: {decode[s] / decode[1]:.2f}x single-stream")
     if ll_decode is None:
         print("llama.cpp: not installed (pip install llama-cpp-python) - no peer column")
     print(f"n=8 samples of one 400-token prompt: prefix-cache hit rate {shared_prompt_hit_rate(engine):.1%} "

@@ -23,7 +23,7 @@ from flax import nnx
 from tunix_rt.engine.params import MAX_LOGPROBS
 from tunix_rt.engine.sampler import SamplerOutput, SamplingTensors, sample_tokens
 from tunix_rt.engine.scheduler import ScheduledRequest
-from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.decoder import Decoder, head_logits
 from tunix_rt.models.kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -42,22 +42,22 @@ def _fit(n: int, sizes: tuple[int, ...]) -> int:
     return next(s for s in sizes if s >= n)
 
 
-def _compile_step(graphdef, treedef):
+def _compile_step(graphdef, treedef, head_def, head_treedef, config):
     """The two jitted programs with the model's structure closed over: a static graphdef argument
-    would be hashed on every call, and passing flat weight leaves skips pytree flattening."""
-
-    def model_of(leaves):
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    would be hashed on every call, and flat weight leaves skip pytree flattening. The sampler
+    takes only the output head's leaves: every leaf passed costs dispatch time on each step."""
 
     @functools.partial(jax.jit, donate_argnums=(1, 2))
     def forward(leaves, k, v, tokens, positions, slots, token_seq, block_tables):
+        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         cache = PagedKVCache(k, v, slots, token_seq, block_tables)
-        h, cache = model_of(leaves).hidden_states(tokens[None], positions[None], cache)
+        h, cache = model.hidden_states(tokens[None], positions[None], cache)
         return h[0], cache.k, cache.v
 
     @functools.partial(jax.jit, static_argnums=6)
-    def sample(leaves, hidden, rows, params, prompt_tokens, output_tokens, num_top_logprobs):
-        logits = model_of(leaves).logits(hidden[rows])
+    def sample(head_leaves, hidden, rows, params, prompt_tokens, output_tokens, num_top_logprobs):
+        head = nnx.merge(head_def, jax.tree.unflatten(head_treedef, head_leaves))
+        logits = head_logits(config, head, hidden[rows])
         return sample_tokens(logits, params, prompt_tokens, output_tokens, num_top_logprobs=num_top_logprobs)
 
     return forward, sample
@@ -74,9 +74,11 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int):
-        graphdef, state = nnx.split(model)
+        self.graphdef, state = nnx.split(model)
         self.leaves, self.treedef = jax.tree.flatten(state)
-        self._forward, self._sample = _compile_step(graphdef, self.treedef)
+        head_def, head_state = nnx.split(model.output_head())
+        self.head_leaves, head_treedef = jax.tree.flatten(head_state)
+        self._forward, self._sample = _compile_step(self.graphdef, self.treedef, head_def, head_treedef, model.config)
         cfg = model.config
         self.cache_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.num_layers = cfg.num_layers
@@ -118,6 +120,7 @@ class ModelRunner:
                 raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {new.dtype}{list(new.shape)}, the "
                                  f"engine's model has {old.dtype}{list(old.shape)}")
         self.leaves = [leaf for _, leaf in paths_leaves]
+        self.head_leaves = jax.tree.leaves(nnx.state(nnx.merge(self.graphdef, state).output_head()))
 
     def _note_compile(self, key: tuple) -> None:
         if key not in self.compiled:
@@ -156,7 +159,7 @@ class ModelRunner:
         self._note_compile(("forward", t_b))
         hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, tokens, positions, slots, token_seq, tables)
         self._note_compile(("sample", t_b, b_b, prompt_hist.shape[1], num_top))
-        out: SamplerOutput = self._sample(self.leaves, hidden, rows, params, prompt_hist, output_hist, num_top)
+        out: SamplerOutput = self._sample(self.head_leaves, hidden, rows, params, prompt_hist, output_hist, num_top)
         n = len(scheduled)
         return StepResult(np.asarray(out.tokens)[:n], np.asarray(out.logprobs)[:n], np.asarray(out.top_ids)[:n],
                           np.asarray(out.top_logprobs)[:n])

@@ -128,16 +128,12 @@ class Decoder(nnx.Module):
             cache = cache.end(tokens.shape[1])
         return self.final_norm(x), cache
 
+    def output_head(self) -> nnx.Module:
+        """The module mapping hidden states to vocabulary scores: the tied embedding or lm_head."""
+        return self.embed if self.config.tie_word_embeddings else self.lm_head
+
     def logits(self, h: jax.Array) -> jax.Array:
-        if self.config.tie_word_embeddings:
-            out = self.embed.attend(h)
-        else:
-            out = self.lm_head(h)
-        out = out.astype(jnp.float32)
-        if self.config.final_logit_softcap is not None:
-            cap = self.config.final_logit_softcap
-            out = jnp.tanh(out / cap) * cap
-        return out
+        return head_logits(self.config, self.output_head(), h)
 
     def __call__(self, tokens, positions, cache: DenseKVCache | PagedKVCache | None = None):
         h, cache = self.hidden_states(tokens, positions, cache)
@@ -147,3 +143,13 @@ class Decoder(nnx.Module):
     def new_cache(self, batch: int, max_len: int) -> DenseKVCache:
         c = self.config
         return DenseKVCache.create(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, self.dtype)
+
+
+def head_logits(cfg: ModelConfig, head: nnx.Module, h: jax.Array) -> jax.Array:
+    """f32 logits from the output head alone (the engine's sampler needs no other weights)."""
+    out = head.attend(h) if cfg.tie_word_embeddings else head(h)
+    out = out.astype(jnp.float32)
+    if cfg.final_logit_softcap is not None:
+        cap = cfg.final_logit_softcap
+        out = jnp.tanh(out / cap) * cap
+    return out

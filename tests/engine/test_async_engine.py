@@ -1,0 +1,101 @@
+"""AsyncEngine: concurrent streams from an event loop give what the synchronous engine gives;
+a stream closed early aborts its request and frees its blocks; a failing step fails every stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from tunix_rt.engine.async_engine import AsyncEngine
+from tunix_rt.engine.engine import Engine
+from tunix_rt.engine.params import SamplingParams
+from tunix_rt.models.config import FULL, ModelConfig, RopeConfig
+from tunix_rt.models.decoder import Decoder
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    cfg = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, rope=((FULL, RopeConfig(theta=10000.0)),))
+    model = Decoder(cfg, rngs=nnx.Rngs(3))
+    engine = Engine(model, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64)
+    async_engine = AsyncEngine(engine)
+    yield engine, async_engine
+    async_engine.shutdown()
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 97, size=n).tolist() for n in (5, 13, 2)]
+
+
+async def _collect(async_engine, prompt, params):
+    return [out async for out in async_engine.generate(prompt, params)]
+
+
+def test_concurrent_streams_match_the_sync_engine(engines):
+    engine, async_engine = engines
+    want = [o.token_ids for o in engine.generate(_prompts(), GREEDY)]
+
+    async def main():
+        return await asyncio.gather(*(_collect(async_engine, p, GREEDY) for p in _prompts()))
+
+    streams = asyncio.run(main())
+    for outs, expected in zip(streams, want):
+        assert [t for o in outs for t in o.delta_token_ids] == expected
+        assert outs[-1].finished and outs[-1].token_ids == expected
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+
+
+def test_n_samples_all_arrive(engines):
+    _, async_engine = engines
+    outs = asyncio.run(_collect(async_engine, _prompts()[0], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4)))
+    finished = sorted(o.index for o in outs if o.finished)
+    assert finished == [0, 1, 2]
+
+
+def test_closing_a_stream_early_aborts_it(engines):
+    engine, async_engine = engines
+
+    async def main():
+        stream = async_engine.generate(_prompts()[1], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        first = await stream.__anext__()
+        await stream.aclose()  # what the server does when a client disconnects
+        return first
+
+    first = asyncio.run(main())
+    assert not first.finished
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+
+
+def test_a_failing_step_fails_the_stream_and_leaves_the_engine_usable(engines, monkeypatch):
+    engine, async_engine = engines
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine.runner, "execute", boom)
+        with pytest.raises(RuntimeError, match="kernel exploded"):
+            asyncio.run(_collect(async_engine, _prompts()[0], GREEDY))
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    outs = asyncio.run(_collect(async_engine, _prompts()[0], GREEDY))
+    assert outs[-1].token_ids == engine.generate([_prompts()[0]], GREEDY)[0].token_ids
+
+
+def test_stats_and_bad_requests(engines):
+    _, async_engine = engines
+    assert async_engine.stats().num_running == 0
+
+    async def bad():
+        return await _collect(async_engine, [], GREEDY)
+
+    with pytest.raises(ValueError, match="empty"):
+        asyncio.run(bad())

@@ -608,81 +608,52 @@ AVX2_FN inline __m256 BytesToF32(__m128i bytes8, bool is_signed) {
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
 }
 
-// Same arithmetic as DequantizeRange (d * (q - 8), d * q + m, d * q), eight lanes at a time.
+// Block b of column `col` as four 8-lane vectors in element order, with DequantizeRange's
+// arithmetic (d * (q - 8), d * q + m, d * q).
+template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
+AVX2_FN inline void DequantBlockAvx2(const Weights& w, int64_t col, int64_t b, __m256 v[4]) {
+  const uint8_t* row = w.row(col);
+  const int64_t si = col * w.l.groups() + (b >> GroupShift(w.l.group));
+  const __m256 d = _mm256_set1_ps(ScaleAt<kF16>(w.scales, si));
+  __m128i lo, hi;
+  if constexpr (kBits == 8) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kSub));
+    lo = _mm256_castsi256_si128(raw);
+    hi = _mm256_extracti128_si256(raw, 1);
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kSub / 2));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    lo = _mm_and_si128(raw, mask);
+    hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  }
+  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int j = 0; j < 4; ++j) {
+    __m256 q = BytesToF32(part[j], kBits == 8);
+    if constexpr (kOffset8) q = _mm256_sub_ps(q, _mm256_set1_ps(8.0f));
+    v[j] = _mm256_mul_ps(d, q);
+    if constexpr (kHasMin) v[j] = _mm256_add_ps(v[j], _mm256_set1_ps(_cvtsh_ss(w.mins[si])));
+  }
+}
+
 template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
 AVX2_FN void DequantizeRangeAvx2(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out) {
-  const uint8_t* row = w.row(col);
-  const int64_t groups = w.l.groups();
-  const int shift = GroupShift(w.l.group);  // block -> group without a division per block
   for (int64_t b = k0 / kSub; b < (k0 + kk) / kSub; ++b) {
-    const int64_t si = col * groups + (b >> shift);
-    const __m256 d = _mm256_set1_ps(ScaleAt<kF16>(w.scales, si));
-    const __m256 m = _mm256_set1_ps(kHasMin ? _cvtsh_ss(w.mins[si]) : 0.0f);
-    __m128i part[4];  // 4 x 8 codes, in element order
-    if constexpr (kBits == 8) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kSub));
-      const __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
-      part[0] = lo;
-      part[1] = _mm_srli_si128(lo, 8);
-      part[2] = hi;
-      part[3] = _mm_srli_si128(hi, 8);
-    } else {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kSub / 2));
-      const __m128i mask = _mm_set1_epi8(0x0f);
-      const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-      part[0] = lo;
-      part[1] = _mm_srli_si128(lo, 8);
-      part[2] = hi;
-      part[3] = _mm_srli_si128(hi, 8);
-    }
-    float* o = out + b * kSub - k0;
-    for (int j = 0; j < 4; ++j) {
-      __m256 q = BytesToF32(part[j], kBits == 8);
-      if constexpr (kOffset8) q = _mm256_sub_ps(q, _mm256_set1_ps(8.0f));
-      __m256 v = _mm256_mul_ps(d, q);
-      if constexpr (kHasMin) v = _mm256_add_ps(v, m);
-      _mm256_storeu_ps(o + 8 * j, v);
-    }
+    __m256 v[4];
+    DequantBlockAvx2<kBits, kOffset8, kHasMin, kF16>(w, col, b, v);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + b * kSub - k0 + 8 * j, v[j]);
   }
 }
 
 // Dequantize-and-dot for up to kGemvRows rows: each 32-block's weights are dequantized in
-// registers (DequantizeRangeAvx2's arithmetic) and multiplied into every row's accumulators.
+// registers (DequantBlockAvx2) and multiplied into every row's accumulators.
 template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
 AVX2_FN void ColumnDotsAvx2(const Weights& w, int64_t col, const float* x, int64_t m, float*, float* y, int64_t ldy) {
-  const uint8_t* row = w.row(col);
-  const int64_t k = w.l.k, groups = w.l.groups();
-  const int shift = GroupShift(w.l.group);
+  const int64_t k = w.l.k;
   __m256 acc0[kGemvRows], acc1[kGemvRows];
   for (int64_t r = 0; r < m; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < k / kSub; ++b) {
-    const int64_t si = col * groups + (b >> shift);
-    const __m256 d = _mm256_set1_ps(ScaleAt<kF16>(w.scales, si));
-    const __m256 mn = _mm256_set1_ps(kHasMin ? _cvtsh_ss(w.mins[si]) : 0.0f);
-    __m128i part[4];
-    if constexpr (kBits == 8) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kSub));
-      const __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
-      part[0] = lo;
-      part[1] = _mm_srli_si128(lo, 8);
-      part[2] = hi;
-      part[3] = _mm_srli_si128(hi, 8);
-    } else {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kSub / 2));
-      const __m128i mask = _mm_set1_epi8(0x0f);
-      const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-      part[0] = lo;
-      part[1] = _mm_srli_si128(lo, 8);
-      part[2] = hi;
-      part[3] = _mm_srli_si128(hi, 8);
-    }
     __m256 v[4];
-    for (int j = 0; j < 4; ++j) {
-      __m256 q = BytesToF32(part[j], kBits == 8);
-      if constexpr (kOffset8) q = _mm256_sub_ps(q, _mm256_set1_ps(8.0f));
-      v[j] = _mm256_mul_ps(d, q);
-      if constexpr (kHasMin) v[j] = _mm256_add_ps(v[j], mn);
-    }
+    DequantBlockAvx2<kBits, kOffset8, kHasMin, kF16>(w, col, b, v);
     for (int64_t r = 0; r < m; ++r) {
       const float* xb = x + r * k + b * kSub;
       acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb), v[0], acc0[r]);

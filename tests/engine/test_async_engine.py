@@ -18,14 +18,20 @@ from tunix_rt.models.decoder import Decoder
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
 
+def _engine(model) -> Engine:
+    return Engine(model, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64)
+
+
 @pytest.fixture(scope="module")
 def engines():
+    """(a synchronous engine for expected outputs, the engine the AsyncEngine owns, the AsyncEngine):
+    once an AsyncEngine runs an engine, only its thread may step it."""
     cfg = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8, rope=((FULL, RopeConfig(theta=10000.0)),))
     model = Decoder(cfg, rngs=nnx.Rngs(3))
-    engine = Engine(model, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64)
-    async_engine = AsyncEngine(engine)
-    yield engine, async_engine
+    owned = _engine(model)
+    async_engine = AsyncEngine(owned)
+    yield _engine(model), owned, async_engine
     async_engine.shutdown()
 
 
@@ -39,8 +45,8 @@ async def _collect(async_engine, prompt, params):
 
 
 def test_concurrent_streams_match_the_sync_engine(engines):
-    engine, async_engine = engines
-    want = [o.token_ids for o in engine.generate(_prompts(), GREEDY)]
+    sync, engine, async_engine = engines
+    want = [o.token_ids for o in sync.generate(_prompts(), GREEDY)]
 
     async def main():
         return await asyncio.gather(*(_collect(async_engine, p, GREEDY) for p in _prompts()))
@@ -53,14 +59,14 @@ def test_concurrent_streams_match_the_sync_engine(engines):
 
 
 def test_n_samples_all_arrive(engines):
-    _, async_engine = engines
+    _, _, async_engine = engines
     outs = asyncio.run(_collect(async_engine, _prompts()[0], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4)))
     finished = sorted(o.index for o in outs if o.finished)
     assert finished == [0, 1, 2]
 
 
 def test_closing_a_stream_early_aborts_it(engines):
-    engine, async_engine = engines
+    _, engine, async_engine = engines
 
     async def main():
         stream = async_engine.generate(_prompts()[1], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
@@ -75,7 +81,7 @@ def test_closing_a_stream_early_aborts_it(engines):
 
 
 def test_a_failing_step_fails_the_stream_and_leaves_the_engine_usable(engines, monkeypatch):
-    engine, async_engine = engines
+    sync, engine, async_engine = engines
 
     def boom(*args, **kwargs):
         raise RuntimeError("kernel exploded")
@@ -87,11 +93,11 @@ def test_a_failing_step_fails_the_stream_and_leaves_the_engine_usable(engines, m
     assert not engine.has_unfinished_requests()
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
     outs = asyncio.run(_collect(async_engine, _prompts()[0], GREEDY))
-    assert outs[-1].token_ids == engine.generate([_prompts()[0]], GREEDY)[0].token_ids
+    assert outs[-1].token_ids == sync.generate([_prompts()[0]], GREEDY)[0].token_ids
 
 
 def test_stats_and_bad_requests(engines):
-    _, async_engine = engines
+    _, _, async_engine = engines
     assert async_engine.stats().num_running == 0
 
     async def bad():

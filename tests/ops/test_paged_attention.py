@@ -13,10 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -26,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.isa_tiers import expected_tier, hardware_tier, run_tiers
 from tunix_rt.ops import _ffi, paged_attention, paged_attention_reference, write_kv, write_kv_reference
 
 WRITE_TARGET, ATTEND_TARGET = "tunix_rt_write_kv", "tunix_rt_paged_attention"
@@ -993,11 +991,6 @@ _TIER_CONFIGS = [
 ]
 
 
-def _hardware_tier() -> str:
-    f = _ffi.cpu_features()
-    return "avx2" if (f.get("avx2") and f.get("fma")) else "scalar"
-
-
 def _tier_case():
     # head_dim 37: the 16-wide, 8-wide and scalar tails of every vector loop
     rng = np.random.default_rng(40)
@@ -1016,24 +1009,13 @@ def tier_runs(tmp_path_factory):
     case, k, v, slots = _tier_case()
     data = tmp / "data.npz"
     np.savez(data, q=case.q, kc=case.kc, vc=case.vc, bt=case.bt, ts=case.ts, tp=case.tp, k=k, v=v, slots=slots)
-    procs = {}
-    for tier in _TIERS:  # both at once: each is mostly jax start-up
-        env = dict(os.environ, TUNIX_RT_ISA=tier, JAX_PLATFORMS="cpu")
-        npz = tmp / f"{tier}.npz"
-        cmd = [sys.executable, "-c", _TIER_SCRIPT, str(data), json.dumps(_TIER_CONFIGS), str(npz)]
-        procs[tier] = (npz, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = {}
-    for tier, (npz, proc) in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, stderr[-4000:]
-        out[tier] = (json.loads(stdout.strip().splitlines()[-1]), dict(np.load(npz)))
-    return out
+    return run_tiers(_TIERS, _TIER_SCRIPT, tmp, [str(data), json.dumps(_TIER_CONFIGS)])
 
 
 @pytest.mark.parametrize("tier", _TIERS)
 def test_isa_tier_matches_reference(tier_runs, tier):
     report, res = tier_runs[tier]
-    assert report["isa"] == _TIERS[min(_TIERS.index(tier), _TIERS.index(_hardware_tier()))]
+    assert report["isa"] == expected_tier(tier)
     case, k, v, slots = _tier_case()
     kc, vc = jax.jit(write_kv_reference)(jnp.asarray(case.kc), jnp.asarray(case.vc), jnp.asarray(k),
                                          jnp.asarray(v), jnp.asarray(slots))
@@ -1047,7 +1029,7 @@ def test_isa_tier_matches_reference(tier_runs, tier):
         np.testing.assert_allclose(res[f"out{i}"], _f32(ref), **tol, err_msg=f"{tier} config {i}")
 
 
-@pytest.mark.skipif(_hardware_tier() == "scalar", reason="needs a SIMD tier to compare with scalar")
+@pytest.mark.skipif(hardware_tier() == "scalar", reason="needs a SIMD tier to compare with scalar")
 def test_isa_cap_changes_the_kernels(tier_runs):
     """The cap selects different kernels, not only a different name: AVX2's fused multiply-adds and
     16-lane dot order round differently from the scalar loops, so some f32 output bits differ."""

@@ -18,10 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import gguf
@@ -33,6 +29,7 @@ from gguf import GGMLQuantizationType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.isa_tiers import expected_tier, hardware_tier, run_tiers
 from tunix_rt.ops import (
     FORMATS,
     QuantizedTensor,
@@ -908,32 +905,15 @@ _TIER_SCRIPT = textwrap.dedent(
 _TIERS = ("scalar", "avx2")
 
 
-def _hardware_tier() -> str:
-    f = _ffi.cpu_features()
-    return "avx2" if (f.get("avx2") and f.get("fma")) else "scalar"
-
-
 @pytest.fixture(scope="module")
 def tier_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("quant_isa")
-    procs = {}
-    for tier in _TIERS:  # both at once: each is mostly jax start-up
-        env = dict(os.environ, TUNIX_RT_ISA=tier, JAX_PLATFORMS="cpu")
-        npz = tmp / f"{tier}.npz"
-        procs[tier] = (npz, subprocess.Popen([sys.executable, "-c", _TIER_SCRIPT, str(npz)], env=env,
-                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = {}
-    for tier, (npz, proc) in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, stderr[-4000:]
-        out[tier] = (json.loads(stdout.strip().splitlines()[-1]), dict(np.load(npz)))
-    return out
+    return run_tiers(_TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("quant_isa"))
 
 
 @pytest.mark.parametrize("tier", _TIERS)
 def test_isa_tier_matches_reference(tier_runs, tier):
     report, res = tier_runs[tier]
-    assert report["isa"] == _TIERS[min(_TIERS.index(tier), _TIERS.index(_hardware_tier()))]
+    assert report["isa"] == expected_tier(tier)
     rng = np.random.default_rng(99)
     w = jnp.asarray(rng.standard_normal((256, 40)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((11, 256)), jnp.float32)
@@ -952,7 +932,7 @@ def test_isa_tier_matches_reference(tier_runs, tier):
         assert np.linalg.norm(res[f"{fmt}_ybf16"] - y_ref) / np.linalg.norm(y_ref) <= 1e-2
 
 
-@pytest.mark.skipif(_hardware_tier() == "scalar", reason="needs a SIMD tier to compare with scalar")
+@pytest.mark.skipif(hardware_tier() == "scalar", reason="needs a SIMD tier to compare with scalar")
 def test_isa_tiers_agree(tier_runs):
     """Same integer dots; only the f32 accumulation order/FMA differ."""
     _, scalar = tier_runs["scalar"]

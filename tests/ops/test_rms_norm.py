@@ -8,7 +8,6 @@ so f32 forward results agree per element to ~1e-5 relative and bf16 results to a
 from __future__ import annotations
 
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.isa_tiers import expected_tier, hardware_tier, run_tiers
 from tunix_rt.ops import _ffi, rms_norm, rms_norm_reference
 
 FWD_TARGET = "tunix_rt_rms_norm_fwd"
@@ -593,36 +593,15 @@ _TIER_SCRIPT = textwrap.dedent(
 _TIERS = ("scalar", "avx2", "avx512")
 
 
-def _hardware_tier() -> str:
-    f = _ffi.cpu_features()
-    if not (f.get("avx2") and f.get("fma")):
-        return "scalar"
-    if f.get("avx512f") and f.get("avx512bw") and f.get("avx512vl"):
-        return "avx512"
-    return "avx2"
-
-
 @pytest.fixture(scope="module")
 def tier_runs(tmp_path_factory):
-    out = {}
-    tmp = tmp_path_factory.mktemp("isa")
-    for tier in _TIERS:
-        env = dict(os.environ, TUNIX_RT_ISA=tier, JAX_PLATFORMS="cpu")
-        npz = tmp / f"{tier}.npz"
-        proc = subprocess.run(
-            [sys.executable, "-c", _TIER_SCRIPT, str(npz)], env=env, capture_output=True, text=True, timeout=300
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        report = json.loads(proc.stdout.strip().splitlines()[-1])
-        out[tier] = (report, dict(np.load(npz)))
-    return out
+    return run_tiers(_TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("isa"))
 
 
 @pytest.mark.parametrize("tier", _TIERS)
 def test_isa_tier_matches_reference(tier_runs, tier):
     report, _ = tier_runs[tier]
-    expected = _TIERS[min(_TIERS.index(tier), _TIERS.index(_hardware_tier()))]
-    assert report["isa"] == expected
+    assert report["isa"] == expected_tier(tier)
     for key, err in report["worst"].items():
         limit = 1e-5 if key.endswith("float32") else 1.6e-2
         assert err <= limit, (tier, key, err, report)
@@ -637,12 +616,12 @@ def test_isa_tiers_agree_with_each_other(tier_runs):
             np.testing.assert_allclose(other[key], a, rtol=1e-4, atol=atol, err_msg=f"{tier} {key}")
 
 
-@pytest.mark.skipif(_hardware_tier() == "scalar", reason="needs a SIMD tier to differ from scalar")
+@pytest.mark.skipif(hardware_tier() == "scalar", reason="needs a SIMD tier to differ from scalar")
 def test_isa_cap_changes_the_kernels(tier_runs):
     """The cap must select different kernels, not only a different name: the scalar and SIMD
     reductions sum in different orders, so some f32 output bits differ on D=300 rows."""
     _, scalar = tier_runs["scalar"]
-    _, simd = tier_runs[_hardware_tier()]
+    _, simd = tier_runs[hardware_tier()]
     assert any(not np.array_equal(scalar[k], simd[k]) for k in scalar)
 
 
@@ -658,11 +637,11 @@ _REREAD_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(_hardware_tier() == "scalar", reason="needs a SIMD tier to differ from scalar")
+@pytest.mark.skipif(hardware_tier() == "scalar", reason="needs a SIMD tier to differ from scalar")
 def test_isa_level_is_fixed_per_process():
     env = {k: v for k, v in os.environ.items() if k != "TUNIX_RT_ISA"}
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, "-c", _REREAD_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     before, after = proc.stdout.split()
-    assert before == after == _hardware_tier()
+    assert before == after == hardware_tier()

@@ -1,7 +1,8 @@
 """The engine driven from a background thread, for asyncio callers (the server).
 
 One thread owns the Engine and runs `step()` while there is work; callers add requests and read
-per-request queues of outputs from their own event loops. Closing a stream early (a client that
+per-request queues of outputs from their own event loops. Once an AsyncEngine runs an Engine,
+nothing else may step it (a second driver would take the first one's outputs). Closing a stream early (a client that
 disconnects) aborts its request, which frees its KV blocks at once. An error inside a step fails
 every request in flight with that error instead of leaving their streams waiting forever.
 """

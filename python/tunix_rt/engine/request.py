@@ -66,11 +66,13 @@ class Request:
             self.finish("length")
 
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        if self.detokenizer is not None and self.detokenizer.stop_reason is None:
+            self.text += self.detokenizer.flush()
+            if self.detokenizer.stop_reason is not None and reason != "abort":  # found in the held-back tail
+                reason, stop_reason = "stop", self.detokenizer.stop_reason
         self.status = Status.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
-        if self.detokenizer is not None and self.detokenizer.stop_reason is None:
-            self.text += self.detokenizer.flush()
 
     def output(self) -> RequestOutput:
         """The request as it stands, with what changed since the last output() as deltas."""

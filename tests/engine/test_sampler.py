@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tunix_rt.engine.sampler import (
-    NEUTRAL, SamplerOutput, SamplingTensors, apply_penalties, check_sampling_values, sample_tokens,
+    NEUTRAL, SamplerOutput, SamplingTensors, apply_penalties, sample_tokens,
 )
 from tunix_rt.engine.sampling import filter_logits
 
@@ -276,35 +276,6 @@ def test_from_rows_pads_with_neutral_values():
         SamplingTensors.from_rows([{}] * 3, 2)
     with pytest.raises(ValueError, match="top_kk"):
         SamplingTensors.from_rows([dict(top_kk=3)], 2)
-
-
-def _check(**overrides):
-    values = dict(NEUTRAL, vocab_size=V)
-    del values["seed"], values["step"]
-    values.update(overrides)
-    return check_sampling_values(**values)
-
-
-def test_check_sampling_values_normalises():
-    assert _check(top_k=-1)["top_k"] == 0
-    assert _check(top_k=V)["top_k"] == 0
-    assert _check(top_k=3)["top_k"] == 3
-    assert _check(temperature=1e-7)["temperature"] == 0.0
-    assert _check(temperature=0.8, presence_penalty=2, repetition_penalty=1.5) == dict(
-        temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=2.0, frequency_penalty=0.0,
-        repetition_penalty=1.5)
-
-
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -0.1), ("temperature", float("inf")), ("temperature", float("nan")), ("temperature", "1"),
-    ("top_k", -2), ("top_k", 1.5), ("top_k", True), ("top_p", 0.0), ("top_p", 1.01), ("min_p", -0.1),
-    ("min_p", 1.5), ("presence_penalty", 2.5), ("presence_penalty", -2.1), ("frequency_penalty", -3.0),
-    ("frequency_penalty", 2.01), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
-    ("repetition_penalty", float("inf")), ("vocab_size", 0),
-])
-def test_check_sampling_values_names_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
-        _check(**{field: value})
 
 
 def test_bad_shapes():

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,8 +59,8 @@ class SamplingTensors:
         """NumPy (B,) arrays from one dict per request, padded to `batch` rows with neutral values.
 
         A dict's keys are the field names; a key left out (or None) takes the neutral value of
-        `NEUTRAL` (greedy, no filter, no penalty, seed 0, step 0). Values are taken as given: check
-        them first with `check_sampling_values`. Seeds are reduced mod 2**32. The engine must give
+        `NEUTRAL` (greedy, no filter, no penalty, seed 0, step 0). Values are taken as given
+        (SamplingParams has validated them). Seeds are reduced mod 2**32. The engine must give
         every unseeded request a seed of its own, or equal prompts would draw equal tokens.
         """
         if len(rows) > batch:
@@ -163,47 +162,3 @@ def sample_tokens(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax
     else:
         top_logprobs, top_ids = jnp.zeros((batch, 0), jnp.float32), jnp.zeros((batch, 0), jnp.int32)
     return SamplerOutput(tokens, logprobs, top_ids.astype(jnp.int32), top_logprobs)
-
-
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return value
-
-
-def check_sampling_values(*, temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
-                          repetition_penalty, vocab_size: int) -> dict[str, Any]:
-    """Check one request's options (vLLM's bounds); raise ValueError naming the bad field.
-
-    Returns the normalised values as a dict for `SamplingTensors.from_rows`: floats as float, a
-    temperature below SAMPLING_EPS as 0.0 (greedy), top_k -1 (vLLM's "off") or >= vocab_size as 0.
-    """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size < 1:
-        raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
-    temperature = _number("temperature", temperature)
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < -1:
-        raise ValueError(f"top_k must be an integer >= 0, or -1 or 0 for off, got {top_k!r}")
-    top_p = _number("top_p", top_p)
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    min_p = _number("min_p", min_p)
-    if not 0 <= min_p <= 1:
-        raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
-    presence_penalty = _number("presence_penalty", presence_penalty)
-    if not -2 <= presence_penalty <= 2:
-        raise ValueError(f"presence_penalty must be in [-2, 2], got {presence_penalty!r}")
-    frequency_penalty = _number("frequency_penalty", frequency_penalty)
-    if not -2 <= frequency_penalty <= 2:
-        raise ValueError(f"frequency_penalty must be in [-2, 2], got {frequency_penalty!r}")
-    repetition_penalty = _number("repetition_penalty", repetition_penalty)
-    if not repetition_penalty > 0:
-        raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {repetition_penalty!r}")
-    return dict(temperature=0.0 if temperature < SAMPLING_EPS else temperature,
-                top_k=0 if top_k == -1 or top_k >= vocab_size else int(top_k), top_p=top_p, min_p=min_p,
-                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                repetition_penalty=repetition_penalty)

@@ -169,23 +169,13 @@ struct AttnArgs {
   void* out;
 };
 
-// Cache row `slot`, kv head `h` as f32: a pointer into the cache (f32) or into `scratch`.
-const float* CacheRow(const void* cache, bool bf16, const CacheShape& c, int64_t slot, int64_t h,
-                      float* scratch) {
-  const int64_t off = (slot * c.kv_heads + h) * c.head_dim;
-  if (!bf16) return static_cast<const float*>(cache) + off;
-  const uint16_t* src = static_cast<const uint16_t*>(cache) + off;
-  for (int64_t i = 0; i < c.head_dim; ++i) scratch[i] = Bf16ToF32(src[i]);
-  return scratch;
-}
-
 // One (token, kv head) item: the `group` query heads sharing that kv head, online softmax over
 // the visible blocks.
 ffi::Error AttendItem(const AttnArgs& a, const RowOps& ops, int64_t t, int64_t h, std::vector<float>& buf) {
   const int64_t d = a.c.head_dim, g = a.group, bs = a.c.block_size;
   buf.resize(g * d * 2 + g * bs + 2 * g + 2 * d);
-  float* q = buf.data();
-  float* acc = q + g * d;
+  float* qscratch = buf.data();
+  float* acc = qscratch + g * d;
   float* scores = acc + g * d;
   float* m = scores + g * bs;
   float* l = m + g;
@@ -203,9 +193,8 @@ ffi::Error AttendItem(const AttnArgs& a, const RowOps& ops, int64_t t, int64_t h
     if (p < 0 || p / bs >= a.max_blocks)
       return InvalidArgument("token_pos[" + std::to_string(t) + "] = " + std::to_string(p) +
                              " is outside [0, " + std::to_string(a.max_blocks * bs) + ") (block_tables width x block size)");
-    for (int64_t i = 0; i < g * d; ++i)
-      q[i] = a.q_bf16 ? Bf16ToF32(static_cast<const uint16_t*>(a.q)[qrow + i])
-                      : static_cast<const float*>(a.q)[qrow + i];
+    // The group's query heads are row t * kv_heads + h of q viewed as (T * kv_heads, group * head_dim).
+    const float* q = RowAsF32(a.q, a.q_bf16, t * a.c.kv_heads + h, g * d, qscratch);
     std::fill(acc, acc + g * d, 0.0f);
     std::fill(m, m + g, -std::numeric_limits<float>::infinity());
     std::fill(l, l + g, 0.0f);
@@ -220,7 +209,7 @@ ffi::Error AttendItem(const AttnArgs& a, const RowOps& ops, int64_t t, int64_t h
       const int64_t hi = std::min<int64_t>(p, b * bs + bs - 1) - b * bs;  // inclusive
       const int64_t n = hi - lo + 1;
       for (int64_t j = 0; j < n; ++j) {
-        const float* krow = CacheRow(a.kc, a.cache_bf16, a.c, block * bs + lo + j, h, kscratch);
+        const float* krow = RowAsF32(a.kc, a.cache_bf16, (block * bs + lo + j) * a.c.kv_heads + h, d, kscratch);
         for (int64_t gi = 0; gi < g; ++gi) {
           float sc = ops.dot(q + gi * d, krow, d) * a.scale;
           if (a.softcap > 0) sc = std::tanh(sc / a.softcap) * a.softcap;
@@ -242,7 +231,7 @@ ffi::Error AttendItem(const AttnArgs& a, const RowOps& ops, int64_t t, int64_t h
         if (corr != 1.0f) ops.scale(acc + gi * d, corr, d);
       }
       for (int64_t j = 0; j < n; ++j) {
-        const float* vrow = CacheRow(a.vc, a.cache_bf16, a.c, block * bs + lo + j, h, vscratch);
+        const float* vrow = RowAsF32(a.vc, a.cache_bf16, (block * bs + lo + j) * a.c.kv_heads + h, d, vscratch);
         for (int64_t gi = 0; gi < g; ++gi) ops.axpy(acc + gi * d, scores[gi * bs + j], vrow, d);
       }
     }

@@ -39,13 +39,6 @@ pytestmark = pytest.mark.skipif(
 HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _on_cpu():
-    """The FFI handlers are registered for CPU: run every test there even when an accelerator exists."""
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
-
-
 # ----------------------------------------------------------------------------------------------
 # helpers
 

@@ -129,8 +129,6 @@ class ModelRunner:
 
     def execute(self, scheduled: list[ScheduledRequest], block_lists: dict[str, list[int]]) -> StepResult:
         """Run one step; block_lists maps each sequence to its KV blocks (the KV manager's table)."""
-        if self.k is None:
-            raise RuntimeError("the engine is asleep: call wake_up() before generating")
         num_tokens = sum(s.num_new for s in scheduled)
         t_b = _fit(num_tokens, self.token_buckets)
         table_rows = min(t_b, self.max_num_seqs)

@@ -3,6 +3,7 @@
 from tunix_rt.checkpoints.loader import load
 from tunix_rt.engine.engine import Engine, EngineStats
 from tunix_rt.engine.params import RequestOutput, SamplingParams
+from tunix_rt.engine.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "EngineStats", "RequestOutput", "SamplingParams", "load", "__version__"]
+__all__ = ["Engine", "EngineStats", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "load", "__version__"]

@@ -50,6 +50,21 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("--group-size", type=int, default=None, help="int8/int4: 32, 64 or 128 (default 32)")
     quant.add_argument("--output", required=True, help="directory to write (HF layout; --model accepts it)")
 
+    serve = sub.add_parser("serve", help="serve the OpenAI API (/v1) plus /health and /metrics")
+    _add_model_arg(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
+    serve.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's, <= 4096)")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    serve.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins to allow (default: none)")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="sequences queued beyond --max-num-seqs before requests get 429")
+    serve.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    serve.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for the paged KV cache")
+
     sub.add_parser("info", help="versions, devices, CPU ISA features and registered FFI targets")
     return parser
 
@@ -151,7 +166,25 @@ def _info(args) -> int:
     return 0
 
 
-_COMMANDS = {"generate": _generate, "score": _score, "quantize": _quantize, "info": _info}
+def _serve(args) -> int:
+    from serving.app import ServeOptions, serve
+
+    for name in ("port", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes", "kv_cache_memory"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    logging.getLogger("tunix_rt").setLevel(logging.INFO)  # a server logs its loading and compiles
+    serve(ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+                       max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+                       allowed_origins=tuple(args.allowed_origins), max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
+                       max_body_bytes=args.max_body_bytes, kv_cache_memory=args.kv_cache_memory,
+                       dequantize=args.dequantize))
+    return 0
+
+
+_COMMANDS = {"generate": _generate, "score": _score, "quantize": _quantize, "serve": _serve, "info": _info}
 
 
 def main(argv: list[str] | None = None) -> int:

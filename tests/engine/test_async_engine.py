@@ -4,6 +4,7 @@ a stream closed early aborts its request and frees its blocks; a failing step fa
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -76,6 +77,10 @@ def test_closing_a_stream_early_aborts_it(engines):
 
     first = asyncio.run(main())
     assert not first.finished
+    # The abort is applied by the engine's thread before its next step (the request would run 40 steps).
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not engine.has_unfinished_requests()
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
 

@@ -402,10 +402,11 @@ def test_no_recompiles_after_warm_up(llama):
         lengths = [t // s + (j < t % s) for j in range(s)]
         engine.reset_prefix_cache()  # so every prompt token is computed
         engine.generate(_prompts(100 + i, lengths), SamplingParams(max_tokens=1, **GREEDY))
-    expected = {("forward", t) for t in runner.token_buckets} | {("sample", t, b, 1, 0) for t, b in shapes}
+    expected = {("forward", t) for t in runner.token_buckets} | {("sample", t, b, 1, 0, False) for t, b in shapes}
     assert expected <= runner.compiled
     compiled, num_compiles = set(runner.compiled), engine.stats().num_compiles
-    bound = len(runner.token_buckets) + len(shapes) * 2 * 2  # x {no penalties, penalties} x {no logprobs, logprobs}
+    # x {no penalties, penalties} x {no logprobs, logprobs} x {no grammar, grammar}
+    bound = len(runner.token_buckets) + len(shapes) * 2 * 2 * 2
     assert num_compiles <= bound
 
     # ~50 requests of varied lengths and options arriving while others run

@@ -69,6 +69,35 @@ class Tokenizer:
         # int() so numpy / jax integer arrays are accepted too.
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (for some tokens, part of a UTF-8 character): what OpenAI's
+        logprobs `bytes` carry, so clients can join split characters back together."""
+        piece = self.backend.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if int(token_id) in self._added_ids:
+            return piece.encode()
+        if self._byte_level:
+            table = _byte_level_decoder()
+            return bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether tokens are written in GPT-2's byte-level alphabet (one character per byte)."""
+        decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+        kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+        return "ByteLevel" in kinds
+
     def apply_chat_template(
         self,
         messages: list[dict],
@@ -169,6 +198,21 @@ class Tokenizer:
             extra_eos_token_ids=turn_ends,
             chat_template=meta.get("tokenizer.chat_template"),
         )
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: printable bytes stand for themselves, the others for
+    the characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    table, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
 
 
 def _read_json(path: Path) -> dict:

@@ -1,16 +1,20 @@
 """The engine driven from a background thread, for asyncio callers (the server).
 
-One thread owns the Engine and runs `step()` while there is work; callers add requests and read
-per-request queues of outputs from their own event loops. Once an AsyncEngine runs an Engine,
-nothing else may step it (a second driver would take the first one's outputs). Closing a stream early (a client that
-disconnects) aborts its request, which frees its KV blocks at once. An error inside a step fails
-every request in flight with that error instead of leaving their streams waiting forever.
+One thread owns the Engine: it takes new requests and aborts from an inbox between steps, runs
+`step()` while there is work, and hands each output to its caller's asyncio queue. Callers never
+wait for a step to end (an event loop must not block for a whole batch's forward pass), so a
+request's errors at admission (too long, bad ids, a grammar that does not compile) arrive as the
+first item of its stream. Once an AsyncEngine runs an Engine, nothing else may use it. Closing a
+stream early (a client that disconnects) aborts its request, which frees its KV blocks before the
+next step. An error inside a step fails every request in flight with that error instead of leaving
+their streams waiting forever; the engine stays usable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from collections.abc import AsyncIterator
 
 from tunix_rt.engine.engine import Engine, EngineStats, Prompt
@@ -20,10 +24,11 @@ from tunix_rt.engine.params import RequestOutput, SamplingParams
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._lock = threading.Lock()  # guards the engine: the loop's step() vs callers' add/abort
-        self._work = threading.Condition(self._lock)
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Condition()  # guards the inbox and _stopped
+        self._inbox: list[tuple] = []  # ("add", id, prompt, params, target) | ("abort", id)
         self._stopped = False
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
+        self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="tunix-rt-engine", daemon=True)
         self._thread.start()
 
@@ -31,19 +36,15 @@ class AsyncEngine:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield each sample's output as it advances until all n samples finished."""
         params = params or SamplingParams()
-        loop = asyncio.get_running_loop()
+        rid = uuid.uuid4().hex if request_id is None else str(request_id)
         queue: asyncio.Queue = asyncio.Queue()
-        with self._work:
-            if self._stopped:
-                raise RuntimeError("the engine has been shut down")
-            rid = self.engine.add_request(prompt, params, request_id)
-            self._streams[rid] = (loop, queue)
-            self._work.notify()
+        self._post(("add", rid, prompt, params, (asyncio.get_running_loop(), queue)))
         remaining = params.n
         try:
             while remaining:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    remaining = 0  # nothing of this request is left in the engine
                     raise item
                 remaining -= item.finished
                 yield item
@@ -52,40 +53,79 @@ class AsyncEngine:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._streams.pop(request_id, None)
-            self.engine.abort(request_id)
+        """Stop a request; its blocks are freed before the engine's next step."""
+        self._post(("abort", str(request_id)))
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            return self.engine.stats()
+        """The engine's stats as of its latest step (read without waiting for the running one)."""
+        return self._stats
 
     def shutdown(self) -> None:
-        with self._work:
+        with self._wake:
             self._stopped = True
-            self._work.notify()
+            self._wake.notify()
         self._thread.join()
 
+    def _post(self, item: tuple) -> None:
+        with self._wake:
+            if self._stopped:
+                raise RuntimeError("the engine has been shut down")
+            self._inbox.append(item)
+            self._wake.notify()
+
     def _run(self) -> None:
+        engine = self.engine
         while True:
-            with self._work:
-                while not self._stopped and not self.engine.has_unfinished_requests():
-                    self._work.wait()
+            with self._wake:
+                while not self._stopped and not self._inbox and not engine.has_unfinished_requests():
+                    self._wake.wait()
                 if self._stopped:
-                    return
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # noqa: BLE001 - delivered to every waiting stream
-                    for rid, (loop, queue) in self._streams.items():
-                        self.engine.abort(rid)
-                        loop.call_soon_threadsafe(queue.put_nowait, e)
-                    self._streams.clear()
-                    continue
-                deliveries = [(self._streams.get(out.request_id), out) for out in outputs]
-                for out in outputs:
-                    if out.finished and not self.engine.has_request(out.request_id):
-                        self._streams.pop(out.request_id, None)
-            for target, out in deliveries:
-                if target is not None:
-                    loop, queue = target
-                    loop.call_soon_threadsafe(queue.put_nowait, out)
+                    break
+                inbox, self._inbox = self._inbox, []
+            for item in inbox:
+                self._apply(item)
+            if engine.has_unfinished_requests():
+                self._step()
+            self._stats = engine.stats()
+        for rid, target in self._streams.items():
+            engine.abort(rid)
+            _deliver(target, RuntimeError("the engine has been shut down"))
+        self._streams.clear()
+
+    def _apply(self, item: tuple) -> None:
+        if item[0] == "abort":
+            self._streams.pop(item[1], None)
+            self.engine.abort(item[1])
+            return
+        _, rid, prompt, params, target = item
+        try:
+            self.engine.add_request(prompt, params, rid)
+        except Exception as e:  # noqa: BLE001 - the caller's error, raised from its stream
+            _deliver(target, e)
+            return
+        self._streams[rid] = target
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - delivered to every waiting stream
+            for rid, target in self._streams.items():
+                self.engine.abort(rid)
+                _deliver(target, e)
+            self._streams.clear()
+            return
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                _deliver(target, out)
+        for out in outputs:  # only now: several samples of one request can finish in the same step
+            if out.finished and not self.engine.has_request(out.request_id):
+                self._streams.pop(out.request_id, None)
+
+
+def _deliver(target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item) -> None:
+    loop, queue = target
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:  # the caller's event loop has closed: nobody is left to read it
+        pass

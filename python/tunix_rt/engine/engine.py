@@ -23,6 +23,7 @@ from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.request import Request, Status
 from tunix_rt.engine.runner import ModelRunner
 from tunix_rt.engine.scheduler import Scheduler
+from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,12 @@ class Engine:
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        eos = tokenizer.eos_token_ids if tokenizer is not None else ()
+        self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, eos)
         self.runner = ModelRunner(model, num_blocks=num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer is not None else ())
+                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                  grammars=self.grammars)
+        self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(seed)
@@ -125,6 +129,7 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to detokenize with")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        matcher = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         base_seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         seqs = []
         for i in range(params.n):
@@ -134,7 +139,8 @@ class Engine:
                                                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
             seqs.append(Request(request_id, i, ids, params, max_tokens=max_tokens, stop_ids=stop_ids,
                                 seed=(base_seed + i) % 2**32, detokenizer=detok,
-                                extra_keys=() if cache_salt is None else (cache_salt,)))
+                                extra_keys=() if cache_salt is None else (cache_salt,),
+                                matcher=None if matcher is None else matcher.deep_copy()))
         self._requests[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)

@@ -9,6 +9,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from tunix_rt.engine.structured import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # top-logprobs per token, OpenAI's limit
 
 
@@ -30,6 +32,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None = off; k >= 0 = the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self):
         def fail(field, why):
@@ -71,6 +74,8 @@ class SamplingParams:
             fail("stop_token_ids", "must be a list of non-negative integers")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs", "must be a StructuredOutputsParams or None")
 
     @property
     def uses_penalties(self) -> bool:
@@ -91,7 +96,7 @@ class RequestOutput:
     text: str
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-    logprobs: list[float] | None = None  # log p of each generated token (raw model distribution)
+    logprobs: list[float] | None = None  # log p of each generated token (raw model distribution; masked by a grammar)
     top_logprobs: list[dict[int, float]] | None = None  # per token, the top-k ids -> log p
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     delta_text: str = ""  # streaming: text added since the previous output of this request

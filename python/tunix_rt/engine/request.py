@@ -17,7 +17,7 @@ class Status(enum.Enum):
 class Request:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, *,
                  max_tokens: int, stop_ids: frozenset[int], seed: int, detokenizer: IncrementalDetokenizer | None,
-                 extra_keys: tuple = ()):
+                 extra_keys: tuple = (), matcher=None):
         self.request_id = request_id
         self.index = index
         self.seq_id = f"{request_id}#{index}"  # the unit the KV manager keys blocks by
@@ -28,6 +28,7 @@ class Request:
         self.seed = seed
         self.detokenizer = detokenizer
         self.extra_keys = extra_keys
+        self.matcher = matcher  # llguidance.LLMatcher of a structured-output request: masks its tokens
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0  # catches up with len(all_token_ids); reset to 0 by preemption
@@ -54,6 +55,8 @@ class Request:
         if self.top_logprobs is not None:
             self.top_logprobs.append(top or {})
         n = len(self.output_token_ids)
+        if self.matcher is not None:
+            self.matcher.consume_token(token)
         if self.detokenizer is not None:
             self.text += self.detokenizer.add([token])
             if self.detokenizer.stop_reason is not None:
@@ -62,6 +65,8 @@ class Request:
                 return
         if token in self.stop_ids:
             self.finish("stop", token)
+        elif self.matcher is not None and (self.matcher.is_stopped() or self.matcher.is_error()):
+            self.finish("stop")  # the grammar is complete: nothing but end-of-sequence may follow
         elif n >= self.max_tokens:
             self.finish("length")
 

@@ -23,6 +23,7 @@ from flax import nnx
 from tunix_rt.engine.params import MAX_LOGPROBS
 from tunix_rt.engine.sampler import SamplerOutput, SamplingTensors, sample_tokens
 from tunix_rt.engine.scheduler import ScheduledRequest
+from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.decoder import Decoder, head_logits
 from tunix_rt.models.kv_cache import PagedKVCache
 
@@ -55,10 +56,11 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config):
         return h[0], cache.k, cache.v
 
     @functools.partial(jax.jit, static_argnums=6)
-    def sample(head_leaves, hidden, rows, params, prompt_tokens, output_tokens, num_top_logprobs):
+    def sample(head_leaves, hidden, rows, params, prompt_tokens, output_tokens, num_top_logprobs, bitmask):
         head = nnx.merge(head_def, jax.tree.unflatten(head_treedef, head_leaves))
         logits = head_logits(config, head, hidden[rows])
-        return sample_tokens(logits, params, prompt_tokens, output_tokens, num_top_logprobs=num_top_logprobs)
+        return sample_tokens(logits, params, prompt_tokens, output_tokens, num_top_logprobs=num_top_logprobs,
+                             bitmask=bitmask)
 
     return forward, sample
 
@@ -73,7 +75,7 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_model_len: int, grammars: GrammarCompiler | None = None):
         self.graphdef, state = nnx.split(model)
         self.leaves, self.treedef = jax.tree.flatten(state)
         head_def, head_state = nnx.split(model.output_head())
@@ -93,6 +95,7 @@ class ModelRunner:
         self.k: tuple[jax.Array, ...] | None = None
         self.v: tuple[jax.Array, ...] | None = None
         self.compiled: set[tuple] = set()
+        self.grammars = grammars
         self.allocate_cache()
 
     @staticmethod
@@ -156,11 +159,18 @@ class ModelRunner:
 
         self._note_compile(("forward", t_b))
         hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, tokens, positions, slots, token_seq, tables)
-        self._note_compile(("sample", t_b, b_b, prompt_hist.shape[1], num_top))
-        out: SamplerOutput = self._sample(self.head_leaves, hidden, rows, params, prompt_hist, output_hist, num_top)
+        bitmask = self._grammar_masks(scheduled, b_b)
+        self._note_compile(("sample", t_b, b_b, prompt_hist.shape[1], num_top, bitmask is not None))
+        out: SamplerOutput = self._sample(self.head_leaves, hidden, rows, params, prompt_hist, output_hist, num_top,
+                                          bitmask)
         n = len(scheduled)
         return StepResult(np.asarray(out.tokens)[:n], np.asarray(out.logprobs)[:n], np.asarray(out.top_ids)[:n],
                           np.asarray(out.top_logprobs)[:n])
+
+    def _grammar_masks(self, scheduled: list[ScheduledRequest], b_b: int) -> np.ndarray | None:
+        """Allowed-token bitmasks when a row that samples this step has a grammar, else None."""
+        rows = [(s.request.matcher, i) for i, s in enumerate(scheduled) if s.completes and s.request.matcher]
+        return self.grammars.fill_masks(rows, b_b) if rows else None
 
     def _sampling_inputs(self, scheduled: list[ScheduledRequest], b_b: int):
         rows = []

@@ -10,8 +10,9 @@ requests and changing a value never recompiles. The order follows vLLM v1:
    with the row's own key `fold_in(key(seed), step)`, so a request's tokens depend only on its
    seed, its step counter and its logits, never on the batch it shares.
 
-Logprobs are of the raw model distribution (log_softmax of the unmodified logits, vLLM's default
-"raw_logprobs"). Costly parts are skipped at run time with `lax.cond` when no row needs them: the
+Logprobs are of the raw model distribution (log_softmax of the logits before penalties and
+filters, vLLM's default "raw_logprobs"); a structured-output grammar's mask comes first, so a
+constrained row's logprobs are those of the masked distribution (as in vLLM). Costly parts are skipped at run time with `lax.cond` when no row needs them: the
 penalty scatters, the draw (and its vocab sort), and statically the top-k logprobs.
 """
 
@@ -118,13 +119,21 @@ def _row_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
         seed.astype(jnp.uint32), step.astype(jnp.int32))
 
 
+def allowed_tokens(bitmask: jax.Array, vocab: int) -> jax.Array:
+    """(B, ceil(V / 32)) int32 bitmasks (bit v % 32 of word v // 32 = token v) -> (B, V) bool."""
+    ids = jnp.arange(vocab)
+    return ((bitmask[:, ids // 32] >> (ids % 32).astype(bitmask.dtype)) & 1).astype(bool)
+
+
 def sample_tokens(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax.Array, output_tokens: jax.Array,
-                  *, num_top_logprobs: int = 0) -> SamplerOutput:
+                  *, num_top_logprobs: int = 0, bitmask: jax.Array | None = None) -> SamplerOutput:
     """One token per row, vLLM v1 semantics (see the module docstring). Trace it inside a jitted step.
 
     logits (B, V); params: (B,) arrays; prompt_tokens (B, Lp) and output_tokens (B, Lo) int32 padded
     with -1 (any Lp, Lo >= 1; a width-1 all -1 array when no row has penalties). num_top_logprobs
-    (static) K: SamplerOutput.top_ids / top_logprobs are (B, K), (B, 0) when K == 0.
+    (static) K: SamplerOutput.top_ids / top_logprobs are (B, K), (B, 0) when K == 0. bitmask:
+    structured outputs' (B, ceil(V / 32)) int32 allowed-token masks (all ones = unconstrained), applied
+    first, so logprobs are those of the constrained distribution (as in vLLM).
     """
     if logits.ndim != 2:
         raise ValueError(f"logits must be (B, V), got shape {logits.shape}")
@@ -140,6 +149,10 @@ def sample_tokens(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax
         raise ValueError(f"num_top_logprobs must be in [0, {vocab}], got {num_top_logprobs}")
 
     logits = logits.astype(jnp.float32)
+    if bitmask is not None:
+        if bitmask.shape != (batch, -(-vocab // 32)):
+            raise ValueError(f"bitmask must be ({batch}, {-(-vocab // 32)}), got shape {bitmask.shape}")
+        logits = jnp.where(allowed_tokens(bitmask, vocab), logits, -jnp.inf)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     penalised = apply_penalties(logits, params, prompt_tokens, output_tokens)
     greedy_rows = params.temperature < SAMPLING_EPS

@@ -1,0 +1,246 @@
+"""The FastAPI application and `tunix-rt serve`: routes, API key, body limit, CORS, loading.
+
+The HTTP server starts at once and loads the model in a background thread: /health answers 503
+until the engine is ready (then 200), and /v1 routes answer 503 meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import threading
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from serving import handlers
+from serving import protocol as p
+from serving.errors import APIError, error_body, install as install_errors
+from serving.handlers import ServerState
+from serving.metrics import ServerMetrics
+from serving.tool_calls import tool_format_for
+
+log = logging.getLogger("tunix_rt.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    model: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 256  # sequences queued beyond max_num_seqs before 429
+    max_body_bytes: int = 8 << 20
+    kv_cache_memory: int = 1 << 30
+    dequantize: bool = False
+
+
+class _BodyLimit:
+    """413 for a body over the limit, by its Content-Length or, when chunked, as it arrives."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        message = f"the request body is larger than {self.limit} bytes"
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await JSONResponse(error_body(413, message), status_code=413)(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            received = await receive()
+            if received["type"] == "http.request":
+                seen += len(received.get("body", b""))
+                if seen > self.limit:  # while FastAPI reads the body: its handlers answer with the envelope
+                    raise HTTPException(413, message)
+            return received
+
+        await self.app(scope, limited, send)
+
+
+class _ApiKey:
+    """401 on /v1 and /metrics unless `Authorization: Bearer <key>` matches; /health stays open."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path == "/metrics"):
+            auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                body = error_body(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
+                                  code="invalid_api_key")
+                return await JSONResponse(body, status_code=401)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Run a non-streaming handler; if the client hangs up first, cancel it (which aborts its
+    engine requests and frees their KV blocks) instead of finishing work nobody will read."""
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)
+    return task.result()
+
+
+def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
+    app = FastAPI(title="tunix-rt OpenAI-compatible server", version="0.1.0")
+    install_errors(app)
+
+    def ready() -> ServerState:
+        if state.engine is None:
+            raise APIError(503, "the model is still loading", code="model_loading")
+        return state
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != state.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health():
+        if state.engine is None:
+            return JSONResponse(error_body(503, "the model is still loading", code="model_loading"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=p.ModelList)
+    async def models():
+        ready()
+        return p.ModelList(data=[p.ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
+
+    @app.post("/v1/chat/completions", response_model=p.ChatCompletion,
+              responses={400: {"model": p.ErrorResponse}, 404: {"model": p.ErrorResponse},
+                         429: {"model": p.ErrorResponse}})
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+        ready()
+        check_model(body.model)
+        plan = handlers.plan_chat(state, body)
+        return await _run(request, plan.params.n, body.stream, lambda: handlers.chat_stream(state, body, plan),
+                          lambda: handlers.chat_full(state, body, plan))
+
+    @app.post("/v1/completions", response_model=p.Completion,
+              responses={400: {"model": p.ErrorResponse}, 404: {"model": p.ErrorResponse},
+                         429: {"model": p.ErrorResponse}})
+    async def completions(body: p.CompletionRequest, request: Request):
+        ready()
+        check_model(body.model)
+        plan = handlers.plan_completion(state, body)
+        return await _run(request, plan.params.n * len(plan.prompts), body.stream,
+                          lambda: handlers.completion_stream(state, body, plan),
+                          lambda: handlers.completion_full(state, body, plan))
+
+    async def _run(request: Request, sequences: int, stream: bool, start_stream, full):
+        release = handlers.admit(state, sequences)
+        streaming = False
+        try:
+            if not stream:
+                return await _unless_disconnected(request, full())
+            response = StreamingResponse(_released(await start_stream(), release), media_type="text/event-stream")
+            streaming = True
+            return response
+        finally:
+            if not streaming:
+                release()
+
+    if options.api_key is not None:
+        app.add_middleware(_ApiKey, api_key=options.api_key)
+    if options.allowed_origins:  # added last, so it runs first: preflights need no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins), allow_credentials=True,
+                           allow_methods=["*"], allow_headers=["*"])
+    return app
+
+
+async def _released(events, release):
+    """The stream's events; the request's place in the queue is given back when it ends."""
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+    finally:
+        release()
+
+
+def build_state(options: ServeOptions) -> ServerState:
+    """The state a loading server starts with; `load_engine` fills in the rest."""
+    name = options.served_model_name or options.model
+    state = ServerState(engine=None, tokenizer=None, model_name=name, max_model_len=0,
+                        tool_format=tool_format_for(None), metrics=None,
+                        capacity=options.max_num_seqs + options.max_waiting)
+    state.metrics = ServerMetrics(lambda: None if state.engine is None else state.engine.stats(), name)
+    return state
+
+
+def load_engine(state: ServerState, options: ServeOptions) -> None:
+    from tunix_rt.engine.async_engine import AsyncEngine
+    from tunix_rt.engine.engine import Engine
+
+    engine = Engine(options.model, max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
+                    max_num_batched_tokens=options.max_num_batched_tokens, kv_cache_memory=options.kv_cache_memory,
+                    dequantize=options.dequantize)
+    state.tokenizer = engine.tokenizer
+    if state.tokenizer is None:
+        raise ValueError(f"{options.model} has no tokenizer; the server needs one to read and write text")
+    state.max_model_len = engine.max_model_len
+    state.tool_format = tool_format_for(engine.tokenizer.chat_template)
+    state.engine = AsyncEngine(engine)  # last: /health turns 200 only once everything above is set
+    log.info("serving %s (max_model_len %d, tool format %s%s)", state.model_name, state.max_model_len,
+             state.tool_format.name, "" if state.tool_format.native else " via the server's tools prompt")
+
+
+def serve(options: ServeOptions) -> None:
+    """Run the server until interrupted; the model loads while /health already answers (503)."""
+    import uvicorn
+
+    state = build_state(options)
+    app = _BodyLimit(create_app(state, options), options.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+    failure: list[BaseException] = []
+
+    def load():
+        try:
+            load_engine(state, options)
+        except BaseException as e:  # noqa: BLE001 - reported below; the server must not keep answering 503
+            log.error("loading %s failed: %s", options.model, e)
+            failure.append(e)
+            server.should_exit = True
+
+    threading.Thread(target=load, name="tunix-rt-load", daemon=True).start()
+    server.run()
+    if state.engine is not None:
+        state.engine.shutdown()
+    if failure:
+        raise failure[0]

@@ -1,0 +1,470 @@
+"""The work behind /v1/chat/completions and /v1/completions: requests -> engine -> OpenAI responses.
+
+Each prompt is one engine request (its n samples share the prompt's KV blocks). Streaming replies
+are Server-Sent Events in OpenAI's chunk format; the engine's async generator is always closed
+(`aclosing`), so a client that goes away aborts its request and frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import jsonschema
+
+from tunix_rt.engine.async_engine import AsyncEngine
+from tunix_rt.engine.params import RequestOutput, SamplingParams
+from tunix_rt.engine.structured import StructuredOutputsParams
+
+from serving import protocol as p
+from serving.chat import render_chat
+from serving.errors import APIError, error_body
+from serving.metrics import SequenceTimer, ServerMetrics
+from serving.tool_calls import ParsedCall, ParserOutput, ToolFormat, check_tools
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty")
+
+
+@dataclasses.dataclass
+class ServerState:
+    engine: AsyncEngine | None  # None while the model loads
+    tokenizer: object
+    model_name: str
+    max_model_len: int
+    tool_format: ToolFormat
+    metrics: ServerMetrics | None  # set right after construction (its collector reads this state)
+    capacity: int  # sequences running or queued before new requests get 429
+    active: int = 0
+
+    @functools.cached_property
+    def token_text(self):
+        return functools.lru_cache(maxsize=1 << 16)(
+            lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    @functools.cached_property
+    def token_bytes(self):
+        return functools.lru_cache(maxsize=1 << 16)(lambda token_id: list(self.tokenizer.token_bytes(token_id)))
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def sampling_params(req: p._SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                    structured: StructuredOutputsParams | None) -> SamplingParams:
+    if req.logit_bias:
+        raise _bad("logit_bias is not supported", "logit_bias")
+    kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+    try:
+        return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                              ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+                              include_stop_str_in_output=req.include_stop_str_in_output, seed=req.seed,
+                              logprobs=logprobs, structured_outputs=structured, **kwargs)
+    except ValueError as e:
+        field = re.match(r"SamplingParams\.(\w+)", str(e))
+        raise _bad(str(e), field.group(1) if field else None) from None
+
+
+def admit(state: ServerState, sequences: int):
+    """Bounded queue: past `capacity` sequences in flight, new requests get 429 instead of waiting.
+    Returns the function that gives the place back (once, however often it is called)."""
+    if sequences > state.capacity:  # could never be admitted: retrying would not help
+        raise _bad(f"the request needs {sequences} sequences (n x prompts) but the server holds at most "
+                   f"{state.capacity} at once", "n")
+    if state.active + sequences > state.capacity:
+        raise APIError(429, f"the server is at capacity ({state.active} sequences running or queued, limit "
+                            f"{state.capacity}); retry later", code="rate_limit_exceeded")
+    state.active += sequences
+    held = [sequences]
+
+    def release():
+        state.active -= held.pop() if held else 0
+
+    return release
+
+
+async def _first(gen: AsyncIterator[RequestOutput], param: str) -> RequestOutput | None:
+    """Start a stream: add_request runs on the first step of the generator, so its ValueErrors
+    (context length, vocabulary, constraint compile) surface here, before any byte is sent."""
+    try:
+        return await anext(gen)
+    except StopAsyncIteration:
+        return None
+    except ValueError as e:
+        code = "context_length_exceeded" if "maximum context length" in str(e) else None
+        if str(e).startswith("structured outputs"):
+            param = "response_format"
+        raise _bad(str(e), param, code) from None
+
+
+class _Sequence:
+    """Per-choice bookkeeping while streaming: latencies, tool-call parsing, what was sent."""
+
+    def __init__(self, state: ServerState, arrival: float, parser=None, calls_only: bool = False):
+        self.timer = SequenceTimer(state.metrics, arrival)
+        self.parser = parser
+        self.calls_only = calls_only  # a forced tool choice: text outside calls is a cut-off call, not content
+        self.calls: list[ParsedCall] = []
+        self.tokens_seen = 0
+
+    def advance(self, out: RequestOutput) -> tuple[list[int], ParserOutput]:
+        new_ids = out.token_ids[self.tokens_seen:]
+        self.tokens_seen = len(out.token_ids)
+        self.timer.tokens(len(new_ids), time.monotonic())
+        if self.parser is None:
+            parsed = ParserOutput(content=out.delta_text)
+        else:
+            parsed = self.parser.feed(out.delta_text)
+            if out.finished:
+                tail = self.parser.finish()
+                parsed = ParserOutput(parsed.content + tail.content, parsed.calls + tail.calls)
+            self.calls += parsed.calls
+            if self.calls_only:
+                parsed.content = ""
+        if out.finished:
+            self.timer.done(out.finish_reason, time.monotonic())
+        return new_ids, parsed
+
+    def finish_reason(self, out: RequestOutput) -> str:
+        return "tool_calls" if self.calls else out.finish_reason
+
+
+def _chat_logprobs(state: ServerState, out: RequestOutput, start: int, stop: int) -> p.ChoiceLogprobs:
+    entries = []
+    for i in range(start, stop):
+        tid = out.token_ids[i]
+        top = out.top_logprobs[i] if out.top_logprobs else {}
+        entries.append(p.TokenLogprob(
+            token=state.token_text(tid), logprob=out.logprobs[i], bytes=state.token_bytes(tid),
+            top_logprobs=[p.TopLogprob(token=state.token_text(t), logprob=lp, bytes=state.token_bytes(t))
+                          for t, lp in top.items()]))
+    return p.ChoiceLogprobs(content=entries)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> p.Usage:
+    return p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+def _sse(payload) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def _tool_call_deltas(calls: list[ParsedCall], first_index: int) -> list[dict]:
+    """OpenAI's streamed shape: per call, one delta with id, type and name, then its arguments."""
+    deltas = []
+    for i, call in enumerate(calls, first_index):
+        deltas.append({"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}})
+        deltas.append({"index": i, "function": {"arguments": call.arguments}})
+    return deltas
+
+
+# -- chat ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ChatPlan:
+    prompt: str
+    params: SamplingParams
+    parse_tools: bool  # read tool calls out of the reply
+    tools: list[p.Tool]
+    forced: bool  # required / named tool_choice: the grammar makes every token part of a call
+
+
+def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
+    tools = list(req.tools or [])
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise _bad(f"tool_choice {choice if isinstance(choice, str) else 'with a function'} needs tools",
+                   "tool_choice")
+    try:
+        check_tools(tools)
+    except ValueError as e:
+        raise _bad(str(e), "tools") from None
+    forced = tools
+    if isinstance(choice, p.NamedToolChoice):
+        forced = [t for t in tools if t.function.name == choice.function.name]
+        if not forced:
+            raise _bad(f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
+    fmt = state.tool_format
+    structured = None
+    if choice == "required" or isinstance(choice, p.NamedToolChoice):
+        if req.response_format is not None and req.response_format.type != "text":
+            raise _bad("response_format cannot be combined with a required or named tool_choice", "response_format")
+        parallel = req.parallel_tool_calls and choice == "required"
+        structured = StructuredOutputsParams(grammar=fmt.grammar(forced, parallel))
+    elif req.response_format is not None and req.response_format.type == "json_object":
+        structured = StructuredOutputsParams(json_object=True)
+    elif req.response_format is not None and req.response_format.type == "json_schema":
+        spec = req.response_format.json_schema
+        if spec is None or spec.schema_ is None:
+            raise _bad("response_format json_schema needs json_schema.schema", "response_format")
+        try:
+            jsonschema.validators.validator_for(spec.schema_).check_schema(spec.schema_)
+            structured = StructuredOutputsParams(json=spec.schema_)
+        except (jsonschema.SchemaError, ValueError) as e:
+            raise _bad(f"response_format.json_schema.schema is not a valid JSON schema: "
+                       f"{getattr(e, 'message', e)}", "response_format") from None
+    if req.logprobs is False and req.top_logprobs:
+        raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, structured=structured)
+    try:
+        prompt = render_chat(state.tokenizer, req.messages, fmt, tools if choice != "none" else None)
+    except ValueError as e:
+        raise _bad(str(e), "messages") from None
+    is_forced = choice == "required" or isinstance(choice, p.NamedToolChoice)
+    return ChatPlan(prompt, params, parse_tools=choice != "none", tools=forced if is_forced else tools,
+                    forced=is_forced)
+
+
+def _sequence(state: ServerState, plan: ChatPlan, arrival: float) -> _Sequence:
+    parser = state.tool_format.parser(plan.tools) if plan.parse_tools else None
+    return _Sequence(state, arrival, parser, calls_only=plan.forced)
+
+
+async def chat_full(state: ServerState, req: p.ChatCompletionRequest, plan: ChatPlan) -> p.ChatCompletion:
+    arrival, rid = time.monotonic(), f"chatcmpl-{uuid.uuid4().hex}"
+    seqs = [_sequence(state, plan, arrival) for _ in range(plan.params.n)]
+    final: list[RequestOutput | None] = [None] * plan.params.n
+    content = [""] * plan.params.n
+    gen = state.engine.generate(plan.prompt, plan.params, rid)
+    async with contextlib.aclosing(gen):
+        out = await _first(gen, "messages")
+        while out is not None:
+            _, parsed = seqs[out.index].advance(out)
+            content[out.index] += parsed.content
+            if out.finished:
+                final[out.index] = out
+            out = await anext(gen, None)
+    choices = []
+    for i, (out, seq) in enumerate(zip(final, seqs)):
+        calls = [p.ToolCall(id=c.id, function=p.FunctionCall(name=c.name, arguments=c.arguments)) for c in seq.calls]
+        logprobs = _chat_logprobs(state, out, 0, len(out.token_ids)) if plan.params.logprobs is not None else None
+        choices.append(p.ChatChoice(index=i, message=p.ResponseMessage(content=content[i] or None, tool_calls=calls or None),
+                                    logprobs=logprobs, finish_reason=seq.finish_reason(out)))
+    completion = sum(len(o.token_ids) for o in final)
+    return p.ChatCompletion(id=rid, model=state.model_name, choices=choices,
+                            usage=_usage(len(final[0].prompt_token_ids), completion))
+
+
+async def chat_stream(state: ServerState, req: p.ChatCompletionRequest, plan: ChatPlan) -> AsyncIterator[str]:
+    """Starts the engine request before returning, so prompt errors are still plain 400 responses."""
+    arrival, rid = time.monotonic(), f"chatcmpl-{uuid.uuid4().hex}"
+    gen = state.engine.generate(plan.prompt, plan.params, rid)
+    try:
+        first = await _first(gen, "messages")
+    except BaseException:
+        await gen.aclose()
+        raise
+    return _chat_events(state, req, plan, rid, arrival, gen, first)
+
+
+async def _chat_events(state, req, plan, rid, arrival, gen, out) -> AsyncIterator[str]:
+    created = p.now()
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    seqs = [_sequence(state, plan, arrival) for _ in range(plan.params.n)]
+
+    def chunk(index, delta, finish_reason=None, logprobs=None):
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return _sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
+
+    async with contextlib.aclosing(gen):
+        for i in range(plan.params.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        prompt_tokens, completion_tokens = 0, 0
+        try:
+            while out is not None:
+                seq = seqs[out.index]
+                start = seq.tokens_seen
+                new_ids, parsed = seq.advance(out)
+                logprobs = None
+                if plan.params.logprobs is not None and new_ids:
+                    logprobs = _chat_logprobs(state, out, start, seq.tokens_seen).model_dump()
+                if parsed.content or logprobs:
+                    yield chunk(out.index, {"content": parsed.content}, logprobs=logprobs)
+                if parsed.calls:
+                    first_index = len(seq.calls) - len(parsed.calls)
+                    yield chunk(out.index, {"tool_calls": _tool_call_deltas(parsed.calls, first_index)})
+                if out.finished:
+                    yield chunk(out.index, {}, finish_reason=seq.finish_reason(out))
+                    prompt_tokens = len(out.prompt_token_ids)
+                    completion_tokens += len(out.token_ids)
+                out = await anext(gen, None)
+        except Exception as e:  # noqa: BLE001 - a failed engine step ends the stream with an error event
+            yield _sse(error_body(500, f"generation failed: {type(e).__name__}: {e}"))
+        else:
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens).model_dump()})
+        yield _sse("[DONE]")
+
+
+# -- completions --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CompletionPlan:
+    prompts: list  # text or token-id lists
+    params: SamplingParams
+
+
+def plan_completion(state: ServerState, req: p.CompletionRequest) -> CompletionPlan:
+    if req.suffix is not None:
+        raise _bad("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise _bad("best_of other than n is not supported", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise _bad("echo with logprobs (prompt logprobs) is not supported", "echo")
+    prompt = req.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(len(x) == 0 for x in prompts):
+        raise _bad("prompt must not be empty", "prompt")
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, structured=None)
+    return CompletionPlan(prompts, params)
+
+
+def _completion_logprobs(state: ServerState, out: RequestOutput, start: int, stop: int, offset: int
+                         ) -> p.CompletionLogprobs:
+    tokens, offsets = [], []
+    for i in range(start, stop):
+        text = state.token_text(out.token_ids[i])
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    top = [{state.token_text(t): lp for t, lp in out.top_logprobs[i].items()} if out.top_logprobs else None
+           for i in range(start, stop)]
+    return p.CompletionLogprobs(tokens=tokens, token_logprobs=out.logprobs[start:stop], top_logprobs=top,
+                                text_offset=offsets)
+
+
+def _echo(state: ServerState, prompt) -> str:
+    return prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt, skip_special_tokens=False)
+
+
+async def _open_all(state: ServerState, plan: CompletionPlan, rid: str):
+    """One engine stream per prompt, each started (so prompt errors raise before any output)."""
+    opened = []
+    try:
+        for k, prompt in enumerate(plan.prompts):
+            gen = state.engine.generate(prompt, plan.params, f"{rid}-{k}")
+            opened.append((gen, None))
+            opened[-1] = (gen, await _first(gen, "prompt"))
+    except BaseException:
+        for gen, _ in opened:
+            await gen.aclose()
+        raise
+    return opened
+
+
+async def _merged(opened) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every prompt's stream as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k, gen, out):
+        async with contextlib.aclosing(gen):
+            while out is not None:
+                await queue.put((k, out))
+                out = await anext(gen, None)
+
+    tasks = [asyncio.ensure_future(pump(k, gen, out)) for k, (gen, out) in enumerate(opened)]
+    done = asyncio.ensure_future(asyncio.gather(*tasks))
+    try:
+        while not (done.done() and queue.empty()):
+            getter = asyncio.ensure_future(queue.get())
+            await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                yield getter.result()
+            else:
+                getter.cancel()
+        done.result()  # a failed stream raises here
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if not done.done():
+            done.cancel()
+
+
+async def completion_full(state: ServerState, req: p.CompletionRequest, plan: CompletionPlan) -> p.Completion:
+    arrival, rid = time.monotonic(), f"cmpl-{uuid.uuid4().hex}"
+    n = plan.params.n
+    seqs = [_Sequence(state, arrival) for _ in range(len(plan.prompts) * n)]
+    final: list[RequestOutput | None] = [None] * len(seqs)
+    opened = await _open_all(state, plan, rid)
+    async with contextlib.aclosing(_merged(opened)) as merged:
+        async for k, out in merged:
+            seqs[k * n + out.index].advance(out)
+            if out.finished:
+                final[k * n + out.index] = out
+    choices = []
+    for i, out in enumerate(final):
+        prefix = _echo(state, plan.prompts[i // n]) if req.echo else ""
+        logprobs = (_completion_logprobs(state, out, 0, len(out.token_ids), len(prefix))
+                    if plan.params.logprobs is not None else None)
+        choices.append(p.CompletionChoice(index=i, text=prefix + out.text, logprobs=logprobs,
+                                          finish_reason=out.finish_reason))
+    prompt_tokens = sum(len(final[k * n].prompt_token_ids) for k in range(len(plan.prompts)))
+    return p.Completion(id=rid, model=state.model_name, choices=choices,
+                        usage=_usage(prompt_tokens, sum(len(o.token_ids) for o in final)))
+
+
+async def completion_stream(state: ServerState, req: p.CompletionRequest, plan: CompletionPlan
+                            ) -> AsyncIterator[str]:
+    arrival, rid = time.monotonic(), f"cmpl-{uuid.uuid4().hex}"
+    opened = await _open_all(state, plan, rid)
+    return _completion_events(state, req, plan, rid, arrival, opened)
+
+
+async def _completion_events(state, req, plan, rid, arrival, opened) -> AsyncIterator[str]:
+    n = plan.params.n
+    head = {"id": rid, "object": "text_completion", "created": p.now(), "model": state.model_name}
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    seqs = [_Sequence(state, arrival) for _ in range(len(plan.prompts) * n)]
+    offsets = [0] * len(seqs)
+    prompt_tokens, completion_tokens = 0, 0
+
+    def chunk(index, text, finish_reason=None, logprobs=None):
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return _sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
+
+    if req.echo:
+        for i in range(len(seqs)):
+            text = _echo(state, plan.prompts[i // n])
+            offsets[i] = len(text)
+            yield chunk(i, text)
+    async with contextlib.aclosing(_merged(opened)) as merged:
+        try:
+            async for k, out in merged:
+                i = k * n + out.index
+                start = seqs[i].tokens_seen
+                new_ids, parsed = seqs[i].advance(out)
+                logprobs = None
+                if plan.params.logprobs is not None and new_ids:
+                    logprobs = _completion_logprobs(state, out, start, seqs[i].tokens_seen, offsets[i]).model_dump()
+                offsets[i] += len(parsed.content)
+                if parsed.content or logprobs or out.finished:
+                    yield chunk(i, parsed.content, out.finish_reason, logprobs)
+                if out.finished:
+                    completion_tokens += len(out.token_ids)
+                    if out.index == 0:
+                        prompt_tokens += len(out.prompt_token_ids)
+        except Exception as e:  # noqa: BLE001 - a failed engine step ends the stream with an error event
+            yield _sse(error_body(500, f"generation failed: {type(e).__name__}: {e}"))
+        else:
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens).model_dump()})
+    yield _sse("[DONE]")

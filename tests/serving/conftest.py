@@ -1,0 +1,90 @@
+"""One real `tunix-rt serve` process on the default model, shared by the server tests.
+
+It listens on a free loopback port with an API key, a small engine (so compiles stay few), a
+bounded queue and body limit small enough for tests to reach, and one CORS origin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx2 as httpx
+import pytest
+
+from tunix_rt.checkpoints.default_model import DefaultModelMissing, default_model_path
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 256
+MAX_NUM_SEQS = 4
+MAX_WAITING = 4
+MAX_BODY_BYTES = 64 * 1024
+ORIGIN = "http://allowed.example"
+
+
+@dataclasses.dataclass(frozen=True)
+class Server:
+    base_url: str  # http://127.0.0.1:PORT
+    api_key: str
+    model: str
+    health_codes: tuple[int, ...]  # /health answers seen while the server started
+    log_path: str
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key, max_retries=0, **kw)
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    try:
+        default_model_path()
+    except DefaultModelMissing as e:
+        pytest.skip(f"the server tests run the default model: {e}")
+    port = _free_port()
+    log_path = str(tmp_path_factory.mktemp("serve") / "serve.log")
+    cmd = [sys.executable, "-m", "tunix_rt.cli", "serve", "--port", str(port), "--api-key", API_KEY,
+           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+           "--max-num-batched-tokens", "64", "--max-waiting", str(MAX_WAITING),
+           "--max-body-bytes", str(MAX_BODY_BYTES), "--allowed-origins", ORIGIN]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    codes: list[int] = []
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}:\n{open(log_path).read()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not become healthy:\n{open(log_path).read()[-4000:]}")
+            try:
+                code = httpx.get(f"{base}/health", timeout=5).status_code
+                codes.append(code)
+                if code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield Server(base, API_KEY, "default", tuple(codes), log_path)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -114,18 +114,28 @@ class AsyncEngine:
                 _deliver(target, e)
             self._streams.clear()
             return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}  # one wake-up per event loop per step
         for out in outputs:
             target = self._streams.get(out.request_id)
             if target is not None:
-                _deliver(target, out)
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            _deliver_all(loop, items)
         for out in outputs:  # only now: several samples of one request can finish in the same step
             if out.finished and not self.engine.has_request(out.request_id):
                 self._streams.pop(out.request_id, None)
 
 
 def _deliver(target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item) -> None:
-    loop, queue = target
+    _deliver_all(target[0], [(target[1], item)])
+
+
+def _deliver_all(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, object]]) -> None:
+    def put():
+        for queue, item in items:
+            queue.put_nowait(item)
+
     try:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
+        loop.call_soon_threadsafe(put)
     except RuntimeError:  # the caller's event loop has closed: nobody is left to read it
         pass

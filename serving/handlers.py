@@ -58,7 +58,7 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> API
     return APIError(400, message, param=param, code=code)
 
 
-def sampling_params(req: p._SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+def sampling_params(req: p.SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                     structured: StructuredOutputsParams | None) -> SamplingParams:
     if req.logit_bias:
         raise _bad("logit_bias is not supported", "logit_bias")
@@ -91,13 +91,11 @@ def admit(state: ServerState, sequences: int):
     return release
 
 
-async def _first(gen: AsyncIterator[RequestOutput], param: str) -> RequestOutput | None:
-    """Start a stream: add_request runs on the first step of the generator, so its ValueErrors
+async def _first(gen: AsyncIterator[RequestOutput], param: str) -> RequestOutput:
+    """Start a stream: the engine admits the request before its first output, so admission errors
     (context length, vocabulary, constraint compile) surface here, before any byte is sent."""
     try:
         return await anext(gen)
-    except StopAsyncIteration:
-        return None
     except ValueError as e:
         code = "context_length_exceeded" if "maximum context length" in str(e) else None
         if str(e).startswith("structured outputs"):
@@ -190,18 +188,18 @@ def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
         check_tools(tools)
     except ValueError as e:
         raise _bad(str(e), "tools") from None
-    forced = tools
-    if isinstance(choice, p.NamedToolChoice):
-        forced = [t for t in tools if t.function.name == choice.function.name]
-        if not forced:
+    forced = choice == "required" or isinstance(choice, p.NamedToolChoice)
+    if isinstance(choice, p.NamedToolChoice):  # the model may only call this one
+        tools = [t for t in tools if t.function.name == choice.function.name]
+        if not tools:
             raise _bad(f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
     fmt = state.tool_format
     structured = None
-    if choice == "required" or isinstance(choice, p.NamedToolChoice):
+    if forced:
         if req.response_format is not None and req.response_format.type != "text":
             raise _bad("response_format cannot be combined with a required or named tool_choice", "response_format")
         parallel = req.parallel_tool_calls and choice == "required"
-        structured = StructuredOutputsParams(grammar=fmt.grammar(forced, parallel))
+        structured = StructuredOutputsParams(grammar=fmt.grammar(tools, parallel))
     elif req.response_format is not None and req.response_format.type == "json_object":
         structured = StructuredOutputsParams(json_object=True)
     elif req.response_format is not None and req.response_format.type == "json_schema":
@@ -220,12 +218,10 @@ def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
     max_tokens = req.max_completion_tokens or req.max_tokens
     params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, structured=structured)
     try:
-        prompt = render_chat(state.tokenizer, req.messages, fmt, tools if choice != "none" else None)
+        prompt = render_chat(state.tokenizer, req.messages, fmt, list(req.tools or []) if choice != "none" else None)
     except ValueError as e:
         raise _bad(str(e), "messages") from None
-    is_forced = choice == "required" or isinstance(choice, p.NamedToolChoice)
-    return ChatPlan(prompt, params, parse_tools=choice != "none", tools=forced if is_forced else tools,
-                    forced=is_forced)
+    return ChatPlan(prompt, params, parse_tools=choice != "none", tools=tools, forced=forced)
 
 
 def _sequence(state: ServerState, plan: ChatPlan, arrival: float) -> _Sequence:

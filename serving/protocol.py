@@ -22,7 +22,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields both endpoints share; ranges follow OpenAI's (and vLLM's for the extras)."""
 
     model: str | None = None
@@ -103,7 +103,7 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -115,7 +115,7 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

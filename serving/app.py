@@ -141,9 +141,9 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
         ready()
         return p.ModelList(data=[p.ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
 
-    @app.post("/v1/chat/completions", response_model=p.ChatCompletion,
-              responses={400: {"model": p.ErrorResponse}, 404: {"model": p.ErrorResponse},
-                         429: {"model": p.ErrorResponse}})
+    errors = {status: {"model": p.ErrorResponse} for status in (400, 401, 404, 413, 429)}
+
+    @app.post("/v1/chat/completions", response_model=p.ChatCompletion, responses=errors)
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         ready()
         check_model(body.model)
@@ -151,9 +151,7 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
         return await _run(request, plan.params.n, body.stream, lambda: handlers.chat_stream(state, body, plan),
                           lambda: handlers.chat_full(state, body, plan))
 
-    @app.post("/v1/completions", response_model=p.Completion,
-              responses={400: {"model": p.ErrorResponse}, 404: {"model": p.ErrorResponse},
-                         429: {"model": p.ErrorResponse}})
+    @app.post("/v1/completions", response_model=p.Completion, responses=errors)
     async def completions(body: p.CompletionRequest, request: Request):
         ready()
         check_model(body.model)

@@ -157,6 +157,15 @@ def _sse(payload) -> str:
     return f"data: {data}\n\n"
 
 
+def _stream_end(head: dict, include_usage: bool, usage: p.Usage, error: Exception | None) -> list[str]:
+    """A stream's last events: an error event (a failed engine step) or the usage chunk when asked, then [DONE]."""
+    if error is not None:
+        events = [_sse(error_body(500, f"generation failed: {type(error).__name__}: {error}"))]
+    else:
+        events = [_sse({**head, "choices": [], "usage": usage.model_dump()})] if include_usage else []
+    return [*events, _sse("[DONE]")]
+
+
 def _tool_call_deltas(calls: list[ParsedCall], first_index: int) -> list[dict]:
     """OpenAI's streamed shape: per call, one delta with id, type and name, then its arguments."""
     deltas = []
@@ -279,7 +288,7 @@ async def _chat_events(state, req, plan, rid, arrival, gen, out) -> AsyncIterato
     async with contextlib.aclosing(gen):
         for i in range(plan.params.n):
             yield chunk(i, {"role": "assistant", "content": ""})
-        prompt_tokens, completion_tokens = 0, 0
+        prompt_tokens, completion_tokens, error = 0, 0, None
         try:
             while out is not None:
                 seq = seqs[out.index]
@@ -299,11 +308,9 @@ async def _chat_events(state, req, plan, rid, arrival, gen, out) -> AsyncIterato
                     completion_tokens += len(out.token_ids)
                 out = await anext(gen, None)
         except Exception as e:  # noqa: BLE001 - a failed engine step ends the stream with an error event
-            yield _sse(error_body(500, f"generation failed: {type(e).__name__}: {e}"))
-        else:
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens).model_dump()})
-        yield _sse("[DONE]")
+            error = e
+        for event in _stream_end(head, include_usage, _usage(prompt_tokens, completion_tokens), error):
+            yield event
 
 
 # -- completions --------------------------------------------------------------------------------
@@ -431,7 +438,7 @@ async def _completion_events(state, req, plan, rid, arrival, opened) -> AsyncIte
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     seqs = [_Sequence(state, arrival) for _ in range(len(plan.prompts) * n)]
     offsets = [0] * len(seqs)
-    prompt_tokens, completion_tokens = 0, 0
+    prompt_tokens, completion_tokens, error = 0, 0, None
 
     def chunk(index, text, finish_reason=None, logprobs=None):
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -459,8 +466,6 @@ async def _completion_events(state, req, plan, rid, arrival, opened) -> AsyncIte
                     if out.index == 0:
                         prompt_tokens += len(out.prompt_token_ids)
         except Exception as e:  # noqa: BLE001 - a failed engine step ends the stream with an error event
-            yield _sse(error_body(500, f"generation failed: {type(e).__name__}: {e}"))
-        else:
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens).model_dump()})
-    yield _sse("[DONE]")
+            error = e
+    for event in _stream_end(head, include_usage, _usage(prompt_tokens, completion_tokens), error):
+        yield event

@@ -25,6 +25,7 @@ from tunix_rt.engine.params import SamplingParams
 from tunix_rt.engine.reference_generator import GenerationConfig, generate as reference_generate
 from tunix_rt.models.config import FULL, SLIDING, ModelConfig, RopeConfig
 from tunix_rt.models.decoder import Decoder
+from tests.engine.idle import assert_idle
 
 GREEDY = dict(temperature=0.0)
 _ENGINES: list[Engine] = []
@@ -95,15 +96,6 @@ def _reference(model, prompts, max_tokens, stop_token_ids=()):
     return [o.token_ids for o in reference_generate(model, padded, config)][:len(prompts)]
 
 
-def _assert_idle(engine: Engine) -> None:
-    pool = engine.kv.pool
-    assert not engine.has_unfinished_requests() and not engine._requests
-    assert pool.num_free == pool.num_blocks and all(r == 0 for r in pool.ref_count)
-    assert not engine.kv.blocks and not engine.kv.hashes
-    stats = engine.stats()
-    assert stats.kv_cache_usage == 0 and stats.num_running == 0 and stats.num_waiting == 0
-
-
 @contextlib.contextmanager
 def _scheduled(engine: Engine):
     """Record each step's schedule as (seq_id, start, num_new, completes) tuples."""
@@ -168,7 +160,7 @@ def test_greedy_matches_reference_with_chunked_prefill(llama):
     assert any(len(step) > 1 and any(s[3] and s[2] == 1 for s in step) and any(not s[3] for s in step)
                for step in log)
     assert engine.stats().num_preemptions == preempted
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 def test_greedy_matches_reference_under_preemption(llama):
@@ -178,7 +170,7 @@ def test_greedy_matches_reference_under_preemption(llama):
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
     assert engine.stats().num_preemptions > before
     assert [o.token_ids for o in outs] == _reference(model, prompts, 24)
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 def test_greedy_matches_reference_with_shared_prefixes(llama):
@@ -197,7 +189,7 @@ def test_greedy_matches_reference_with_shared_prefixes(llama):
     again = engine.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
     assert [o.token_ids for o in again] == expected
     assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 4 * 4 for p in prompts]
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 def test_gemma_style_greedy_matches_reference(gemma):
@@ -210,7 +202,7 @@ def test_gemma_style_greedy_matches_reference(gemma):
     assert [o.token_ids for o in outs] == _reference(model, prompts, 8)
     assert any(not s[3] for step in log for s in step)  # chunked
     assert engine.stats().num_preemptions > preempted
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 def test_bf16_greedy_matches_reference():
@@ -222,7 +214,7 @@ def test_bf16_greedy_matches_reference():
     outs = engine.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
     assert engine.runner.k[0].dtype == jnp.bfloat16
     assert [o.token_ids for o in outs] == _reference(model, prompts, 6)
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 # -- n > 1 and seeds --------------------------------------------------------------------------
@@ -251,7 +243,7 @@ def test_n_samples_share_the_prompt(llama):
     # greedy samples agree with each other and the reference
     [greedy] = engine.generate(prompt, SamplingParams(n=3, max_tokens=8, **GREEDY))
     assert [o.token_ids for o in greedy] == _reference(model, [prompt], 8) * 3
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 def test_seeded_request_is_independent_of_its_batch(llama):
@@ -273,7 +265,7 @@ def test_seeded_request_is_independent_of_its_batch(llama):
             if out.finished:
                 done[out.request_id] = out
     assert done[mine].token_ids == alone and done[rid].finished
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 # -- leaks --------------------------------------------------------------------------------------
@@ -307,7 +299,7 @@ def test_no_leaks_after_finished_aborted_and_preempted(llama):
     for outs in aborted.values():
         assert outs and all(o.finish_reason == "abort" for o in outs)
     assert engine.abort(ids[0]) == [] and engine.abort("no such request") == []
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 # -- errors ---------------------------------------------------------------------------------------
@@ -320,7 +312,7 @@ def test_request_that_can_never_fit_raises(gemma):
     # generate aborts the prompts it already queued
     with pytest.raises(ValueError, match="can never fit"):
         engine.generate([[1, 2, 3], list(range(40))], SamplingParams(max_tokens=24))
-    _assert_idle(engine)
+    assert_idle(engine)
     [out] = engine.generate(list(range(40)), SamplingParams(max_tokens=8, **GREEDY))
     assert out.finish_reason == "length"
 
@@ -350,7 +342,7 @@ def test_prompt_errors(llama):
         engine.add_request([3, 4], request_id="dup")
     engine.abort(rid)
     assert engine.generate([]) == []
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 @pytest.mark.parametrize("field,value", [
@@ -428,7 +420,7 @@ def test_no_recompiles_after_warm_up(llama):
     assert done > 40
     assert runner.compiled == compiled and engine.stats().num_compiles == num_compiles
     assert events == []
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 # -- weights and memory -----------------------------------------------------------------------------
@@ -464,7 +456,7 @@ def test_update_weights(llama):
         assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in first]
     finally:
         engine.update_weights(model)
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 def test_sleep_and_wake_up(llama):
@@ -484,7 +476,7 @@ def test_sleep_and_wake_up(llama):
     with _backend_compiles() as events:
         assert [o.token_ids for o in engine.generate(prompts, params)] == first
     assert events == []
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 def test_generate_while_asleep_raises_and_changes_nothing(llama):
@@ -526,7 +518,7 @@ def test_stream_deltas_add_up(llama):
     for i in range(2):
         mine = [o for o in outs if o.index == i]
         assert [t for o in mine for t in o.delta_token_ids] == mine[-1].token_ids and mine[-1].finished
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 def test_closing_a_stream_aborts_it(llama):
@@ -537,7 +529,7 @@ def test_closing_a_stream_aborts_it(llama):
     next(it)
     assert engine.kv.pool.num_free < engine.kv.pool.num_blocks
     it.close()
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 # -- logprobs -----------------------------------------------------------------------------------------
@@ -566,7 +558,7 @@ def test_logprobs_match_the_model(llama):
     [out] = engine.generate(prompts[0], SamplingParams(logprobs=0, max_tokens=3, **GREEDY))
     assert out.top_logprobs is None and len(out.logprobs) == 3
     assert engine.generate(prompts[0], SamplingParams(max_tokens=3, **GREEDY))[0].logprobs is None
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 def test_logprobs_with_a_vocabulary_smaller_than_max_logprobs():
@@ -601,7 +593,7 @@ def test_stop_token_ids_and_max_tokens(llama, monkeypatch):
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
     [both] = engine.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[stop], **GREEDY))
     assert both.token_ids == free.token_ids[:cut] and both.finish_reason == "stop"
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 # -- text -----------------------------------------------------------------------------------------------
@@ -640,7 +632,7 @@ def test_text_is_the_decoded_tokens(text_engine):
     outs = engine.generate([PROMPT, "Hello"], SamplingParams(max_tokens=24, temperature=1.0, seed=1))
     for out in outs:
         assert out.text == tokenizer.decode(out.token_ids) and len(set(out.token_ids)) > 10
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 def test_stop_strings(text_engine):
@@ -666,7 +658,7 @@ def test_stop_strings(text_engine):
     # streamed text never shows the stop string, not even a prefix of it
     streamed = list(engine.stream(PROMPT, SamplingParams(stop=[stop], **params)))
     assert "".join(o.delta_text for o in streamed) == text[:at] and streamed[-1].finish_reason == "stop"
-    _assert_idle(engine)
+    assert_idle(engine)
 
 
 def test_stats_fields(llama):

@@ -32,6 +32,7 @@ from tunix_rt.engine.engine import Engine
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.engine.sampler import SamplingTensors, allowed_tokens, sample_tokens
 from tunix_rt.engine.structured import GrammarCompiler, StructuredOutputsParams
+from tests.engine.idle import assert_idle
 
 GREEDY = dict(temperature=0.0)
 HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -98,15 +99,6 @@ def engine() -> Engine:
     return eng
 
 
-def _assert_idle(engine: Engine) -> None:
-    pool = engine.kv.pool
-    assert not engine.has_unfinished_requests() and not engine._requests
-    assert pool.num_free == pool.num_blocks and all(r == 0 for r in pool.ref_count)
-    assert not engine.kv.blocks and not engine.kv.hashes
-    stats = engine.stats()
-    assert stats.kv_cache_usage == 0 and stats.num_running == 0 and stats.num_waiting == 0
-
-
 @pytest.fixture(autouse=True)
 def _leaves_engines_idle():
     """After every test each engine built so far must be idle; leftovers are then cleared so that a
@@ -115,7 +107,7 @@ def _leaves_engines_idle():
     leaks = []
     for eng in _ENGINES:
         try:
-            _assert_idle(eng)
+            assert_idle(eng)
         except AssertionError as e:
             leaks.append(e)
         for rid in list(eng._requests):

@@ -166,7 +166,10 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
         try:
             if not stream:
                 return await _unless_disconnected(request, full())
-            response = StreamingResponse(_released(await start_stream(), release), media_type="text/event-stream")
+            events = await _unless_disconnected(request, start_stream())  # may wait in the queue a while
+            if isinstance(events, Response):  # the client left before its first token
+                return events
+            response = StreamingResponse(_released(events, release), media_type="text/event-stream")
             streaming = True
             return response
         finally:
@@ -212,6 +215,7 @@ def load_engine(state: ServerState, options: ServeOptions) -> None:
     if state.tokenizer is None:
         raise ValueError(f"{options.model} has no tokenizer; the server needs one to read and write text")
     state.max_model_len = engine.max_model_len
+    engine.grammars.prepare()  # tool choices and response formats then never wait for it
     state.tool_format = tool_format_for(engine.tokenizer.chat_template)
     state.engine = AsyncEngine(engine)  # last: /health turns 200 only once everything above is set
     log.info("serving %s (max_model_len %d, tool format %s%s)", state.model_name, state.max_model_len,

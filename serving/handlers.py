@@ -12,12 +12,12 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-import jsonschema
 
 from tunix_rt.engine.async_engine import AsyncEngine
 from tunix_rt.engine.params import RequestOutput, SamplingParams
@@ -27,7 +27,7 @@ from serving import protocol as p
 from serving.chat import render_chat
 from serving.errors import APIError, error_body
 from serving.metrics import SequenceTimer, ServerMetrics
-from serving.tool_calls import ParsedCall, ParserOutput, ToolFormat, check_tools
+from serving.tool_calls import ParsedCall, ParserOutput, ToolFormat, check_json_schema, check_tools
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty")
@@ -135,14 +135,19 @@ class _Sequence:
         return "tool_calls" if self.calls else out.finish_reason
 
 
+def _finite(logprob: float) -> float:
+    """A grammar-masked token's logprob is -inf, which JSON cannot carry: -9999.0 as in vLLM."""
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
 def _chat_logprobs(state: ServerState, out: RequestOutput, start: int, stop: int) -> p.ChoiceLogprobs:
     entries = []
     for i in range(start, stop):
         tid = out.token_ids[i]
         top = out.top_logprobs[i] if out.top_logprobs else {}
         entries.append(p.TokenLogprob(
-            token=state.token_text(tid), logprob=out.logprobs[i], bytes=state.token_bytes(tid),
-            top_logprobs=[p.TopLogprob(token=state.token_text(t), logprob=lp, bytes=state.token_bytes(t))
+            token=state.token_text(tid), logprob=_finite(out.logprobs[i]), bytes=state.token_bytes(tid),
+            top_logprobs=[p.TopLogprob(token=state.token_text(t), logprob=_finite(lp), bytes=state.token_bytes(t))
                           for t, lp in top.items()]))
     return p.ChoiceLogprobs(content=entries)
 
@@ -153,7 +158,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> p.Usage:
 
 
 def _sse(payload) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, allow_nan=False)
     return f"data: {data}\n\n"
 
 
@@ -216,11 +221,10 @@ def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
         if spec is None or spec.schema_ is None:
             raise _bad("response_format json_schema needs json_schema.schema", "response_format")
         try:
-            jsonschema.validators.validator_for(spec.schema_).check_schema(spec.schema_)
-            structured = StructuredOutputsParams(json=spec.schema_)
-        except (jsonschema.SchemaError, ValueError) as e:
-            raise _bad(f"response_format.json_schema.schema is not a valid JSON schema: "
-                       f"{getattr(e, 'message', e)}", "response_format") from None
+            check_json_schema(spec.schema_, "response_format.json_schema.schema")
+        except ValueError as e:
+            raise _bad(str(e), "response_format") from None
+        structured = StructuredOutputsParams(json=spec.schema_)
     if req.logprobs is False and req.top_logprobs:
         raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -348,9 +352,10 @@ def _completion_logprobs(state: ServerState, out: RequestOutput, start: int, sto
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-    top = [{state.token_text(t): lp for t, lp in out.top_logprobs[i].items()} if out.top_logprobs else None
+    top = [{state.token_text(t): _finite(lp) for t, lp in out.top_logprobs[i].items()} if out.top_logprobs else None
            for i in range(start, stop)]
-    return p.CompletionLogprobs(tokens=tokens, token_logprobs=out.logprobs[start:stop], top_logprobs=top,
+    return p.CompletionLogprobs(tokens=tokens, token_logprobs=[_finite(lp) for lp in out.logprobs[start:stop]],
+                                top_logprobs=top,
                                 text_offset=offsets)
 
 
@@ -359,18 +364,19 @@ def _echo(state: ServerState, prompt) -> str:
 
 
 async def _open_all(state: ServerState, plan: CompletionPlan, rid: str):
-    """One engine stream per prompt, each started (so prompt errors raise before any output)."""
-    opened = []
+    """One engine stream per prompt, all submitted at once (their prefills share steps) and each
+    started, so prompt errors raise before any output."""
+    gens = [state.engine.generate(prompt, plan.params, f"{rid}-{k}") for k, prompt in enumerate(plan.prompts)]
     try:
-        for k, prompt in enumerate(plan.prompts):
-            gen = state.engine.generate(prompt, plan.params, f"{rid}-{k}")
-            opened.append((gen, None))
-            opened[-1] = (gen, await _first(gen, "prompt"))
+        firsts = await asyncio.gather(*(_first(gen, "prompt") for gen in gens), return_exceptions=True)
+        failed = [e for e in firsts if isinstance(e, BaseException)]
+        if failed:
+            raise next((e for e in failed if isinstance(e, APIError)), failed[0])
     except BaseException:
-        for gen, _ in opened:
+        for gen in gens:
             await gen.aclose()
         raise
-    return opened
+    return list(zip(gens, firsts))
 
 
 async def _merged(opened) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -385,21 +391,22 @@ async def _merged(opened) -> AsyncIterator[tuple[int, RequestOutput]]:
 
     tasks = [asyncio.ensure_future(pump(k, gen, out)) for k, (gen, out) in enumerate(opened)]
     done = asyncio.ensure_future(asyncio.gather(*tasks))
+    getter = None
     try:
         while not (done.done() and queue.empty()):
             getter = asyncio.ensure_future(queue.get())
             await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
             if getter.done():
                 yield getter.result()
-            else:
-                getter.cancel()
+            getter.cancel()
         done.result()  # a failed stream raises here
     finally:
+        if getter is not None:
+            getter.cancel()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if not done.done():
-            done.cancel()
+        await asyncio.gather(done, return_exceptions=True)  # its outcome is read: no "never retrieved" warning
 
 
 async def completion_full(state: ServerState, req: p.CompletionRequest, plan: CompletionPlan) -> p.Completion:

@@ -9,13 +9,19 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tunix_rt.engine.params import MAX_LOGPROBS
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        """OpenAI's schemas allow null for optional fields: null means "the default"."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(_Request):

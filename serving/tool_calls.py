@@ -87,23 +87,27 @@ def check_tools(tools: list[Tool]) -> None:
         if name in seen:
             raise ValueError(f"tools[{i}]: two tools are named {name!r}")
         seen.add(name)
-        schema = tool.function.parameters
-        if schema is None:
-            continue
-        where = f"tools[{i}].function.parameters"
+        if tool.function.parameters is not None:
+            check_json_schema(tool.function.parameters, f"tools[{i}].function.parameters")
+
+
+def check_json_schema(schema: dict, where: str) -> None:
+    """A JSON schema clients send (tool parameters, response formats): valid, and every $ref resolves
+    inside it (nothing is fetched). Raises ValueError naming `where`."""
+    dialect = schema.get("$schema", "")
+    if not isinstance(dialect, str):
+        raise ValueError(f"{where}: $schema must be a string (a dialect URI), got {dialect!r}")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise ValueError(f"{where} is not a valid JSON schema: {e.message}") from None
+    spec = referencing.jsonschema.specification_with(dialect, default=referencing.jsonschema.DRAFT202012)
+    resolver = referencing.Registry().with_resource("", spec.create_resource(schema)).resolver()
+    for ref in _refs(schema):
         try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as e:
-            raise ValueError(f"{where} is not a valid JSON schema: {e.message}") from None
-        # check_schema does not follow references: each must resolve inside the schema (nothing is fetched).
-        spec = referencing.jsonschema.specification_with(schema.get("$schema", ""),
-                                                         default=referencing.jsonschema.DRAFT202012)
-        resolver = referencing.Registry().with_resource("", spec.create_resource(schema)).resolver()
-        for ref in _refs(schema):
-            try:
-                resolver.lookup(ref)
-            except referencing.exceptions.Unresolvable:
-                raise ValueError(f"{where}: $ref {ref!r} does not resolve within the schema") from None
+            resolver.lookup(ref)
+        except referencing.exceptions.Unresolvable:
+            raise ValueError(f"{where}: $ref {ref!r} does not resolve within the schema") from None
 
 
 class _Validator:
@@ -300,16 +304,14 @@ class ToolFormat:
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
         """A Lark grammar (llguidance dialect) whose every sentence is one or more valid calls."""
         key = "arguments" if self.name == "hermes" else "parameters"
-        options = [{"type": "object", "additionalProperties": False, "required": ["name", key],
-                    "properties": {"name": {"const": t.function.name},
-                                   key: t.function.parameters or {"type": "object"}}} for t in tools]
-        schema = json.dumps({"anyOf": options, "x-guidance": {"whitespace_flexible": False}})
+        rules = [f"tool{i}: %json {json.dumps(_call_schema(t, key))}" for i, t in enumerate(tools)]
         if self.name == "hermes":
             call, separator = '"<tool_call>\\n" body "\\n</tool_call>"', '"\\n"'
         else:
             call, separator = "body", '"; "'
         start = f"start: call ({separator} call)*" if parallel else "start: call"
-        return f"{start}\ncall: {call}\nbody: %json {schema}\n"
+        body = " | ".join(f"tool{i}" for i in range(len(tools)))
+        return "\n".join([start, f"call: {call}", f"body: {body}", *rules]) + "\n"
 
     def tools_prompt(self, tools: list[Tool]) -> str:
         """The system text that teaches a template without tool support to call tools (hermes)."""
@@ -322,6 +324,28 @@ class ToolFormat:
     def render_call(self, name: str, arguments: dict) -> str:
         """A past call as the model would have written it (for templates without tool support)."""
         return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
+
+
+def _call_schema(tool: Tool, key: str) -> dict:
+    """The schema of one call object {"name": const, key: arguments}. The tool's parameters sit one
+    level down, so its definitions move to the root (where "#/$defs/..." resolves) and its other
+    local references gain the path to the arguments."""
+    params = dict(tool.function.parameters or {"type": "object"})
+    hoisted = {name: params.pop(name) for name in ("$defs", "definitions") if name in params}
+    params.pop("$schema", None)
+
+    def rebase(node):
+        if isinstance(node, dict):
+            out = {k: rebase(v) for k, v in node.items()}
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
+                out["$ref"] = f"#/properties/{key}{ref[1:]}"
+            return out
+        return [rebase(v) for v in node] if isinstance(node, list) else node
+
+    return {"type": "object", "additionalProperties": False, "required": ["name", key],
+            "properties": {"name": {"const": tool.function.name}, key: rebase(params)},
+            **rebase(hoisted), "x-guidance": {"whitespace_flexible": False}}
 
 
 def tool_format_for(chat_template: str | None) -> ToolFormat:

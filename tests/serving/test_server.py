@@ -853,3 +853,59 @@ def test_required_tool_choice_leaks_no_markup(client):
     choice = r.choices[0]
     assert choice.message.tool_calls
     assert "<tool_call>" not in (choice.message.content or ""), choice.message.content
+
+
+# -- review findings ------------------------------------------------------------------------------
+
+
+def test_masked_top_logprobs_stay_finite_json(server):
+    """Under a grammar, masked tokens have logprob -inf: the reply must still be strict JSON (vLLM's -9999)."""
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "temperature": 0, "logprobs": True,
+            "top_logprobs": 20, "response_format": {"type": "json_object"}}
+    for stream in (False, True):
+        r = raw_post(server, "/v1/chat/completions", json={**body, "stream": stream})
+        assert r.status_code == 200, r.text
+        payloads = [line[6:] for line in r.text.splitlines() if line.startswith("data: {")] if stream else [r.text]
+        values = []
+
+        def reject(constant):
+            raise AssertionError(f"{constant} in the reply")
+
+        for payload in payloads:
+            data = json.loads(payload, parse_constant=reject)
+            for choice in data["choices"]:
+                for entry in (choice.get("logprobs") or {}).get("content") or []:
+                    values += [entry["logprob"], *(t["logprob"] for t in entry["top_logprobs"])]
+        assert values and all(v is not None and -9999.0 <= v <= 0 for v in values)
+        assert -9999.0 in values  # fewer than 20 tokens may start a JSON object
+
+
+def test_forced_tool_with_defs_and_local_refs(client):
+    """Tool schemas with $defs (as pydantic writes them) still compile when the call is forced."""
+    tool = {"type": "function", "function": {"name": "book", "parameters": {  # small: the window is 256 tokens
+        "$defs": {"C": {"enum": ["Paris", "Rome"]}}, "type": "object", "properties": {"city": {"$ref": "#/$defs/C"}},
+        "required": ["city"]}}}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Book Paris."}],
+                                       tools=[tool], tool_choice={"type": "function", "function": {"name": "book"}},
+                                       max_tokens=TOOL_TOKENS, temperature=0)
+    [call] = r.choices[0].message.tool_calls
+    assert_valid_call(call, [tool])
+
+
+def test_explicit_nulls_mean_defaults(server):
+    r = raw_post(server, "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "n": None,
+                                                  "stream": None, "logprobs": None, "echo": None, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+
+
+def test_non_string_dialect_is_400(server):
+    schema = {"$schema": 5, "type": "object"}
+    r = raw_post(server, "/v1/chat/completions", json={
+        "model": MODEL, "messages": QUESTION, "max_tokens": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    r = raw_post(server, "/v1/chat/completions", json={
+        "model": MODEL, "messages": QUESTION, "max_tokens": 2,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text

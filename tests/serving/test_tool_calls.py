@@ -636,6 +636,23 @@ def test_grammar_allows_close_tag_inside_a_string(compiler, tokenizer):
     assert n == total and m.is_accepting()
 
 
+def test_grammar_keeps_the_tools_references(compiler, tokenizer):
+    """Parameters sit one level down in a call: $defs move to the root, other local refs are rebased."""
+    tool = Tool(function={"name": "book", "parameters": {
+        "$defs": {"City": {"enum": ["Paris", "Rome"]}}, "type": "object",
+        "properties": {"city": {"$ref": "#/$defs/City"}, "again": {"$ref": "#/properties/city"}},
+        "required": ["city", "again"], "additionalProperties": False}})
+    for fmt in (HERMES, LLAMA3):
+        grammar = fmt.grammar([tool, ADD], parallel=False)
+        good = compact_call(fmt, "book", {"city": "Rome", "again": "Paris"})
+        n, total, m = consume(compiler, tokenizer, grammar, good)
+        assert n == total and m.is_accepting()
+        assert whole(type(fmt.parser([tool])), good, [tool]) == ("", [("book", {"city": "Rome", "again": "Paris"})])
+        for bad in ({"city": "Oslo", "again": "Rome"}, {"city": "Rome", "again": "Oslo"}):
+            n, total, _ = consume(compiler, tokenizer, grammar, compact_call(fmt, "book", bad))
+            assert n < total, bad
+
+
 @pytest.fixture(scope="module")
 def ascii_token_ids(tokenizer):
     ids = [i for i in range(tokenizer.vocab_size)

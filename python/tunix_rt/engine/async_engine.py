@@ -13,12 +13,16 @@ their streams waiting forever; the engine stays usable.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator
 
 from tunix_rt.engine.engine import Engine, EngineStats, Prompt
 from tunix_rt.engine.params import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
@@ -82,14 +86,29 @@ class AsyncEngine:
                 if self._stopped:
                     break
                 inbox, self._inbox = self._inbox, []
-            for item in inbox:
-                self._apply(item)
-            if engine.has_unfinished_requests():
-                self._step()
-            self._stats = engine.stats()
+            try:
+                for item in inbox:
+                    self._apply(item)
+                if engine.has_unfinished_requests():
+                    self._step()
+                self._stats = engine.stats()
+            except Exception as e:  # noqa: BLE001 - a fault outside a step: fail what is in flight, keep serving
+                log.exception("engine loop error")
+                self._fail_all(e)
+        with self._wake:
+            inbox, self._inbox = self._inbox, []
+        stopped = RuntimeError("the engine has been shut down")
+        for item in inbox:
+            if item[0] == "add":
+                _deliver(item[4], stopped)
+        self._fail_all(stopped)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """End every stream in flight with `error` and drop its request from the engine."""
         for rid, target in self._streams.items():
-            engine.abort(rid)
-            _deliver(target, RuntimeError("the engine has been shut down"))
+            with contextlib.suppress(Exception):  # already failing: the stream must still end
+                self.engine.abort(rid)
+            _deliver(target, error)
         self._streams.clear()
 
     def _apply(self, item: tuple) -> None:
@@ -109,10 +128,7 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - delivered to every waiting stream
-            for rid, target in self._streams.items():
-                self.engine.abort(rid)
-                _deliver(target, e)
-            self._streams.clear()
+            self._fail_all(e)
             return
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}  # one wake-up per event loop per step
         for out in outputs:

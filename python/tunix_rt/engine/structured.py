@@ -72,7 +72,8 @@ class GrammarCompiler:
         self._index: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
 
-    def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+    def prepare(self) -> None:
+        """Build the vocabulary index now (~0.3 s for 49k tokens) rather than on the first constrained request."""
         if self._tokenizer is None:
             raise ValueError("structured outputs need the engine's tokenizer")
         if self._index is None:
@@ -82,6 +83,9 @@ class GrammarCompiler:
             self._index = llguidance.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
                                                  eos_token=self._eos)
             self._executor = llguidance.LLExecutor()
+
+    def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        self.prepare()
         try:
             text = params.grammar_text()
         except ValueError as e:

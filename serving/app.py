@@ -117,10 +117,9 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="tunix-rt OpenAI-compatible server", version="0.1.0")
     install_errors(app)
 
-    def ready() -> ServerState:
+    def ready() -> None:
         if state.engine is None:
             raise APIError(503, "the model is still loading", code="model_loading")
-        return state
 
     def check_model(model: str | None) -> None:
         if model is not None and model != state.model_name:
@@ -128,8 +127,7 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.engine is None:
-            return JSONResponse(error_body(503, "the model is still loading", code="model_loading"), status_code=503)
+        ready()
         return {"status": "ok"}
 
     @app.get("/metrics")

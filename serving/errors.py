@@ -28,7 +28,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _TYPES.get(status, "server_error")
+        self.type = type  # None: the status's usual type (error_body fills it in)
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,

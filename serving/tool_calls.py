@@ -24,6 +24,8 @@ import referencing
 import referencing.exceptions
 import referencing.jsonschema
 
+from tunix_rt.engine.detokenizer import held_prefix_length
+
 from serving.protocol import Tool
 
 
@@ -184,7 +186,7 @@ class HermesParser:
                     self._buf, self._in_call = self._buf[i + len(self.OPEN):], True
                     self._scan, self._in_string, self._escaped = 0, False, False
                     continue
-                keep = _partial_suffix(self._buf, self.OPEN)  # may be the start of a tag: wait for more
+                keep = held_prefix_length(self._buf, (self.OPEN,))  # may be the start of a tag: wait for more
                 out.content += self._gate(self._buf[:len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep:]
                 return out
@@ -283,14 +285,6 @@ class Llama3JsonParser:
             if call is None:
                 return None
             calls.append(call)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper beginning of `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,18 @@ _PROMPT_CONTEXT = 5
 _REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
 
 
+def held_prefix_length(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest end of `text` that is a proper beginning of one of `markers`: text a
+    streamer must hold back until it knows whether a marker (stop string, tag) follows."""
+    hold = 0
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), hold, -1):
+            if text.endswith(marker[:k]):
+                hold = k
+                break
+    return hold
+
+
 class IncrementalDetokenizer:
     """Turns the ids of one generated sequence into text as they arrive, and finds stop strings in that text.
 
@@ -151,7 +163,7 @@ class IncrementalDetokenizer:
             self._stop_reason = stop
             hold = 0
         else:
-            hold = self._held_prefix_length(region)
+            hold = held_prefix_length(region, self._stop)
             self._tail = region[-self._overlap :] if self._overlap else ""
         # Held text never exceeds the overlap, so what is not yet emitted lies inside region.
         out = region[self._emitted - base : self._length - base - hold]
@@ -168,13 +180,3 @@ class IncrementalDetokenizer:
             if start >= 0 and (best is None or (start + len(stop), start) < (best[0] + len(best[1]), best[0])):
                 best = (start, stop)
         return best
-
-    def _held_prefix_length(self, region: str) -> int:
-        """Length of the longest suffix of region that is a proper prefix of a stop string."""
-        hold = 0
-        for stop in self._stop:
-            for k in range(min(len(stop) - 1, len(region)), hold, -1):
-                if region.endswith(stop[:k]):
-                    hold = k
-                    break
-        return hold

@@ -65,6 +65,31 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     serve.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for the paged KV cache")
 
+    for name, what in (("sft", "supervised fine-tuning (full, LoRA, QLoRA)"),
+                       ("dpo", "preference optimisation: DPO, IPO, hinge, robust, ORPO, SimPO"),
+                       ("distill", "knowledge distillation from --teacher")):
+        train = sub.add_parser(name, help=what, description=f"{what}. Options not given as flags go as key=value "
+                               "(or in --config FILE.yaml); flags win over key=value, which wins over the file.")
+        train.add_argument("--config", default=None, help="YAML file of options")
+        train.add_argument("--model", default=None, help="HF directory, .gguf file or 'default'")
+        train.add_argument("--data", default=None, help="JSONL file of rows in TRL's format")
+        train.add_argument("--output", default=None, help="run directory: metrics.jsonl, checkpoints/, final/")
+        train.add_argument("--steps", type=int, default=None, help="optimizer steps (default: one pass over the data)")
+        train.add_argument("--lora-rank", type=int, default=None, help="0 = full fine-tuning")
+        if name == "distill":
+            train.add_argument("--teacher", default=None, help="teacher model (same tokenizer as the student)")
+        train.add_argument("overrides", nargs="*", metavar="key=value", help="any other option, e.g. learning_rate=1e-4")
+
+    export = sub.add_parser("export", help="write a model (GGUF, quantized or HF) as an HF directory transformers loads")
+    _add_model_arg(export, dequantize_flag=False)
+    export.add_argument("--output", required=True)
+    export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+    plot = sub.add_parser("plot", help="draw a run's metrics.jsonl curves to PNG")
+    plot.add_argument("run_dir", help="a training output directory")
+    plot.add_argument("--metrics", nargs="*", default=None, help="which metrics (default: all)")
+    plot.add_argument("--output", default=None, help="PNG path (default: RUN_DIR/metrics.png)")
+
     sub.add_parser("info", help="versions, devices, CPU ISA features and registered FFI targets")
     return parser
 
@@ -184,7 +209,41 @@ def _serve(args) -> int:
     return 0
 
 
-_COMMANDS = {"generate": _generate, "score": _score, "quantize": _quantize, "serve": _serve, "info": _info}
+def _train(args) -> int:
+    from tunix_rt.train.config import build_config
+    from tunix_rt.train.run import CONFIGS, run
+
+    explicit = {"model": args.model, "data": args.data, "output": args.output, "steps": args.steps,
+                "lora_rank": args.lora_rank, "teacher": getattr(args, "teacher", None)}
+    cfg = build_config(CONFIGS[args.command], config_file=args.config, overrides=args.overrides, **explicit)
+    logging.getLogger("tunix_rt").setLevel(logging.INFO)
+    final = run(cfg)
+    print(f"wrote {final}")
+    return 0
+
+
+def _export(args) -> int:
+    from pathlib import Path
+
+    from tunix_rt.checkpoints.hf_export import export_hf
+    from tunix_rt.checkpoints.loader import load_model
+
+    loaded = load_model(args.model)
+    out = export_hf(loaded.model, loaded.tokenizer, loaded.hf_config, Path(args.output), dtype=args.dtype,
+                    generation_config=loaded.generation_config or None)
+    print(f"wrote {out}")
+    return 0
+
+
+def _plot(args) -> int:
+    from tunix_rt.train.plot import plot_metrics
+
+    print(f"wrote {plot_metrics(args.run_dir, args.metrics, args.output)}")
+    return 0
+
+
+_COMMANDS = {"generate": _generate, "score": _score, "quantize": _quantize, "serve": _serve, "info": _info,
+             "sft": _train, "dpo": _train, "distill": _train, "export": _export, "plot": _plot}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,10 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO if args.verbose else logging.WARNING)
     from tunix_rt.checkpoints.default_model import DefaultModelMissing
     from tunix_rt.models.config import UnsupportedArchitecture
+    from tunix_rt.train.errors import TrainingError
 
     try:
         return _COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError, DefaultModelMissing, UnsupportedArchitecture) as e:
+    except (ValueError, FileNotFoundError, DefaultModelMissing, UnsupportedArchitecture, TrainingError) as e:
         print(f"tunix-rt {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -28,6 +28,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     generation_config: dict  # HF generation_config.json (empty for GGUF)
     source: Path
+    hf_config: dict  # the HF config.json dict the model was built from (what hf_export writes back)
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
@@ -48,6 +49,7 @@ def load_model(model: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32, 
     path = resolve_model_path(model)
     if path.is_dir():
         config = hf_dir.read_config(path)
+        config_dict = {k: v for k, v in hf_dir.read_json(path / "config.json").items() if k != "quantization_config"}
         tokenizer = Tokenizer.from_hf_dir(path)
         tensors = hf_dir.iter_tensors(path)
         qc = quantized_dir.quantization_config(path)
@@ -56,14 +58,14 @@ def load_model(model: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32, 
             if dequantize:
                 tensors = ((n, np.asarray(ops_dequantize(v)).T if isinstance(v, QuantizedTensor) else v) for n, v in tensors)
         decoder = build_decoder(config, tensors, dtype=dtype)
-        return LoadedModel(decoder, tokenizer, hf_dir.read_generation_config(path), path)
+        return LoadedModel(decoder, tokenizer, hf_dir.read_generation_config(path), path, config_dict)
     reader = gguf_loader.open_gguf(path)
     config_dict = gguf_loader.hf_config(reader)
     config = ModelConfig.from_hf_dict(config_dict)
     tokenizer = Tokenizer.from_gguf(reader)
     tensors = gguf_loader.iter_tensors(reader, config_dict, keep_quantized=not dequantize)
     decoder = build_decoder(config, tensors, dtype=dtype)
-    return LoadedModel(decoder, tokenizer, {}, path)
+    return LoadedModel(decoder, tokenizer, {}, path, config_dict)
 
 
 def load(path: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32, dequantize: bool = False) -> tuple[Decoder, Tokenizer]:

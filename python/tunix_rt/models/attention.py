@@ -12,13 +12,20 @@ import jax
 import jax.numpy as jnp
 
 
-def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
-    """(B, T) query and (B, S) key positions -> boolean mask (B, T, S)."""
+def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None,
+                   segment_ids: jax.Array | None = None) -> jax.Array:
+    """(B, T) query and (B, S) key positions -> boolean mask (B, T, S).
+
+    With `segment_ids` (B, T) (training on packed rows: queries and keys are the same tokens, each
+    packed example numbered, positions restarting at 0), a query sees only keys of its own segment.
+    """
     q = q_pos[:, :, None]
     k = k_pos[:, None, :]
     mask = (k >= 0) & (k <= q)
     if window is not None:
         mask &= (q - k) < window
+    if segment_ids is not None:
+        mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
     return mask
 
 

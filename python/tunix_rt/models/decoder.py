@@ -53,7 +53,7 @@ class Attention(nnx.Module):
         self.shape = (h, kv, d)
         self.scale, self.softcap, self.qk_norm = cfg.query_scale, cfg.attn_logit_softcap, cfg.qk_norm
 
-    def __call__(self, x, positions, cache: DenseKVCache | PagedKVCache | None):
+    def __call__(self, x, positions, cache: DenseKVCache | PagedKVCache | None, segment_ids=None):
         b, t, _ = x.shape
         h, kv, d = self.shape
         q = self.q_proj(x).reshape(b, t, h, d)
@@ -65,7 +65,7 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         if cache is None:
-            mask = attention_mask(positions, positions, self.window)
+            mask = attention_mask(positions, positions, self.window, segment_ids)
             out = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
         else:
             cache, out = cache.attend(self.layer, q, k, v, positions, window=self.window, scale=self.scale,
@@ -96,15 +96,19 @@ class DecoderLayer(nnx.Module):
             self.post_attn_norm = norm()
             self.post_mlp_norm = norm()
 
-    def __call__(self, x, positions, cache):
-        attn, cache = self.attn(self.input_norm(x), positions, cache)
+    def __call__(self, x, positions, cache, segment_ids=None):
+        attn, cache = self.attn(self.input_norm(x), positions, cache, segment_ids)
         x = x + (self.post_attn_norm(attn) if self.sandwich else attn)
         mlp = self.mlp(self.pre_mlp_norm(x))
         return x + (self.post_mlp_norm(mlp) if self.sandwich else mlp), cache
 
 
 class Decoder(nnx.Module):
-    """tokens (B, T) + positions (B, T) [+ dense cache] -> f32 logits (B, T, vocab) [, cache]."""
+    """tokens (B, T) + positions (B, T) [+ dense cache] -> f32 logits (B, T, vocab) [, cache].
+
+    Training on packed rows passes `segment_ids` (B, T) instead of a cache: attention stays
+    within each packed example.
+    """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
@@ -116,14 +120,16 @@ class Decoder(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(dtype, rngs, cfg.hidden_size, cfg.vocab_size, False)
 
-    def hidden_states(self, tokens, positions, cache: DenseKVCache | PagedKVCache | None = None):
+    def hidden_states(self, tokens, positions, cache: DenseKVCache | PagedKVCache | None = None, segment_ids=None):
         x = self.embed(tokens)
         if self.config.embed_scale is not None:  # HF rounds the scale to the weights' dtype first
             x = x * jnp.asarray(self.config.embed_scale, self.dtype)
         if cache is not None:
             cache = cache.begin(positions)
+        if cache is not None and segment_ids is not None:
+            raise ValueError("segment_ids are for training on packed rows, not for decoding with a cache")
         for layer in self.layers:
-            x, cache = layer(x, positions, cache)
+            x, cache = layer(x, positions, cache, segment_ids)
         if cache is not None:
             cache = cache.end(tokens.shape[1])
         return self.final_norm(x), cache
@@ -135,8 +141,8 @@ class Decoder(nnx.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         return head_logits(self.config, self.output_head(), h)
 
-    def __call__(self, tokens, positions, cache: DenseKVCache | PagedKVCache | None = None):
-        h, cache = self.hidden_states(tokens, positions, cache)
+    def __call__(self, tokens, positions, cache: DenseKVCache | PagedKVCache | None = None, segment_ids=None):
+        h, cache = self.hidden_states(tokens, positions, cache, segment_ids)
         logits = self.logits(h)
         return logits if cache is None else (logits, cache)
 

@@ -1,0 +1,178 @@
+"""Writing a Decoder as an HF-layout model directory that transformers and `loader.load_model` both load.
+
+The directory holds config.json, model.safetensors (HF names, HF (out, in) orientation, float32 or
+bfloat16), generation_config.json and the tokenizer files (tokenizer.json, tokenizer_config.json,
+chat_template.jinja). Tensor names come from inverting `weights.hf_to_path`, the one name table;
+parameters are read from the live module state, so trained values are what gets written.
+Quantized layers (QuantLinear / QuantEmbed) are dequantized exactly. LoRA must be merged first:
+any variable the table cannot place is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from tunix_rt.checkpoints import hf_dir
+from tunix_rt.checkpoints.tokenizer import Tokenizer
+from tunix_rt.checkpoints.weights import _layer_names, hf_to_path
+from tunix_rt.models.config import ModelConfig
+from tunix_rt.models.decoder import Decoder
+from tunix_rt.ops.quant import QuantizedTensor, dequantize
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+# Files an earlier checkpoint in out_dir may hold that would shadow or contradict what is written
+# (a shard index is read before model.safetensors; special_tokens_map.json overrides the config's tokens).
+_STALE = ("model.safetensors.index.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+          "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+
+
+def inverse_names(cfg: ModelConfig) -> dict[tuple, tuple[str, bool]]:
+    """Decoder parameter path -> (HF tensor name, whether to transpose), for every tensor `cfg` can have."""
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    names += [f"model.layers.{i}.{rest}" for i in range(cfg.num_layers) for rest in _layer_names(cfg)]
+    inverse = {}
+    for name in names:
+        target = hf_to_path(name, cfg)
+        if target is not None:
+            path, transpose = target
+            inverse[path] = (name, transpose)
+    return inverse
+
+
+def hf_tensors(model: Decoder, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """The model's parameters as HF-named arrays in HF orientation (quantized weights dequantized)."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"export dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    inverse = inverse_names(model.config)
+    tensors, unknown = {}, []
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        value = var.get_value()
+        key = path
+        if isinstance(value, QuantizedTensor):
+            value = dequantize(value)  # (K, N) = (in, out): the decoder's kernel orientation
+            if path[-1] == "table_t":  # QuantEmbed keeps the embedding transposed, (hidden, vocab)
+                key, value = (*path[:-1], "embedding"), value.T
+        if key not in inverse or not hasattr(value, "shape"):
+            unknown.append(".".join(map(str, path)) + f" ({type(var).__name__})")
+            continue
+        name, transpose = inverse[key]
+        array = np.asarray(jax.device_get(jnp.asarray(value, jnp.float32)))
+        tensors[name] = np.ascontiguousarray(array.T if transpose else array).astype(_DTYPES[dtype])
+    if unknown:
+        raise ValueError(f"cannot export {len(unknown)} model variable(s) with no HF tensor name: {', '.join(unknown[:8])}"
+                         f"{', ...' if len(unknown) > 8 else ''} (merge LoRA adapters into the base weights first)")
+    return tensors
+
+
+def _config(model: Decoder, tokenizer: Tokenizer, hf_config: dict, dtype: str, eos: int | list[int] | None) -> dict:
+    config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"cannot export model_type {model_type!r} (supported: {', '.join(ARCHITECTURES)})")
+    if ModelConfig.from_hf_dict(config) != model.config:
+        raise ValueError("hf_config does not describe this model (its parsed ModelConfig differs from model.config)")
+    config["architectures"] = [ARCHITECTURES[model_type]]
+    config["tie_word_embeddings"] = model.config.tie_word_embeddings
+    config["dtype"] = config["torch_dtype"] = dtype  # transformers 5 reads dtype, 4.x torch_dtype
+    if tokenizer.bos_token_id is not None:
+        config["bos_token_id"] = tokenizer.bos_token_id
+    if eos is not None:
+        config["eos_token_id"] = eos
+    if tokenizer.pad_token_id is not None:
+        config["pad_token_id"] = tokenizer.pad_token_id
+    return config
+
+
+def _generation_config(tokenizer: Tokenizer, given: dict | None) -> dict:
+    """The given dict (or one with the tokenizer's bos id), its eos_token_id extended to every id that
+    ends generation, so that Tokenizer.from_hf_dir gets back the same eos_token_ids."""
+    if given is not None:
+        gen = dict(given)
+    else:
+        gen = {} if tokenizer.bos_token_id is None else {"bos_token_id": tokenizer.bos_token_id}
+    listed = gen.get("eos_token_id")
+    listed = [] if listed is None else list(listed) if isinstance(listed, (list, tuple)) else [listed]
+    eos = listed + [i for i in tokenizer.eos_token_ids if i not in listed]
+    if eos:
+        gen["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return gen
+
+
+def _tokenizer_config(tokenizer: Tokenizer, max_length: int) -> dict:
+    # No add_bos_token / add_eos_token: given either, transformers rebuilds the post-processor instead of
+    # using tokenizer.json's, which already adds exactly what Tokenizer.encode adds.
+    pad = None if tokenizer.pad_token_id is None else tokenizer.backend.id_to_token(tokenizer.pad_token_id)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
+              "eos_token": tokenizer.eos_token, "pad_token": pad, "model_max_length": max_length,
+              "clean_up_tokenization_spaces": False}
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def _replace(path: Path, write) -> None:
+    """Write through a temporary file in the same directory, then rename over `path`."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    _replace(path, lambda p: p.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"))
+
+
+def _prepare(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"export target {out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
+        raise FileExistsError(f"export target {out_dir} is a non-empty directory that holds no model (no config.json); "
+                              "pick an empty or new directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in _STALE:
+        (out_dir / name).unlink(missing_ok=True)
+    for shard in out_dir.glob("*.safetensors"):
+        if shard.name != hf_dir.SINGLE_FILE:
+            shard.unlink()
+
+
+def export_hf(model: Decoder, tokenizer: Tokenizer, hf_config: dict, out_dir: str | os.PathLike, *,
+              dtype: str = "float32", generation_config: dict | None = None) -> Path:
+    """Write `model` (+ tokenizer) to `out_dir` as an HF checkpoint; returns the directory.
+
+    hf_config is the config.json dict the model was built from (LoadedModel.hf_config). An existing
+    model directory is overwritten; a non-empty directory without config.json is refused.
+    """
+    from safetensors.numpy import save_file
+
+    out_dir = Path(out_dir).expanduser()
+    tensors = hf_tensors(model, dtype)  # before touching out_dir: unknown variables fail first
+    gen = _generation_config(tokenizer, generation_config)
+    config = _config(model, tokenizer, hf_config, dtype, gen.get("eos_token_id"))
+    _prepare(out_dir)
+    _replace(out_dir / hf_dir.SINGLE_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    del tensors
+    _replace(out_dir / "tokenizer.json", lambda p: tokenizer.backend.save(str(p)))
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(tokenizer, model.config.max_position_embeddings))
+    if tokenizer.chat_template is not None:
+        _replace(out_dir / "chat_template.jinja", lambda p: p.write_bytes(tokenizer.chat_template.encode("utf-8")))
+    _write_json(out_dir / "generation_config.json", gen)
+    _write_json(out_dir / "config.json", config)  # last: a directory with a config.json is complete
+    return out_dir

@@ -1,0 +1,1 @@
+"""Device meshes, partition rules and multi-process setup for training."""

@@ -1,0 +1,1 @@
+"""Post-training: trainer core, SFT, DPO family, distillation (and later GRPO/PPO)."""

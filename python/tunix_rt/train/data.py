@@ -1,0 +1,440 @@
+"""Training data for SFT and DPO: JSONL rows in TRL's formats -> token ids with loss masks -> fixed-shape batches.
+
+Numpy only. Batches are always padded to one `seq_len`, because the trainer jit-compiles a single shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from tunix_rt.checkpoints.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class DataError(ValueError):
+    """A dataset that cannot be trained on; the message starts with FILE:LINE of the row at fault."""
+
+
+class SFTExample(NamedTuple):
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # bool, per input token: whether the model should learn to produce it
+
+
+class PreferenceExample(NamedTuple):
+    prompt_ids: np.ndarray  # int32
+    chosen_ids: np.ndarray  # int32, the tokens after the prompt
+    rejected_ids: np.ndarray  # int32
+
+
+@dataclasses.dataclass
+class PackedRow:
+    """Examples sharing one row of a batch, in dataset order; each becomes its own segment."""
+
+    segments: list[SFTExample]
+
+
+# --- reading --------------------------------------------------------------------------------------------------
+
+
+def read_jsonl(path) -> list[tuple[int, dict]]:
+    """(1-based line number, row) for each non-blank line, so every later error can point at its line."""
+    rows = []
+    try:
+        # Iterating the file splits on newlines only; str.splitlines would also split inside strings at U+2028.
+        with open(path, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{number}: invalid JSON: {e.msg} (column {e.colno})") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}:{number}: a row must be a JSON object, got {_kind(row)}")
+                rows.append((number, row))
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the dataset: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: the dataset is not UTF-8 text: {e}") from e
+    if not rows:
+        raise DataError(f"{path}: the dataset has no rows")
+    return rows
+
+
+# --- SFT ------------------------------------------------------------------------------------------------------
+
+
+def tokenize_sft(
+    row: dict,
+    tokenizer: Tokenizer,
+    *,
+    max_length: int,
+    where: str,
+    assistant_only_loss: bool = True,
+    completion_only_loss: bool = True,
+) -> SFTExample:
+    """Token ids and loss mask of one SFT row: {"messages"}, {"prompt", "completion"} (strings or messages) or
+    {"text"}. assistant_only_loss applies to conversations, completion_only_loss to prompt/completion rows; both
+    together keep only the completion's assistant turns, as in TRL. Truncated to the first max_length tokens."""
+    if "messages" in row:
+        messages = _messages(row["messages"], "messages", where)
+        ids, mask = _conversation(tokenizer, messages, None, assistant_only_loss, where)
+    elif "prompt" in row or "completion" in row:
+        prompt, completion = _field(row, "prompt", where), _field(row, "completion", where)
+        if isinstance(prompt, str) and isinstance(completion, str):
+            prompt_ids = tokenizer.encode(prompt)
+            ids = prompt_ids + _with_eos(tokenizer.encode(completion, add_special_tokens=False), tokenizer)
+            mask = np.arange(len(ids)) >= (len(prompt_ids) if completion_only_loss else 0)
+        elif isinstance(prompt, list) and isinstance(completion, list):
+            prompt = _messages(prompt, "prompt", where)
+            messages = prompt + _messages(completion, "completion", where)
+            completion_from = len(prompt) if completion_only_loss else None
+            ids, mask = _conversation(tokenizer, messages, completion_from, assistant_only_loss, where)
+        else:
+            raise DataError(
+                f'{where}: fields "prompt" and "completion" must both be strings or both be lists of messages, '
+                f"got {_kind(prompt)} and {_kind(completion)}"
+            )
+    elif "text" in row:
+        text = row["text"]
+        if not isinstance(text, str):
+            raise DataError(f'{where}: field "text" must be a string, got {_kind(text)}')
+        ids = _with_eos(tokenizer.encode(text), tokenizer)
+        mask = np.ones(len(ids), bool)
+    else:
+        raise DataError(
+            f'{where}: an SFT row needs field "messages", fields "prompt" and "completion", or field "text"; '
+            f"it has {sorted(row) or 'no fields'}"
+        )
+    return SFTExample(np.asarray(ids[:max_length], np.int32), np.asarray(mask[:max_length], bool))
+
+
+def load_sft(
+    path, tokenizer: Tokenizer, *, max_length: int, assistant_only_loss: bool = True, completion_only_loss: bool = True
+) -> list[SFTExample]:
+    """Every row of a JSONL file tokenized; rows left with no trained token (say, the assistant turn truncated
+    away) are dropped with a warning, and only a dataset with none left is an error."""
+    numbered = [
+        (
+            line,
+            tokenize_sft(
+                row,
+                tokenizer,
+                max_length=max_length,
+                where=f"{path}:{line}",
+                assistant_only_loss=assistant_only_loss,
+                completion_only_loss=completion_only_loss,
+            ),
+        )
+        for line, row in read_jsonl(path)
+    ]
+    return _keep_trainable(path, numbered, lambda example: example.loss_mask.any(), max_length)
+
+
+def _conversation(
+    tokenizer: Tokenizer, messages: list[dict], completion_from: int | None, assistant_only: bool, where: str
+) -> tuple[list[int], np.ndarray]:
+    """Render and tokenize a conversation once; train only on tokens after the generation prompt that follows
+    messages[:completion_from] (unless None) and, with `assistant_only`, inside an assistant turn (the turn's
+    end-of-turn text included). A token counts as where it starts."""
+    text = _render(tokenizer, messages, False, where)
+    encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+    starts = np.array([start for start, _ in encoding.offsets], dtype=np.int64)
+    mask = np.ones(len(starts), bool)
+    if completion_from is not None:
+        prompt_end = _prefix_length(
+            _render(tokenizer, messages[:completion_from], True, where),
+            text,
+            f"{where}: completion-only loss needs the chat template's render of the prompt (with the generation "
+            "prompt) to be a prefix of its render of prompt + completion; it is not, so set "
+            "completion_only_loss=False to train on every token",
+        )
+        mask &= starts >= prompt_end
+    if assistant_only:
+        in_turn = np.zeros_like(mask)
+        for begin, end in _assistant_spans(tokenizer, messages, text, where):
+            in_turn |= (starts >= begin) & (starts < end)
+        mask &= in_turn
+    return encoding.ids, mask
+
+
+def _assistant_spans(tokenizer: Tokenizer, messages: list[dict], text: str, where: str) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in `text`, found by rendering each turn's prefix -- so any template
+    works that renders a conversation's first turns as a prefix of the whole, no `{% generation %}` tags needed."""
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        problem = (
+            f"{where}: assistant-only loss needs a chat template whose render of a conversation's first turns is a "
+            f"prefix of its render of the whole; this one renders messages[:{i}] or messages[:{i + 1}] differently, "
+            "so set assistant_only_loss=False to train on every token"
+        )
+        before = _prefix_length(_render(tokenizer, messages[:i], True, where), text, problem)
+        spans.append((before, _prefix_length(_render(tokenizer, messages[: i + 1], False, where), text, problem)))
+    return spans
+
+
+# --- DPO ------------------------------------------------------------------------------------------------------
+
+
+def tokenize_preference(
+    row: dict, tokenizer: Tokenizer, *, max_length: int, max_prompt_length: int | None = None, where: str
+) -> PreferenceExample:
+    """Prompt, chosen and rejected ids of one DPO row: strings, lists of messages, or (TRL's implicit prompt)
+    "chosen" and "rejected" alone as whole conversations whose shared first messages are the prompt.
+
+    Truncated as TRL does: the prompt keeps its last max_prompt_length tokens, then prompt + completion its first
+    max_length.
+    """
+    chosen, rejected = _field(row, "chosen", where), _field(row, "rejected", where)
+    if "prompt" not in row and isinstance(chosen, list) and isinstance(rejected, list):
+        chosen, rejected = _messages(chosen, "chosen", where), _messages(rejected, "rejected", where)
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        if shared == 0:
+            raise DataError(
+                f'{where}: without a "prompt" field, "chosen" and "rejected" must start with the same messages'
+            )
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        for name, completion in (("chosen", chosen), ("rejected", rejected)):
+            if not completion:
+                raise DataError(f'{where}: field "{name}" has no messages after the prompt it shares with the other')
+    else:
+        prompt = _field(row, "prompt", where)
+
+    if all(isinstance(value, str) for value in (prompt, chosen, rejected)):
+        prompt_ids = tokenizer.encode(prompt)
+        chosen_ids, rejected_ids = (
+            _with_eos(tokenizer.encode(completion, add_special_tokens=False), tokenizer)
+            for completion in (chosen, rejected)
+        )
+    elif all(isinstance(value, list) for value in (prompt, chosen, rejected)):
+        prompt = _messages(prompt, "prompt", where)
+        prompt_text = _render(tokenizer, prompt, True, where)
+        prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+        chosen_ids, rejected_ids = (
+            _completion_ids(tokenizer, prompt, prompt_text, completion, name, where)
+            for name, completion in (("chosen", chosen), ("rejected", rejected))
+        )
+    else:
+        raise DataError(
+            f'{where}: fields "prompt", "chosen" and "rejected" must all be strings or all be lists of messages, '
+            f"got {_kind(prompt)}, {_kind(chosen)} and {_kind(rejected)}"
+        )
+
+    if max_prompt_length is not None:
+        prompt_ids = prompt_ids[max(0, len(prompt_ids) - max_prompt_length) :]
+    prompt_ids = prompt_ids[:max_length]
+    room = max_length - len(prompt_ids)
+    return PreferenceExample(
+        *(np.asarray(ids, np.int32) for ids in (prompt_ids, chosen_ids[:room], rejected_ids[:room]))
+    )
+
+
+def load_preferences(
+    path, tokenizer: Tokenizer, *, max_length: int, max_prompt_length: int | None = None
+) -> list[PreferenceExample]:
+    """Every row of a JSONL file tokenized; pairs truncated to an empty chosen or rejected side are dropped with a
+    warning, and only a dataset with none left is an error."""
+    numbered = [
+        (
+            line,
+            tokenize_preference(
+                row, tokenizer, max_length=max_length, max_prompt_length=max_prompt_length, where=f"{path}:{line}"
+            ),
+        )
+        for line, row in read_jsonl(path)
+    ]
+    return _keep_trainable(
+        path, numbered, lambda example: min(len(example.chosen_ids), len(example.rejected_ids)) > 0, max_length
+    )
+
+
+def _completion_ids(
+    tokenizer: Tokenizer, prompt: list[dict], prompt_text: str, completion, name: str, where: str
+) -> list[int]:
+    """The tokens of what the template writes for `completion` after the prompt and its generation prompt,
+    tokenized apart from the prompt as TRL does."""
+    full = _render(tokenizer, prompt + _messages(completion, name, where), False, where)
+    start = _prefix_length(
+        prompt_text,
+        full,
+        f"{where}: the chat template's render of the prompt (with the generation prompt) is not a prefix of its "
+        f'render of prompt + {name}, so the "{name}" tokens cannot be told apart from the prompt',
+    )
+    return tokenizer.encode(full[start:], add_special_tokens=False)
+
+
+# --- batching -------------------------------------------------------------------------------------------------
+
+
+def pack(examples: Sequence[SFTExample], seq_len: int) -> list[PackedRow]:
+    """Greedy packing in dataset order: an example joins the current row while it fits, else starts the next one.
+    An example longer than seq_len is cut to its first seq_len tokens."""
+    rows: list[PackedRow] = []
+    used = 0
+    for example in examples:
+        example = SFTExample(example.input_ids[:seq_len], example.loss_mask[:seq_len])
+        if not rows or used + len(example.input_ids) > seq_len:
+            rows.append(PackedRow([]))
+            used = 0
+        rows[-1].segments.append(example)
+        used += len(example.input_ids)
+    return rows
+
+
+def sft_batch(rows: Sequence[PackedRow | SFTExample], seq_len: int, *, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """One (len(rows), seq_len) batch; a PackedRow's examples become segments 1, 2, ..., a lone SFTExample is a
+    row of its own (segment 1), cut to seq_len.
+
+    tokens: the ids, pad_id after the last segment. positions: the index within the segment (-1 on padding).
+    segment_ids: 0 on padding. targets: the next token of the same segment, 0 where there is none.
+    loss_mask (float32): 1 where the target is a real next token the example trains on -- so the loss never
+    crosses a segment boundary and the model is never asked to predict padding.
+    """
+    shape = (len(rows), seq_len)
+    batch = {
+        "tokens": np.full(shape, pad_id, np.int32),
+        "positions": np.full(shape, -1, np.int32),
+        "segment_ids": np.zeros(shape, np.int32),
+        "targets": np.zeros(shape, np.int32),
+        "loss_mask": np.zeros(shape, np.float32),
+    }
+    for r, row in enumerate(rows):
+        offset = 0
+        for segment_id, example in enumerate(row.segments if isinstance(row, PackedRow) else [row], 1):
+            ids = example.input_ids[: seq_len - offset]
+            n = len(ids)
+            batch["tokens"][r, offset : offset + n] = ids
+            batch["positions"][r, offset : offset + n] = np.arange(n)
+            batch["segment_ids"][r, offset : offset + n] = segment_id
+            # A segment's last token has no target; the mask of the predicted token decides whether it is trained.
+            predicting = slice(offset, offset + max(n - 1, 0))
+            batch["targets"][r, predicting] = ids[1:]
+            batch["loss_mask"][r, predicting] = example.loss_mask[1:n]
+            offset += n
+    return batch
+
+
+def preference_batch(examples: Sequence[PreferenceExample], seq_len: int, *, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """A (2B, seq_len) batch for DPO: rows 0..B-1 are prompt + chosen, rows B..2B-1 prompt + rejected, loss on
+    the completion tokens only; keys as in sft_batch."""
+    sequences = [_joined(example.prompt_ids, example.chosen_ids) for example in examples]
+    sequences += [_joined(example.prompt_ids, example.rejected_ids) for example in examples]
+    return sft_batch(sequences, seq_len, pad_id=pad_id)
+
+
+class BatchSampler:
+    """Which items each global step trains on. Epochs are fresh permutations (from (seed, epoch)) laid end to end
+    as one endless stream, and step s takes items [s*B, (s+1)*B) of it: a pure function of the step, so resuming
+    needs only the step, and every batch is full."""
+
+    def __init__(self, num_items: int, batch_size: int, *, seed: int, shuffle: bool = True):
+        if num_items < 1 or batch_size < 1:
+            raise ValueError(f"num_items and batch_size must be >= 1, got {num_items} and {batch_size}")
+        self.num_items, self.batch_size, self.seed, self.shuffle = num_items, batch_size, seed, shuffle
+
+    def indices(self, step: int) -> np.ndarray:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        start = step * self.batch_size
+        first = start // self.num_items
+        last = (start + self.batch_size - 1) // self.num_items
+        stream = np.concatenate([self._order(epoch) for epoch in range(first, last + 1)])
+        offset = start - first * self.num_items
+        return stream[offset : offset + self.batch_size]
+
+    def epoch(self, step: int) -> float:
+        """Epochs completed before `step` (fractional)."""
+        return step * self.batch_size / self.num_items
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_items)
+        return np.random.default_rng((self.seed, epoch)).permutation(self.num_items)
+
+
+# --- helpers --------------------------------------------------------------------------------------------------
+
+
+def _joined(prompt_ids: np.ndarray, completion_ids: np.ndarray) -> SFTExample:
+    ids = np.concatenate([prompt_ids, completion_ids])
+    return SFTExample(ids, np.arange(len(ids)) >= len(prompt_ids))
+
+
+def _kind(value) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _field(row: dict, name: str, where: str):
+    if name not in row:
+        raise DataError(f'{where}: field "{name}" is missing (the row has {sorted(row)})')
+    return row[name]
+
+
+def _messages(value, field: str, where: str) -> list[dict]:
+    """Check a list of chat messages, naming the field and message at fault."""
+    expected = f'field "{field}" must be a non-empty list of {{"role", "content"}} objects'
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: {expected}, got {'an empty list' if value == [] else _kind(value)}")
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}: {expected}, but {field}[{i}] is {_kind(message)}")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise DataError(f'{where}: field "{field}[{i}].role" must be one of {", ".join(ROLES)}, got {role!r}')
+        content = message.get("content")
+        # An assistant turn that only calls tools may leave content out; the template renders its tool_calls.
+        if not isinstance(content, str) and not (content is None and role == "assistant" and message.get("tool_calls")):
+            note = " (it may be left out only on an assistant turn with tool_calls)" if content is None else ""
+            raise DataError(f'{where}: field "{field}[{i}].content" must be a string, got {_kind(content)}{note}')
+    return value
+
+
+def _render(tokenizer: Tokenizer, messages: list[dict], generation_prompt: bool, where: str) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
+    except Exception as e:  # the template is the checkpoint's code: whatever it raises, this row is what it rejects
+        raise DataError(f"{where}: the chat template cannot render this row: {type(e).__name__}: {e}") from e
+
+
+def _prefix_length(prefix: str, text: str, problem: str) -> int:
+    if not text.startswith(prefix):
+        raise DataError(problem)
+    return len(prefix)
+
+
+def _with_eos(ids: list[int], tokenizer: Tokenizer) -> list[int]:
+    """Completions end with EOS, so the model learns to stop (TRL appends it unless the text already has it)."""
+    if tokenizer.eos_token is None:
+        raise ValueError("the tokenizer has no EOS token, which ends every trained completion")
+    eos = tokenizer.backend.token_to_id(tokenizer.eos_token)
+    return ids if ids[-1:] == [eos] else [*ids, eos]
+
+
+def _keep_trainable(path, numbered: list[tuple[int, tuple]], trainable, max_length: int) -> list:
+    kept = [example for _, example in numbered if trainable(example)]
+    dropped = [line for line, example in numbered if not trainable(example)]
+    if not kept:
+        raise DataError(
+            f"{path}: no row has a token to train on within max_length={max_length} (assistant turns or "
+            "completions truncated away, or missing)"
+        )
+    if dropped:
+        shown = ", ".join(map(str, dropped[:20])) + (", ..." if len(dropped) > 20 else "")
+        logger.warning(
+            "%s: dropped %d of %d rows with no token to train on within max_length=%d (lines %s)",
+            path, len(dropped), len(numbered), max_length, shown,
+        )
+    return kept

@@ -1,0 +1,61 @@
+"""Preference optimisation (DPO, IPO, hinge, robust, ORPO, SimPO) on chosen/rejected pairs.
+
+A batch holds B pairs as 2B rows (chosen first). The reference log-probs come from a frozen model
+inside the same step: the LoRA-disabled base (no second copy), the initial weights, or a separate
+`ref_model`; reference-free losses (ORPO, SimPO) skip that forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tunix_rt.train.data import PreferenceExample, preference_batch
+from tunix_rt.train.losses import PREFERENCE_LOSSES, PreferenceConfig, PreferenceStats, token_logprobs
+from tunix_rt.train.sft import policy_logits
+from tunix_rt.train.trainer import LossContext
+
+
+def completion_logps(logits: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """Per row: summed log-probs of the completion tokens and their count."""
+    mask = batch["loss_mask"]
+    return (token_logprobs(logits, batch["targets"]) * mask).sum(-1), mask.sum(-1)
+
+
+class DPOObjective:
+    def __init__(self, examples: Sequence[PreferenceExample], cfg: PreferenceConfig, *, seq_len: int, pad_id: int,
+                 ref_model: nnx.Module | None = None):
+        self.examples, self.cfg, self.seq_len, self.pad_id = list(examples), cfg, seq_len, pad_id
+        self.num_items = len(self.examples)
+        self.ref = nnx.split(ref_model) if ref_model is not None else None
+        self.needs_reference = not cfg.reference_free and ref_model is None
+
+    def host_batch(self, indices: np.ndarray, valid: np.ndarray) -> dict[str, np.ndarray]:
+        batch = preference_batch([self.examples[i] for i in indices], self.seq_len, pad_id=self.pad_id)
+        batch["valid"] = valid.astype(np.float32)
+        return batch
+
+    def _reference_logps(self, ctx: LossContext, batch: dict):
+        if self.ref is not None:
+            model = nnx.merge(self.ref[0], ctx.aux["ref_model"])
+        else:
+            model = ctx.reference()
+        return jax.lax.stop_gradient(completion_logps(policy_logits(model, batch), batch)[0])
+
+    def loss(self, ctx: LossContext, batch: dict):
+        logps, lengths = completion_logps(policy_logits(ctx.policy, batch), batch)
+        b = logps.shape[0] // 2
+        if self.cfg.reference_free:
+            ref = jax.numpy.zeros_like(logps)
+        else:
+            ref = self._reference_logps(ctx, batch)
+        stats = PreferenceStats(logps[:b], logps[b:], lengths[:b], lengths[b:], ref[:b], ref[b:])
+        losses, metrics = PREFERENCE_LOSSES[self.cfg.loss_type](stats, self.cfg)
+        valid = batch["valid"]
+        return (losses * valid).sum(), valid.sum(), {k: (v * valid).sum() for k, v in metrics.items()}
+
+    def aux(self):
+        return {"ref_model": self.ref[1]} if self.ref is not None else None

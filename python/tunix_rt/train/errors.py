@@ -1,0 +1,5 @@
+"""Errors the training CLI reports as one line (kept free of heavy imports)."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss or gradient); the message says where and why."""

@@ -1,0 +1,104 @@
+"""LoRA adapters on the decoder's linear layers, float or quantized (QLoRA), and merging them back.
+
+The adapters are nnx.LoRAParam variables, so `nnx.LoRAParam` selects exactly what LoRA trains;
+the base weights (nnx.Param or a frozen QuantWeight) are never touched. A base that is a
+QuantLinear trains through quant_matmul's custom_vjp: that is QLoRA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.quant_layers import QuantLinear
+from tunix_rt.ops.quant import dequantize
+
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+ALL_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+
+
+def dense_kernel(base: nnx.Module) -> jax.Array:
+    """The (in, out) float kernel of an nnx.Linear or a QuantLinear (dequantized)."""
+    if isinstance(base, QuantLinear):
+        return dequantize(base.kernel.get_value())
+    return base.kernel[...]
+
+
+class LoRALinear(nnx.Module):
+    """base(x) + dropout(x) @ A @ B * alpha / rank, with A (in, r) and B (r, out) zero at the start."""
+
+    def __init__(self, base: nnx.Module, *, rank: int, alpha: float, dropout: float, rngs: nnx.Rngs):
+        din, dout = base.kernel.get_value().shape  # a float array or a QuantizedTensor, both (in, out)
+        self.base = base
+        bound = 1.0 / math.sqrt(din)  # kaiming-uniform with a = sqrt(5), as peft initialises A
+        self.lora_a = nnx.LoRAParam(jax.random.uniform(rngs.params(), (din, rank), jnp.float32, -bound, bound))
+        self.lora_b = nnx.LoRAParam(jnp.zeros((rank, dout), jnp.float32))
+        self.scaling = alpha / rank
+        self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.base(x)
+        h = x if self.dropout is None else self.dropout(x)
+        delta = (h @ self.lora_a[...].astype(h.dtype)) @ self.lora_b[...].astype(h.dtype)
+        return y + (delta * self.scaling).astype(y.dtype)
+
+    def merged(self) -> nnx.Linear:
+        """A plain float nnx.Linear computing the same function (dropout off)."""
+        kernel = dense_kernel(self.base).astype(jnp.float32) + self.scaling * (self.lora_a[...] @ self.lora_b[...])
+        din, dout = kernel.shape
+        bias = getattr(self.base, "bias", None)
+        dtype = kernel.dtype
+        linear = nnx.Linear(din, dout, use_bias=bias is not None, dtype=dtype, param_dtype=dtype,
+                            kernel_init=nnx.initializers.zeros, rngs=nnx.Rngs(0))
+        linear.kernel.set_value(kernel)
+        if bias is not None:
+            linear.bias.set_value(bias[...].astype(dtype))
+        return linear
+
+
+def _targets(model: Decoder, names: tuple[str, ...]):
+    """(owner module, attribute) for every targeted projection of every layer."""
+    for layer in model.layers:
+        for name in names:
+            owner = layer.attn if name in ATTENTION_TARGETS else layer.mlp
+            yield owner, name
+
+
+def apply_lora(model: Decoder, *, rank: int, alpha: float, dropout: float = 0.0,
+               targets: tuple[str, ...] = ALL_TARGETS, seed: int = 0) -> Decoder:
+    """Wrap the targeted projections of `model` in LoRALinear, in place; returns the model."""
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"lora_rank must be a positive integer, got {rank!r}")
+    if not alpha > 0:
+        raise ValueError(f"lora_alpha must be positive, got {alpha!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"lora_dropout must be in [0, 1), got {dropout!r}")
+    unknown = [t for t in targets if t not in ALL_TARGETS]
+    if unknown or not targets:
+        raise ValueError(f"lora_targets {list(targets)!r}: valid names are {', '.join(ALL_TARGETS)}")
+    rngs = nnx.Rngs(params=seed, dropout=seed + 1)
+    for owner, name in _targets(model, tuple(targets)):
+        base = getattr(owner, name)
+        if isinstance(base, LoRALinear):
+            raise ValueError(f"{name} already has a LoRA adapter")
+        setattr(owner, name, LoRALinear(base, rank=rank, alpha=alpha, dropout=dropout, rngs=rngs))
+    return model
+
+
+def has_lora(model: nnx.Module) -> bool:
+    return any(isinstance(m, LoRALinear) for _, m in model.iter_modules())
+
+
+def merge_lora(model: Decoder) -> Decoder:
+    """A copy of `model` with every adapter folded into a float kernel (what an HF export holds)."""
+    merged = nnx.clone(model)
+    for owner, name in _targets(merged, ALL_TARGETS):
+        module = getattr(owner, name)
+        if isinstance(module, LoRALinear):
+            setattr(owner, name, module.merged())
+    return merged

@@ -1,0 +1,294 @@
+"""The one training loop every algorithm runs; an Objective supplies its batches and its loss.
+
+State lives as nnx.State pytrees split from one Decoder: the trainable params (nnx.Param, or only
+the nnx.LoRAParam adapters), the RNG streams (LoRA dropout), the frozen params and the rest
+(quantized weights). One jitted step takes the params, optimizer state and RNGs donated, scans
+over the gradient-accumulation micro-batches, clips, applies AdamW, and skips the update when the
+loss or gradient is not finite (the host then stops with a clear message). Every loss is a sum
+with a weight (tokens or pairs), so accumulation splits never change the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.quant_layers import QuantEmbed
+from tunix_rt.parallel.mesh import batch_sharding, make_mesh, put_global, state_shardings
+from tunix_rt.train.checkpointing import Checkpointer
+from tunix_rt.train.config import TrainConfig
+from tunix_rt.train.data import BatchSampler
+from tunix_rt.train.errors import TrainingError
+from tunix_rt.train.lora import apply_lora, has_lora
+from tunix_rt.train.metrics import MetricsWriter
+
+log = logging.getLogger("tunix_rt.train")
+
+
+@dataclasses.dataclass
+class LossContext:
+    """What an objective's loss sees inside the jitted step."""
+
+    policy: Decoder
+    aux: Any  # the objective's own arrays (teacher or reference weights), passed in, never baked in
+    reference: Callable[[], Decoder]  # frozen policy: the LoRA-disabled base, or the initial weights
+
+
+class Objective(Protocol):
+    num_items: int  # examples (or packed rows, or pairs) in the dataset
+    needs_reference: bool
+
+    def host_batch(self, indices: np.ndarray, valid: np.ndarray) -> dict[str, np.ndarray]:
+        """Arrays for these items; rows with valid False must carry zero weight."""
+
+    def loss(self, ctx: LossContext, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """(loss summed over weight units, weight, metrics summed over the same units)."""
+
+    def aux(self) -> Any:
+        """Extra state the loss reads (a pytree of arrays), or None."""
+
+
+def set_compute_dtype(model: nnx.Module, dtype) -> None:
+    """Layers compute in `dtype` (their params are cast on the way in; the masters stay f32)."""
+    for _, module in model.iter_modules():
+        if isinstance(module, (nnx.Linear, nnx.Embed, Decoder, QuantEmbed)):
+            module.dtype = jnp.dtype(dtype)
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if x.dtype == jnp.float32 and dtype != jnp.float32 else x, tree)
+
+
+def make_optimizer(cfg: TrainConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW (+ global-norm clipping) under a warmup then linear/cosine/constant schedule."""
+    warmup = min(cfg.warmup_steps or int(cfg.warmup_ratio * total_steps), total_steps)
+    decay = max(total_steps - warmup, 1)
+    if cfg.lr_scheduler_type == "cosine":
+        after = optax.cosine_decay_schedule(cfg.lr, decay)
+    elif cfg.lr_scheduler_type == "linear":
+        after = optax.linear_schedule(cfg.lr, 0.0, decay)
+    else:
+        after = optax.constant_schedule(cfg.lr)
+    schedule = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup]) if warmup else after
+    adamw = optax.adamw(schedule, b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
+                        weight_decay=cfg.weight_decay, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+    chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
+    return optax.chain(*chain, adamw), schedule
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, model: Decoder, objective: Objective, *, mesh=None):
+        self.cfg = cfg
+        self.objective = objective
+        self.mesh = mesh if mesh is not None else make_mesh(cfg.fsdp, cfg.tp)
+        fsdp = self.mesh.shape["fsdp"]
+        if cfg.batch_size % fsdp:
+            raise ValueError(f"batch_size ({cfg.batch_size}) must be a multiple of the fsdp mesh axis ({fsdp})")
+        if objective.num_items < 1:
+            raise ValueError("the dataset has no usable examples")
+        self.steps = cfg.steps or math.ceil(objective.num_items / (cfg.batch_size * cfg.gradient_accumulation_steps))
+        self.lora = cfg.lora_rank > 0
+        if self.lora and not has_lora(model):
+            apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                       targets=cfg.lora_targets, seed=cfg.seed)
+        self.compute_dtype = jnp.dtype(cfg.compute_dtype)
+        set_compute_dtype(model, self.compute_dtype)
+        model.train()
+        trainable = nnx.LoRAParam if self.lora else nnx.Param
+        self.graphdef, params, rngs, frozen, rest = nnx.split(model, trainable, nnx.RngState, nnx.Param, ...)
+        self.eval_graphdef = self._graphdef_in_eval_mode(model)
+        shard = lambda tree: put_global(tree, state_shardings(tree, self.mesh))
+        self.params, self.rngs, self.frozen, self.rest = shard(params), shard(rngs), shard(frozen), shard(rest)
+        param_shardings, rng_shardings = state_shardings(params, self.mesh), state_shardings(rngs, self.mesh)
+        self.initial_params = self.params if objective.needs_reference and not self.lora else None
+        if self.initial_params is not None:  # a frozen copy: the step donates self.params
+            self.initial_params = jax.tree.map(jnp.copy, self.params)
+        self.optimizer, self.schedule = make_optimizer(cfg, self.steps)
+        # Optimizer moments follow the rules by their paths, which repeat the params' paths.
+        opt_shardings = state_shardings(jax.eval_shape(self.optimizer.init, self.params), self.mesh)
+        self.opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(self.params)
+        aux = objective.aux()
+        self.aux = shard(aux) if aux is not None else None
+        self.step = 0
+        self.compiles = 0
+        self._train_step = jax.jit(self._step, donate_argnums=(0, 1, 2),
+                                   out_shardings=(param_shardings, opt_shardings, rng_shardings, None))
+        self._eval_step = jax.jit(self._eval)
+        self.sampler = BatchSampler(objective.num_items, cfg.batch_size * cfg.gradient_accumulation_steps,
+                                    seed=cfg.seed, shuffle=cfg.shuffle)
+
+    @staticmethod
+    def _graphdef_in_eval_mode(model: nnx.Module):
+        model.eval()
+        graphdef = nnx.graphdef(model)
+        model.train()
+        return graphdef
+
+    # --- the jitted programs ---------------------------------------------------------------------
+
+    def _model(self, graphdef, params, rngs, frozen, rest) -> Decoder:
+        return nnx.merge(graphdef, _cast(params, self.compute_dtype), rngs, _cast(frozen, self.compute_dtype), rest)
+
+    def _reference(self, graphdef, params, rngs, frozen, rest, aux) -> Callable[[], Decoder]:
+        def build():
+            if self.lora:  # adapters at zero give back the base model exactly
+                ref = jax.tree.map(jnp.zeros_like, params)
+            else:
+                ref = aux["__reference__"]
+            return self._model(graphdef, jax.lax.stop_gradient(ref), rngs, frozen, rest)
+
+        return build
+
+    def _loss(self, params, rngs, frozen, rest, aux, batch, graphdef):
+        model = self._model(graphdef, params, rngs, frozen, rest)
+        ctx = LossContext(model, aux, self._reference(graphdef, params, rngs, frozen, rest, aux))
+        loss_sum, weight, metrics = self.objective.loss(ctx, batch)
+        return loss_sum, (weight, metrics, nnx.state(model, nnx.RngState))
+
+    def _step(self, params, opt_state, rngs, frozen, rest, aux, batches):
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+
+        def micro(carry, batch):
+            grads, rngs, loss_sum, weight, metrics = carry
+            (l, (w, m, rngs)), g = grad_fn(params, rngs, frozen, rest, aux, batch, self.graphdef)
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)
+            return (add(grads, g), rngs, loss_sum + l, weight + w, add(metrics, m)), None
+
+        first = jax.tree.map(lambda x: x[0], batches)
+        (l, (w, m, rngs)), g = grad_fn(params, rngs, frozen, rest, aux, first, self.graphdef)
+        rest_batches = jax.tree.map(lambda x: x[1:], batches)
+        (grads, rngs, loss_sum, weight, metrics), _ = jax.lax.scan(micro, (g, rngs, l, w, m), rest_batches)
+        denom = jnp.maximum(weight, 1e-9)
+        grads = jax.tree.map(lambda x: x / denom, grads)
+        loss = loss_sum / denom
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt = self.optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        out = {"loss": loss, "grad_norm": grad_norm, "weight": weight, **{k: v / denom for k, v in metrics.items()}}
+        return keep(new_params, params), keep(new_opt, opt_state), rngs, out
+
+    def _eval(self, params, rngs, frozen, rest, aux, batch):
+        loss_sum, (weight, metrics, _) = self._loss(params, rngs, frozen, rest, aux, batch, self.eval_graphdef)
+        return loss_sum, weight, metrics
+
+    # --- host side ---------------------------------------------------------------------------------
+
+    def _aux(self):
+        aux = self.aux if self.aux is not None else {}
+        if self.initial_params is not None:
+            aux = {**aux, "__reference__": self.initial_params}
+        return aux
+
+    def _device_batch(self, host: dict[str, np.ndarray], batch_axis: int) -> dict[str, jax.Array]:
+        return {key: put_global(value, batch_sharding(self.mesh, value.ndim, batch_axis)) for key, value in host.items()}
+
+    def train_batch(self, step: int) -> dict[str, jax.Array]:
+        """(accumulation, rows, ...) arrays: one host batch per micro-batch, stacked."""
+        micro = np.split(self.sampler.indices(step), self.cfg.gradient_accumulation_steps)
+        hosts = [self.objective.host_batch(idx, np.ones(len(idx), bool)) for idx in micro]
+        return self._device_batch({k: np.stack([h[k] for h in hosts]) for k in hosts[0]}, 1)
+
+    def run_step(self, step: int) -> dict[str, float]:
+        batch = self.train_batch(step)
+        before = self._train_step._cache_size()
+        self.params, self.opt_state, self.rngs, out = self._train_step(
+            self.params, self.opt_state, self.rngs, self.frozen, self.rest, self._aux(), batch)
+        if self._train_step._cache_size() != before:
+            self.compiles += 1
+            log.info("compiled the train step (%d so far)", self.compiles)
+        out = {k: float(v) for k, v in jax.device_get(out).items()}
+        out["learning_rate"] = float(self.schedule(step))
+        return out
+
+    def evaluate(self, eval_objective: Objective) -> dict[str, float]:
+        """Mean loss (and metrics) over the whole eval set; the last batch is padded with weightless rows."""
+        b = self.cfg.batch_size
+        totals, weight = {}, 0.0
+        for start in range(0, eval_objective.num_items, b):
+            idx = np.arange(start, start + b)
+            valid = idx < eval_objective.num_items
+            host = eval_objective.host_batch(np.where(valid, idx, 0), valid)
+            batch = self._device_batch(host, 0)
+            loss_sum, w, metrics = jax.device_get(self._eval_step(self.params, self.rngs, self.frozen, self.rest,
+                                                                  self._aux(), batch))
+            weight += float(w)
+            for k, v in {"loss": loss_sum, **metrics}.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        return {f"eval_{k}": v / max(weight, 1e-9) for k, v in totals.items()}
+
+    def state(self) -> dict:
+        return {"params": self.params, "opt_state": self.opt_state, "rngs": self.rngs}
+
+    def load_state(self, state: dict) -> None:
+        self.params, self.opt_state, self.rngs = state["params"], state["opt_state"], state["rngs"]
+
+    def model(self) -> Decoder:
+        """The current model (eval mode, params in f32) for export or generation."""
+        return nnx.merge(self.eval_graphdef, self.params, self.rngs, self.frozen, self.rest)
+
+    def fit(self, *, output: str | Path, eval_objective: Objective | None = None,
+            stop_after: int | None = None) -> list[dict]:
+        """Train to cfg.steps (resuming from output/checkpoints when cfg.resume); returns the records.
+
+        `stop_after` ends the run early at that step (tests use it to simulate an interruption).
+        """
+        cfg, output = self.cfg, Path(output)
+        main = jax.process_index() == 0
+        checkpointer = Checkpointer(output / "checkpoints", max_to_keep=cfg.save_total_limit)
+        latest = checkpointer.latest_step() if cfg.resume else None
+        if latest is not None:
+            state, record = checkpointer.restore(latest, self.state())
+            self.load_state(state)
+            self.step = record["step"]
+            log.info("resumed from %s at step %d", checkpointer.directory, self.step)
+        writer = MetricsWriter(output, resume_step=self.step) if main else None
+        records = []
+        bar = tqdm(total=self.steps, initial=self.step, desc="train", unit="step", file=sys.stderr,
+                   disable=not (cfg.progress and main), dynamic_ncols=True)
+        last_saved = latest
+        try:
+            while self.step < self.steps and (stop_after is None or self.step < stop_after):
+                start = time.perf_counter()
+                out = self.run_step(self.step)
+                if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])):
+                    if last_saved != self.step and self.step > 0:  # keep the last good state
+                        checkpointer.save(self.step, self.state(), {"step": self.step})
+                    raise TrainingError(
+                        f"step {self.step + 1}: the loss ({out['loss']}) or gradient norm ({out['grad_norm']}) is not "
+                        f"finite, so training stopped; the update was skipped and the last good state is saved at step "
+                        f"{self.step}. Lower learning_rate, set max_grad_norm, or check the data.")
+                self.step += 1
+                out["step_time"] = time.perf_counter() - start
+                out["epoch"] = self.sampler.epoch(self.step)
+                if eval_objective is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0:
+                    out.update(self.evaluate(eval_objective))
+                records.append({"step": self.step, **out})
+                if writer is not None and (self.step % cfg.logging_steps == 0 or self.step == self.steps):
+                    writer.write(self.step, out)
+                bar.update(1)
+                bar.set_postfix(loss=f"{out['loss']:.4f}")
+                if self.step % cfg.save_steps == 0 or self.step == self.steps:
+                    checkpointer.save(self.step, self.state(), {"step": self.step})
+                    last_saved = self.step
+        finally:
+            bar.close()
+            checkpointer.close()
+            if writer is not None:
+                writer.close()
+        return records

@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
     log.addHandler(handler)
+    log.propagate = False  # libraries that configure the root logger would print every line twice
     log.setLevel(logging.INFO if args.verbose else logging.WARNING)
     from tunix_rt.checkpoints.default_model import DefaultModelMissing
     from tunix_rt.models.config import UnsupportedArchitecture

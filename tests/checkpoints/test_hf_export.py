@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
-from tests.models.hf_tiny import FAMILIES, make_hf_model
+from tests.models.hf_tiny import FAMILIES, make_hf_model, write_tiny_tokenizer
 from tunix_rt.checkpoints.hf_export import export_hf
 from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.checkpoints.tokenizer import Tokenizer
@@ -20,26 +20,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 SEQ = 24  # longer than the Gemma configs' sliding window (8)
-TEMPLATE = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-            "{% if add_generation_prompt %}{{ bos_token }}assistant:{% endif %}")
 STRINGS = ["the theme then", "Hi there!  <s>x</s> ü 🦊", "", "\tthe\nthe  "]
-
-
-def _write_tiny_tokenizer(model_dir):
-    """An HF-style tokenizer with ids < 256: characters, a few merges, <s> added in front by the post-processor."""
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
-    from tokenizers import Tokenizer as Backend
-
-    vocab = ["<unk>", "<s>", "</s>", "<pad>", "▁", *map(chr, range(33, 127)), "▁t", "▁th", "▁the", "th", "he", "the"]
-    merges = [("▁", "t"), ("▁t", "h"), ("▁th", "e"), ("t", "h"), ("h", "e"), ("th", "e")]
-    backend = Backend(models.BPE({t: i for i, t in enumerate(vocab)}, merges, unk_token="<unk>", fuse_unk=True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>", "<pad>")])
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    backend.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>", "chat_template": TEMPLATE}))
 
 
 def _logits(model, tokens):
@@ -70,7 +51,7 @@ TOKENS = np.random.default_rng(0).integers(0, 256, (2, SEQ))
 def exported(request, tmp_path_factory):
     src, dst = tmp_path_factory.mktemp(f"{request.param}_src"), tmp_path_factory.mktemp(f"{request.param}_hf")
     hf = make_hf_model(request.param, src)
-    _write_tiny_tokenizer(src)
+    write_tiny_tokenizer(src)
     first = load_model(src)
     assert export_hf(first.model, first.tokenizer, first.hf_config, dst, generation_config=first.generation_config) == dst
     return request.param, hf, first, dst
@@ -133,7 +114,7 @@ def test_quantized_dir_exports_dequantized(tmp_path):
     from tunix_rt.checkpoints.quantized_dir import quantize_checkpoint
 
     make_hf_model("qwen3", tmp_path / "src")
-    _write_tiny_tokenizer(tmp_path / "src")
+    write_tiny_tokenizer(tmp_path / "src")
     quantize_checkpoint(tmp_path / "src", tmp_path / "q", "int4", 32)
     quantized = load_model(tmp_path / "q")
     assert "quantization_config" not in quantized.hf_config

@@ -1,7 +1,9 @@
-"""Tiny random HF transformers models of every dense family, saved as HF directories."""
+"""Tiny random HF transformers models of every dense family, saved as HF directories, and a tiny
+HF-style tokenizer with a chat template to go with them (what loading, export and training need)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -20,8 +22,9 @@ FAMILIES = {
 }
 
 
-def make_hf_model(family: str, out_dir: Path, seed: int = 0):
-    """Build, randomise (every parameter, norms and biases included) and save a tiny model."""
+def make_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
+    """Build, randomise (every parameter, norms and biases included) and save a tiny model; `overrides`
+    change the config (say vocab_size)."""
     import torch
     import transformers
 
@@ -31,11 +34,43 @@ def make_hf_model(family: str, out_dir: Path, seed: int = 0):
     model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
                  "qwen3": transformers.Qwen3ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
                  "gemma3_text": transformers.Gemma3ForCausalLM}[family]
-    config = cfg_cls(**{**COMMON, **FAMILIES[family]}, attn_implementation="eager")
+    config = cfg_cls(**{**COMMON, **FAMILIES[family], **overrides}, attn_implementation="eager")
     torch.manual_seed(seed)
     model = model_cls(config).eval().to(torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out_dir)
+    return model
+
+
+# A chat template whose render of a conversation's first turns is a prefix of its render of the whole
+# (what assistant-only and completion-only losses need).
+TEMPLATE = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+            "{% if add_generation_prompt %}{{ bos_token }}assistant:{% endif %}")
+
+
+def write_tiny_tokenizer(model_dir: Path) -> None:
+    """An HF-style tokenizer with ids < 105: characters, a few merges, <s> added in front by the post-processor,
+    and TEMPLATE as its chat template."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as Backend
+
+    vocab = ["<unk>", "<s>", "</s>", "<pad>", "▁", *map(chr, range(33, 127)),
+             "▁t", "▁th", "▁the", "th", "he", "the"]
+    merges = [("▁", "t"), ("▁t", "h"), ("▁th", "e"), ("t", "h"), ("h", "e"), ("th", "e")]
+    backend = Backend(models.BPE({t: i for i, t in enumerate(vocab)}, merges, unk_token="<unk>", fuse_unk=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>", "<pad>")])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    backend.save(str(Path(model_dir) / "tokenizer.json"))
+    (Path(model_dir) / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>", "chat_template": TEMPLATE}))
+
+
+def make_tiny_model_dir(out_dir: Path, family: str = "llama", seed: int = 0, **overrides):
+    """make_hf_model plus write_tiny_tokenizer: a directory `load_model` and transformers both load."""
+    model = make_hf_model(family, out_dir, seed, **overrides)
+    write_tiny_tokenizer(out_dir)
     return model

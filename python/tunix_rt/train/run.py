@@ -55,8 +55,14 @@ def build_objective(cfg: TrainConfig, loaded: LoadedModel, data: str):
 
         teacher = load_model(cfg.teacher).model
         check_teacher(loaded.model.config.vocab_size, teacher.config.vocab_size)
-        return DistillObjective(_sft_items(cfg, tok, data), teacher, seq_len=cfg.max_length, pad_id=pad,
-                                temperature=cfg.temperature, alpha=cfg.alpha, top_k=cfg.top_k)
+        kd = dict(seq_len=cfg.max_length, pad_id=pad, temperature=cfg.temperature, alpha=cfg.alpha, top_k=cfg.top_k)
+        if cfg.on_policy:
+            from tunix_rt.train.distill import OnPolicyDistillObjective
+
+            examples = load_sft(data, tok, max_length=cfg.max_length)
+            return OnPolicyDistillObjective(examples, teacher, tok, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
+                                            **kd)
+        return DistillObjective(_sft_items(cfg, tok, data), teacher, **kd)
     from tunix_rt.train.sft import SFTObjective
 
     return SFTObjective(_sft_items(cfg, tok, data), seq_len=cfg.max_length, pad_id=pad)
@@ -73,6 +79,9 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
     objective = build_objective(cfg, loaded, cfg.data)
     eval_objective = build_objective(cfg, loaded, cfg.eval_data) if cfg.eval_data else None
     trainer = Trainer(cfg, loaded.model, objective)
+    for o in (objective, eval_objective):
+        if hasattr(o, "attach"):  # on-policy objectives sample from the model being trained
+            o.attach(trainer.model)
     log.info("training %d steps on %d items (%s)", trainer.steps, objective.num_items,
              "LoRA" if trainer.lora else "full")
     trainer.fit(output=output, eval_objective=eval_objective, stop_after=stop_after)

@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/train.py [--steps 6] [--peer-python PY] [--only ours,trl,tunix] [--quick]
 
-Every contender trains SmolLM2-135M-Instruct (the default model's GGUF, dequantized to f32) on the
+Every contender trains SmolLM2-135M-Instruct (the default model's GGUF dequantized to f32, written
+once as an HF directory that all three load) on the
 same random token rows: batch 8, sequence length 128, every token trained, no padding, no gradient
 checkpointing, AdamW, 2 threads. LoRA is rank 8 (alpha 16) on all seven linear projections in every
 framework. Each runs in its own subprocess, one after the other (never concurrently), and reports
@@ -53,7 +54,7 @@ def run_ours(mode: str, dtype: str, steps: int) -> list[float]:
     from tunix_rt.train.sft import SFTObjective
     from tunix_rt.train.trainer import Trainer
 
-    loaded = load_model("default", dequantize=True)
+    loaded = load_model(os.environ["TUNIX_RT_BENCH_HF_DIR"])
     rows = token_rows(loaded.model.config.vocab_size, BATCH * (steps + 1))
     items = [SFTExample(r, np.ones(SEQ_LEN, bool)) for r in rows]
     with tempfile.TemporaryDirectory() as out:
@@ -77,9 +78,7 @@ def run_trl(mode: str, dtype: str, steps: int) -> list[float]:
     from trl import SFTConfig, SFTTrainer
 
     torch.set_num_threads(THREADS)
-    path = os.environ["TUNIX_RT_DEFAULT_GGUF"]
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(os.environ["TUNIX_RT_BENCH_HF_DIR"], dtype=torch.float32)
     rows = token_rows(model.config.vocab_size, BATCH * (steps + 1))
     data = Dataset.from_dict({"input_ids": [r.tolist() for r in rows]})
     peft_config = None
@@ -121,10 +120,8 @@ CONTENDERS = {"ours": run_ours, "trl": run_trl, "tunix": run_tunix}
 # --- parent ------------------------------------------------------------------------------------------------------
 
 
-def launch(name: str, mode: str, dtype: str, steps: int, python: str) -> dict:
-    from tunix_rt.checkpoints.default_model import default_model_path
-
-    env = dict(os.environ, TUNIX_RT_DEFAULT_GGUF=str(default_model_path()), OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS),
+def launch(name: str, mode: str, dtype: str, steps: int, python: str, hf_dir: str) -> dict:
+    env = dict(os.environ, TUNIX_RT_BENCH_HF_DIR=hf_dir, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS),
                PYTHONPATH=os.path.dirname(os.path.abspath(__file__)) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                XLA_FLAGS=os.environ.get("XLA_FLAGS", ""), TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run([python, os.path.abspath(__file__), "--run", name, mode, dtype, str(steps)], env=env,
@@ -150,6 +147,15 @@ def main() -> None:
         print(json.dumps({"times": times}))
         return
 
+    import tempfile
+
+    from tunix_rt.checkpoints.hf_export import export_hf
+    from tunix_rt.checkpoints.loader import load_model
+
+    hf_dir = tempfile.mkdtemp(prefix="tunix-rt-bench-")  # the peers read the same weights as an HF directory
+    loaded = load_model("default", dequantize=True)
+    export_hf(loaded.model, loaded.tokenizer, loaded.hf_config, hf_dir)
+    del loaded
     warmup = 2
     names = args.only.split(",")
     plan = [(n, m, "float32") for m in args.modes.split(",") for n in names]
@@ -160,7 +166,7 @@ def main() -> None:
           f"median of steps {warmup + 1}..{args.steps}", flush=True)
     for name, mode, dtype in plan:
         python = sys.executable if name == "ours" else args.peer_python
-        result = launch(name, mode, dtype, args.steps, python)
+        result = launch(name, mode, dtype, args.steps, python, hf_dir)
         if "error" in result:
             print(f"  {name:6} {mode:5} {dtype:9} failed: {result['error']}", flush=True)
             continue
@@ -174,6 +180,9 @@ def main() -> None:
         tunix = rates.get(("tunix", mode, "float32"))
         cell = lambda peer: f"{rate / peer:.2f}x" if peer else "-"
         print(f"{name + ' ' + mode + ' ' + dtype:24} {rate:8.1f} {cell(trl):>11} {cell(tunix):>9}")
+    import shutil
+
+    shutil.rmtree(hf_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

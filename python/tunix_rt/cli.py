@@ -246,11 +246,26 @@ _COMMANDS = {"generate": _generate, "score": _score, "quantize": _quantize, "ser
              "sft": _train, "dpo": _train, "distill": _train, "export": _export, "plot": _plot}
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (tests and notebooks swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+_HANDLER = _StderrHandler()
+_HANDLER.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-    log.addHandler(handler)
+    if _HANDLER not in log.handlers:  # main() may run several times in one process
+        log.addHandler(_HANDLER)
     log.propagate = False  # libraries that configure the root logger would print every line twice
     log.setLevel(logging.INFO if args.verbose else logging.WARNING)
     from tunix_rt.checkpoints.default_model import DefaultModelMissing
@@ -259,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return _COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError, DefaultModelMissing, UnsupportedArchitecture, TrainingError) as e:
+    except (ValueError, OSError, DefaultModelMissing, UnsupportedArchitecture, TrainingError) as e:
         print(f"tunix-rt {args.command}: error: {e}", file=sys.stderr)
         return 2
 

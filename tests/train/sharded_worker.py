@@ -5,9 +5,11 @@ mesh and multi-process checks run this file in subprocesses:
 
     python sharded_worker.py meshes RESULT.json OUTPUT_DIR
         one process with 8 virtual devices: the same training on a 1-device mesh, fsdp=4 x tp=2 and
-        fsdp=8 (full fine-tuning and LoRA), plus the impossible-shape errors
+        fsdp=8 (full fine-tuning and LoRA), a 1-device checkpoint resumed on fsdp=4 x tp=2, and the
+        impossible-shape errors
     python sharded_worker.py process RESULT.json OUTPUT_DIR PORT NUM_PROCESSES PROCESS_ID
-        one of several jax.distributed processes on localhost training over every global device
+        one of several jax.distributed processes on localhost training over every global device, then
+        resuming that run's checkpoint in a fresh Trainer
 
 Each writes one JSON result (process 0 only, in process mode). Only tunix_rt, jax and numpy are
 imported, so the file runs by path without the tests package on sys.path.
@@ -16,6 +18,7 @@ imported, so the file runs by path without the tests package on sys.path.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -94,9 +97,10 @@ def _curve(records) -> dict:
     return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records]}
 
 
-def _max_diff(a: dict, b: dict) -> float:
+def _max_diff(a: dict, b: dict) -> tuple[float, str]:
+    """The largest |a - b| over every param, and the param it is in."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+    return max((float(np.max(np.abs(a[k] - b[k]))), k) for k in a)
 
 
 def _raises(fn) -> str | None:
@@ -131,7 +135,8 @@ def meshes(result: Path, output: Path) -> None:
             mesh = make_mesh(fsdp, tp, devices=devices[: fsdp * tp])
             records, trainer = train(output / key, items, stop_after=3, mesh=mesh, lora_rank=lora)
             params[name] = host_params(trainer)
-            run = {**_curve(records), "max_param_diff": _max_diff(params[name], params["one"]), "mesh": dict(mesh.shape)}
+            diff, where = _max_diff(params[name], params["one"])
+            run = {**_curve(records), "max_param_diff": diff, "max_param_diff_at": where, "mesh": dict(mesh.shape)}
             # where layer 0's q_proj weight lives: its trained array (the kernel, or LoRA's B) and, with LoRA, the
             # frozen base kernel; the spec the rules give and the block each device holds
             trained = "lora_b" if lora else "kernel"
@@ -143,6 +148,10 @@ def meshes(result: Path, output: Path) -> None:
                             "path": p, "spec": [a for a in leaf.sharding.spec], "shape": list(leaf.shape),
                             "shard_shape": list(leaf.addressable_shards[0].data.shape)}
             out[key] = run
+    # resume on another mesh: the 1-device run's step-3 checkpoint restored onto fsdp=4 x tp=2, one more step
+    shutil.copytree(output / "one", output / "moved")
+    records, trainer = train(output / "moved", items, stop_after=4, mesh=make_mesh(4, 2, devices=devices))
+    out["resharded_resume"] = {**_curve(records), "steps": [r["step"] for r in records]}
     result.write_text(json.dumps(out))
 
 
@@ -152,11 +161,13 @@ def process(result: Path, output: Path, port: int, num_processes: int, process_i
     initialize_distributed(f"127.0.0.1:{port}", num_processes, process_id)
     import jax
 
-    records, trainer = train(output, make_items(), stop_after=3)  # cfg.fsdp = -1: a mesh over every global device
+    items = make_items()
+    records, trainer = train(output, items, stop_after=3)  # cfg.fsdp = -1: a mesh over every global device
     params = host_params(trainer)
+    resumed, _ = train(output, items, stop_after=4)  # a fresh Trainer restores the checkpoint both processes wrote
     if jax.process_index() == 0:
         np.savez(result.with_suffix(".npz"), **{f"p{i}": params[k] for i, k in enumerate(sorted(params))})
-        result.write_text(json.dumps({**_curve(records), "mesh": dict(trainer.mesh.shape),
+        result.write_text(json.dumps({**_curve(records), "resumed": _curve(resumed), "mesh": dict(trainer.mesh.shape),
                                       "global_devices": jax.device_count(), "local_devices": jax.local_device_count(),
                                       "process_count": jax.process_count(), "param_names": sorted(params)}))
 

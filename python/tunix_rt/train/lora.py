@@ -91,7 +91,7 @@ def apply_lora(model: Decoder, *, rank: int, alpha: float, dropout: float = 0.0,
 
 
 def has_lora(model: nnx.Module) -> bool:
-    return any(isinstance(m, LoRALinear) for _, m in model.iter_modules())
+    return any(isinstance(m, LoRALinear) for _, m in nnx.iter_modules(model))
 
 
 def merge_lora(model: Decoder) -> Decoder:

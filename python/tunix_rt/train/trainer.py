@@ -64,7 +64,7 @@ class Objective(Protocol):
 
 def set_compute_dtype(model: nnx.Module, dtype) -> None:
     """Layers compute in `dtype` (their params are cast on the way in; the masters stay f32)."""
-    for _, module in model.iter_modules():
+    for _, module in nnx.iter_modules(model):
         if isinstance(module, (nnx.Linear, nnx.Embed, Decoder, QuantEmbed)):
             module.dtype = jnp.dtype(dtype)
 
@@ -251,7 +251,11 @@ class Trainer:
         cfg, output = self.cfg, Path(output)
         main = jax.process_index() == 0
         checkpointer = Checkpointer(output / "checkpoints", max_to_keep=cfg.save_total_limit)
-        latest = checkpointer.latest_step() if cfg.resume else None
+        latest = checkpointer.latest_step()
+        if latest is not None and not cfg.resume:
+            checkpointer.close()
+            raise ValueError(f"{checkpointer.directory} holds checkpoints of an earlier run (up to step {latest}); "
+                             "resume=false would mix the two runs: remove that directory or choose another --output")
         if latest is not None:
             state, record = checkpointer.restore(latest, self.state())
             self.load_state(state)

@@ -1,0 +1,583 @@
+"""`tunix-rt sft|dpo|distill|export|plot` end to end on a tiny llama directory (tokenizer + chat template):
+exit codes, metrics.jsonl, checkpoints and resume, option precedence, HF exports that our loader,
+transformers and `generate` take, LoRA merging, QLoRA, every preference loss, distillation, and the one-line
+errors bad inputs get.
+
+Each training run compiles one train step; the runs are module fixtures shared by the tests, and XLA's costly
+optimisation passes are off for this module (they would triple the compile time of every run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+
+from tests.models.hf_tiny import make_tiny_model_dir
+from tunix_rt.checkpoints.loader import load_model
+from tunix_rt.cli import main
+from tunix_rt.models.quant_layers import QuantLinear, QuantWeight
+from tunix_rt.train import run as run_module
+from tunix_rt.train.lora import LoRALinear, apply_lora, has_lora, merge_lora
+from tunix_rt.train.metrics import read_metrics
+
+LOG2 = math.log(2.0)
+COMMON = ("max_length=64", "progress=false")  # progress bars off: stderr stays readable
+TOKENS = np.random.default_rng(0).integers(3, 100, (2, 12))  # > 4 rows: quantized matmuls run exact f32 products
+
+
+@contextlib.contextmanager
+def logger_restored():
+    """Undo what main() does to the 'tunix_rt' logger (a handler per call, its level, propagate), so handlers do
+    not pile up or outlive a capsys stream, and later tests see the logger as it was."""
+    logger = logging.getLogger("tunix_rt")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    try:
+        yield logger
+    finally:
+        for h in logger.handlers[:]:
+            if h not in handlers:
+                logger.removeHandler(h)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def cli(*argv) -> int:
+    with logger_restored():
+        return main([str(a) for a in argv])
+
+
+@contextlib.contextmanager
+def recording_trainers():
+    """Every Trainer run() builds, kept for inspection after the command returns."""
+    made = []
+
+    class Recording(run_module.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(run_module, "Trainer", Recording)
+        yield made
+
+
+def logits(model, tokens=TOKENS) -> np.ndarray:
+    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+    return np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions)))
+
+
+def write_jsonl(path, rows) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def losses(out) -> list[float]:
+    return [r["loss"] for r in read_metrics(out)]
+
+
+# --- fixtures: the tiny models and datasets ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_compiles():
+    """Compile with XLA's expensive passes off: the programs are tiny, the compile is what costs."""
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("train_cli")
+
+
+@pytest.fixture(scope="module")
+def tiny(root):
+    """The student: a 2-layer llama, vocab 256, with the tiny tokenizer (ids < 105) and a chat template."""
+    make_tiny_model_dir(root / "tiny")
+    return root / "tiny"
+
+
+@pytest.fixture(scope="module")
+def teacher(root):
+    """Another tiny llama with the same vocabulary (different weights)."""
+    make_tiny_model_dir(root / "teacher", seed=1)
+    return root / "teacher"
+
+
+@pytest.fixture(scope="module")
+def sft_data(root):
+    """The three SFT row formats, short enough that packing puts several into one 64-token row."""
+    rows = []
+    for i in range(4):
+        rows.append({"messages": [{"role": "user", "content": f"hi {i}"},
+                                  {"role": "assistant", "content": f"the {i}"}]})
+        rows.append({"prompt": f"the {i}", "completion": " the theme"})
+        rows.append({"text": f"the theme {i}"})
+    return write_jsonl(root / "sft" / "data.jsonl", rows)
+
+
+@pytest.fixture(scope="module")
+def dpo_strings(root):
+    return write_jsonl(root / "dpo_str" / "data.jsonl",
+                       [{"prompt": f"the {i}", "chosen": " the theme", "rejected": f" no {i}"} for i in range(6)])
+
+
+@pytest.fixture(scope="module")
+def dpo_chat(root):
+    """Conversational pairs: explicit prompts, and TRL's implicit prompt (the shared first messages)."""
+    user = lambda i: [{"role": "user", "content": f"hi {i}"}]
+    said = lambda text: [{"role": "assistant", "content": text}]
+    rows = [{"prompt": user(i), "chosen": said("the theme"), "rejected": said(f"no {i}")} for i in range(4)]
+    rows += [{"chosen": user(i) + said("the"), "rejected": user(i) + said("nope")} for i in range(4, 6)]
+    return write_jsonl(root / "dpo_chat" / "data.jsonl", rows)
+
+
+# --- SFT: full fine-tuning -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sft_run(root, tiny, sft_data):
+    out = root / "sft_out"
+    argv = ["sft", "--model", tiny, "--data", sft_data, "--output", out, "--steps", "3", "batch_size=2", *COMMON]
+    with recording_trainers() as trainers:
+        assert cli(*argv) == 0
+    return argv, out, trainers[0]
+
+
+def test_sft_writes_metrics_checkpoint_and_final(sft_run):
+    _, out, trainer = sft_run
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 and math.isfinite(r["grad_norm"]) for r in records)
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()] == ["3"]
+    assert trainer.step == trainer.steps == 3 and not trainer.lora
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert (saved["steps"], saved["batch_size"], saved["max_length"], saved["lora_rank"]) == (3, 2, 64, 0)
+    assert np.allclose(logits(load_model(out / "final").model), logits(trainer.model()), atol=1e-5)
+
+
+def test_sft_final_loads_in_transformers(sft_run):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    _, out, _ = sft_run
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor(TOKENS)).logits.numpy()
+    assert np.abs(theirs - logits(load_model(out / "final").model)).max() < 1e-4
+    assert transformers.AutoTokenizer.from_pretrained(out / "final")("the")["input_ids"] == \
+        load_model(out / "final").tokenizer.encode("the")
+
+
+def test_sft_final_generates(sft_run, capsys):
+    _, out, _ = sft_run
+    capsys.readouterr()
+    assert cli("generate", "--model", out / "final", "--prompt", "hi", "--max-tokens", "3", "--json") == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["prompt_token_ids"] == load_model(out / "final").tokenizer.encode("hi")
+    assert 1 <= len(result["token_ids"]) <= 3 and result["finish_reason"] in ("length", "stop")
+
+
+def test_rerun_on_a_finished_run_resumes_at_the_end(sft_run, capsys):
+    argv, out, _ = sft_run
+    before = (out / "metrics.jsonl").read_text()
+    final_before = logits(load_model(out / "final").model)
+    with recording_trainers() as trainers:
+        assert cli(*argv) == 0
+    assert trainers[0].step == 3 and trainers[0].compiles == 0  # restored at step 3: no step ran
+    assert (out / "metrics.jsonl").read_text() == before
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()] == ["3"]
+    assert np.array_equal(logits(load_model(out / "final").model), final_before)
+    assert "resumed" in capsys.readouterr().err
+
+
+def test_resume_false_refuses_a_directory_with_checkpoints(sft_run, root, capsys):
+    """Orbax never saves a step at or below its latest, so restarting over old checkpoints would mix two runs."""
+    argv, out, _ = sft_run
+    fresh = root / "sft_restart"
+    shutil.copytree(out, fresh)
+    argv = [fresh if a == out else a for a in argv]
+    capsys.readouterr()
+    assert cli(*argv, "resume=false", "learning_rate=0.01") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    message = err.strip().splitlines()[-1]  # after the INFO lines of loading
+    assert message.startswith("tunix-rt sft: error: ") and "checkpoints" in message and "step 3" in message
+    assert np.array_equal(logits(load_model(fresh / "final").model), logits(load_model(out / "final").model))
+
+
+# --- SFT: LoRA + packing from a YAML file; option precedence -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_run(root, tiny, sft_data):
+    out = root / "lora_out"
+    config = root / "lora.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": str(tiny), "data": str(sft_data), "steps": 10, "batch_size": 4, "max_length": 64, "packing": True,
+        "lora_rank": 8, "lora_alpha": 8.0, "progress": False, "shuffle": False, "seed": 3,
+    }) + "learning_rate: 1e-3\n")  # YAML 1.1 reads 1e-3 as a string: the config takes it as a float
+    with recording_trainers() as trainers:
+        assert cli("sft", "--config", config, "--output", out, "--steps", "2", "--lora-rank", "4",
+                   "learning_rate=0.005", "steps=5", "seed=7") == 0
+    return out, trainers[0]
+
+
+def test_flags_beat_key_value_beat_yaml(lora_run):
+    out, trainer = lora_run
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["steps"] == 2 and saved["lora_rank"] == 4  # flags over key=value and YAML
+    assert saved["learning_rate"] == 0.005 and saved["seed"] == 7  # key=value over YAML
+    assert saved["batch_size"] == 4 and saved["packing"] is True and saved["lora_alpha"] == 8.0  # YAML
+    assert saved["shuffle"] is False and saved["dequantize"] is False  # LoRA keeps a quantized base by default
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert trainer.lora and trainer.cfg.lr == 0.005
+
+
+def test_packing_packs_several_examples_per_row(lora_run):
+    _, trainer = lora_run
+    n = trainer.objective.num_items
+    assert n < 12  # 12 rows of ~10-35 tokens in 64-token rows
+    batch = trainer.objective.host_batch(np.arange(n), np.ones(n, bool))
+    assert batch["segment_ids"].max() >= 2
+
+
+def test_lora_final_is_the_merged_trainer_model(lora_run):
+    out, trainer = lora_run
+    model = trainer.model()
+    assert has_lora(model)
+    b = model.layers[0].attn.q_proj.lora_b[...]
+    assert np.abs(np.asarray(b)).max() > 0  # the adapters trained
+    final = load_model(out / "final")
+    assert not has_lora(final.model)
+    delta = np.abs(logits(final.model) - logits(model)).max()
+    assert delta < 1e-4, f"max |delta logits| = {delta:.2e}"
+
+
+def test_lora_final_loads_in_transformers(lora_run):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    out, _ = lora_run
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor(TOKENS)).logits.numpy()
+    assert np.abs(theirs - logits(load_model(out / "final").model)).max() < 1e-4
+
+
+def _nonzero_adapters(model, seed=0):
+    keys = iter(jax.random.split(jax.random.key(seed), 64))
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, LoRALinear):
+            module.lora_b.set_value(0.05 * jax.random.normal(next(keys), module.lora_b[...].shape))
+
+
+def test_merge_lora_keeps_the_function(tiny):
+    model = apply_lora(load_model(tiny).model, rank=4, alpha=8.0)
+    base = logits(load_model(tiny).model)
+    assert np.allclose(logits(model), base, atol=1e-6)  # B = 0: the adapters add nothing yet
+    _nonzero_adapters(model)
+    adapted = logits(model)
+    assert np.abs(adapted - base).max() > 1e-2
+    merged = merge_lora(model)
+    assert not has_lora(merged) and has_lora(model)  # a copy
+    assert isinstance(merged.layers[1].mlp.down_proj, nnx.Linear)
+    delta = np.abs(logits(merged) - adapted).max()
+    assert delta < 1e-4, f"max |delta logits| = {delta:.2e}"
+
+
+# --- QLoRA ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quantized(root, tiny):
+    q = root / "tiny_int8"
+    assert cli("quantize", "--model", tiny, "--format", "int8", "--output", q) == 0
+    return q
+
+
+@pytest.fixture(scope="module")
+def qlora_run(root, quantized):
+    data = write_jsonl(root / "qlora" / "data.jsonl", [{"prompt": "the", "completion": " the theme"}] * 4)
+    out = root / "qlora_out"
+    with recording_trainers() as trainers:
+        assert cli("sft", "--model", quantized, "--data", data, "--output", out, "--steps", "4", "--lora-rank", "4",
+                   "batch_size=2", "learning_rate=0.02", "lr_scheduler_type=constant", *COMMON) == 0
+    return out, trainers[0]
+
+
+def _quant_leaves(model):
+    return jax.tree.leaves(nnx.state(model, QuantWeight))
+
+
+def test_qlora_trains_adapters_over_a_frozen_quantized_base(qlora_run, quantized):
+    out, trainer = qlora_run
+    curve = losses(out)
+    assert len(curve) == 4 and curve[-1] < curve[0] - 0.5, curve
+    model = trainer.model()
+    assert isinstance(model.layers[0].attn.q_proj.base, QuantLinear)
+    before, after = _quant_leaves(load_model(quantized).model), _quant_leaves(model)
+    assert before and len(before) == len(after)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(before, after))
+
+
+def test_qlora_final_exports_merged_float_weights(qlora_run):
+    out, trainer = qlora_run
+    final = load_model(out / "final")
+    assert "quantization_config" not in json.loads((out / "final" / "config.json").read_text())
+    assert not _quant_leaves(final.model) and not has_lora(final.model)
+    delta = np.abs(logits(final.model) - logits(trainer.model())).max()
+    assert delta < 1e-3, f"max |delta logits| = {delta:.2e}"
+
+
+def test_merge_lora_of_a_quantized_base(quantized):
+    model = apply_lora(load_model(quantized).model, rank=4, alpha=8.0)
+    _nonzero_adapters(model, seed=1)
+    merged = merge_lora(model)
+    assert isinstance(merged.layers[0].attn.q_proj, nnx.Linear)
+    delta = np.abs(logits(merged) - logits(model)).max()
+    assert delta < 1e-3, f"max |delta logits| = {delta:.2e}"
+
+
+# --- DPO ------------------------------------------------------------------------------------------------------
+
+
+LOSS_TYPES = {"sigmoid": (), "ipo": (), "hinge": (), "robust": ("label_smoothing=0.1",), "orpo": (), "simpo": ()}
+# At step 1 with LoRA (B = 0) the policy is the reference, so the DPO margin is 0:
+STEP1 = {"sigmoid": LOG2, "robust": LOG2, "hinge": 1.0, "ipo": (1 / (2 * 0.1)) ** 2}
+
+
+@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
+def test_dpo_loss_types_with_lora(loss_type, root, tiny, dpo_chat):
+    out = root / f"dpo_{loss_type}"
+    assert cli("dpo", "--model", tiny, "--data", dpo_chat, "--output", out, "--steps", "2", "--lora-rank", "4",
+               "batch_size=2", f"loss_type={loss_type}", *LOSS_TYPES[loss_type], *COMMON) == 0
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+            assert math.isfinite(r[key]), (key, r)
+        assert 0.0 <= r["rewards/accuracies"] <= 1.0
+    if loss_type in STEP1:
+        assert records[0]["loss"] == pytest.approx(STEP1[loss_type], rel=1e-6, abs=1e-6)
+        assert records[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-7)
+    assert (out / "final" / "config.json").is_file()
+
+
+def test_dpo_full_fine_tuning_reference_is_the_initial_weights(root, tiny, dpo_strings):
+    out = root / "dpo_full"
+    with recording_trainers() as trainers:
+        assert cli("dpo", "--model", tiny, "--data", dpo_strings, "--output", out, "--steps", "2", "batch_size=2",
+                   "learning_rate=1e-3", *COMMON) == 0
+    records = read_metrics(out)
+    assert records[0]["loss"] == pytest.approx(LOG2, abs=1e-5)
+    assert records[1]["loss"] != pytest.approx(LOG2, abs=1e-5)  # the policy moved away from the reference
+    assert not trainers[0].lora and trainers[0].initial_params is not None
+
+
+def test_dpo_with_an_explicit_ref_model(root, tiny, dpo_strings):
+    out = root / "dpo_ref"
+    with recording_trainers() as trainers:
+        assert cli("dpo", "--model", tiny, "--data", dpo_strings, "--output", out, "--steps", "2", "--lora-rank", "4",
+                   "batch_size=2", f"ref_model={tiny}", *COMMON) == 0
+    assert read_metrics(out)[0]["loss"] == pytest.approx(LOG2, abs=1e-5)
+    assert trainers[0].objective.ref is not None and not trainers[0].objective.needs_reference
+
+
+# --- distillation ------------------------------------------------------------------------------------------------
+
+
+def test_distill_top_k_from_a_second_model(root, tiny, teacher, sft_data, sft_run):
+    out = root / "distill"
+    assert cli("distill", "--model", tiny, "--teacher", teacher, "--data", sft_data, "--output", out, "--steps", "2",
+               "batch_size=2", "alpha=0.5", "temperature=2.0", "top_k=5", *COMMON) == 0
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["kd"] > 0 for r in records)
+    first = records[0]
+    assert first["loss"] == pytest.approx(0.5 * first["kd"] + 0.5 * first["ce"], rel=1e-5)
+    # The CE half is SFT's loss: same data, seed and batch at step 1 as the SFT run.
+    assert first["ce"] == pytest.approx(read_metrics(sft_run[1])[0]["loss"], rel=1e-5)
+    assert (out / "final" / "config.json").is_file()
+
+
+def test_distill_from_itself_has_zero_kl(root, tiny, sft_data):
+    out = root / "distill_self"
+    assert cli("distill", "--model", tiny, "--teacher", tiny, "--data", sft_data, "--output", out, "--steps", "2",
+               "batch_size=2", "alpha=1.0", *COMMON) == 0
+    first = read_metrics(out)[0]
+    assert first["loss"] == pytest.approx(0.0, abs=1e-5) and first["kd"] == pytest.approx(0.0, abs=1e-5)
+    assert first["grad_norm"] < 1e-3
+
+
+def test_distill_teacher_with_another_vocabulary(root, tiny, sft_data, capsys):
+    other = root / "teacher_v128"
+    make_tiny_model_dir(other, vocab_size=128)
+    capsys.readouterr()
+    assert cli("distill", "--model", tiny, "--teacher", other, "--data", sft_data, "--output", root / "distill_bad",
+               "--steps", "1", "batch_size=2", *COMMON) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tunix-rt distill: error: ") and "Traceback" not in err
+    assert "vocabulary" in err and "128" in err and "256" in err
+
+
+# --- bad inputs: exit 2, one line, no traceback -------------------------------------------------------------------
+
+
+def _one_line_error(capsys, command: str) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tunix-rt {command}: error: "), err
+    return lines[0]
+
+
+SFT_ROWS_OK = [{"text": "the"}]
+BAD_DATA = {  # rows -> what the message must say besides data.jsonl:LINE
+    "missing_field": (SFT_ROWS_OK + [{"prompt": "the"}], 2, ['"completion"', "missing"]),
+    "wrong_type": (SFT_ROWS_OK * 2 + [{"text": 5}], 3, ['"text"', "string", "int"]),
+    "invalid_json": (SFT_ROWS_OK + ['{"text": "the"'], 2, ["invalid JSON"]),
+    "not_an_object": (SFT_ROWS_OK + ['["the"]'], 2, ["JSON object"]),
+    "bad_role": ([{"messages": [{"role": "robot", "content": "hi"}]}], 1, ['"messages[0].role"', "robot"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DATA))
+def test_bad_sft_rows(case, tmp_path, tiny, capsys):
+    rows, line, words = BAD_DATA[case]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    capsys.readouterr()
+    assert cli("sft", "--model", tiny, "--data", data, "--output", tmp_path / "out", "batch_size=2", *COMMON) == 2
+    message = _one_line_error(capsys, "sft")
+    assert f"data.jsonl:{line}:" in message
+    for word in words:
+        assert word in message, message
+
+
+def test_bad_dpo_row(tmp_path, tiny, capsys):
+    data = write_jsonl(tmp_path / "data.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"},
+                                                 {"prompt": "a", "chosen": "b"}])
+    capsys.readouterr()
+    assert cli("dpo", "--model", tiny, "--data", data, "--output", tmp_path / "out", *COMMON) == 2
+    message = _one_line_error(capsys, "dpo")
+    assert "data.jsonl:2:" in message and '"rejected"' in message
+
+
+BAD_OPTIONS = {  # extra argv -> words the message must hold
+    "unknown_option": (["learning_rat=1e-4"], ["unknown option(s) learning_rat", "valid:", "learning_rate",
+                                               "batch_size"]),
+    "bad_float": (["learning_rate=abc"], ["learning_rate", "float", "'abc'"]),
+    "bad_int": (["batch_size=1.5"], ["batch_size", "int", "1.5"]),
+    "batch_size_zero": (["batch_size=0"], ["batch_size must be a positive integer"]),
+    "batch_size_negative": (["batch_size=-2"], ["batch_size must be a positive integer"]),
+    "steps_zero": (["--steps", "0"], ["steps must be a positive integer"]),
+    "not_key_value": (["learning_rate"], ["key=value"]),
+    "bad_schedule": (["lr_scheduler_type=triangle"], ["lr_scheduler_type", "cosine"]),
+    "bad_lora_target": (["--lora-rank", "2", "lora_targets=[q_proj,qq_proj]"], ["lora_targets", "q_proj"]),
+    "missing_config_file": (["--config", "/nonexistent/run.yaml"], ["cannot read config file"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OPTIONS))
+def test_bad_options(case, tmp_path, tiny, sft_data, capsys):
+    extra, words = BAD_OPTIONS[case]
+    capsys.readouterr()
+    assert cli("sft", "--model", tiny, "--data", sft_data, "--output", tmp_path / "out", *extra, *COMMON) == 2
+    message = _one_line_error(capsys, "sft")
+    for word in words:
+        assert word in message, message
+
+
+def test_missing_data(tmp_path, tiny, capsys):
+    assert cli("sft", "--model", tiny, "--output", tmp_path / "out") == 2
+    assert "missing required option(s): data" in _one_line_error(capsys, "sft")
+    assert cli("sft", "--model", tiny, "--data", tmp_path / "nope.jsonl", "--output", tmp_path / "out", *COMMON) == 2
+    assert "nope.jsonl" in _one_line_error(capsys, "sft")
+
+
+def test_distill_needs_a_teacher(tmp_path, tiny, sft_data, capsys):
+    assert cli("distill", "--model", tiny, "--data", sft_data, "--output", tmp_path / "out") == 2
+    assert "missing required option(s): teacher" in _one_line_error(capsys, "distill")
+
+
+def test_nonexistent_model(tmp_path, sft_data, capsys):
+    assert cli("sft", "--model", tmp_path / "no_model", "--data", sft_data, "--output", tmp_path / "out", *COMMON) == 2
+    assert "no_model" in _one_line_error(capsys, "sft")
+    assert cli("dpo", "--model", tmp_path, "--data", sft_data, "--output", tmp_path / "out2", *COMMON) == 2
+    assert "config.json" in _one_line_error(capsys, "dpo")
+
+
+def test_unknown_loss_type(tmp_path, tiny, dpo_strings, capsys):
+    assert cli("dpo", "--model", tiny, "--data", dpo_strings, "--output", tmp_path / "out", "loss_type=kto",
+               *COMMON) == 2
+    message = _one_line_error(capsys, "dpo")
+    assert "kto" in message and "sigmoid" in message
+
+
+def test_output_that_is_a_file(tmp_path, tiny, sft_data, capsys):
+    (tmp_path / "taken").write_text("mine")
+    capsys.readouterr()
+    assert cli("sft", "--model", tiny, "--data", sft_data, "--output", tmp_path / "taken", *COMMON) == 2
+    assert "taken" in _one_line_error(capsys, "sft")
+
+
+# --- export and plot ------------------------------------------------------------------------------------------
+
+
+def test_export_round_trips(tiny, tmp_path):
+    assert cli("export", "--model", tiny, "--output", tmp_path / "x") == 0
+    first, again = load_model(tiny), load_model(tmp_path / "x")
+    assert np.array_equal(logits(again.model), logits(first.model))
+    assert again.tokenizer.encode("the theme") == first.tokenizer.encode("the theme")
+    assert again.tokenizer.chat_template == first.tokenizer.chat_template
+
+
+def test_export_of_a_quantized_dir_is_float(quantized, tmp_path):
+    assert cli("export", "--model", quantized, "--output", tmp_path / "x") == 0
+    again = load_model(tmp_path / "x")
+    assert not _quant_leaves(again.model)
+    assert np.abs(logits(again.model) - logits(load_model(quantized).model)).max() < 1e-4
+
+
+def test_export_into_a_non_model_directory(tiny, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert cli("export", "--model", tiny, "--output", tmp_path) == 2
+    assert "no config.json" in _one_line_error(capsys, "export")
+
+
+def test_plot(sft_run, tmp_path, capsys):
+    _, out, _ = sft_run
+    assert cli("plot", out) == 0
+    png = (out / "metrics.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+    assert cli("plot", out, "--metrics", "loss", "grad_norm", "--output", tmp_path / "two.png") == 0
+    assert (tmp_path / "two.png").read_bytes().startswith(b"\x89PNG")
+    capsys.readouterr()
+    assert cli("plot", out, "--metrics", "loss", "accuracy") == 2
+    message = _one_line_error(capsys, "plot")
+    assert "accuracy" in message and "loss" in message  # names the unknown one, lists the available
+    assert cli("plot", tmp_path) == 2
+    assert "metrics.jsonl" in _one_line_error(capsys, "plot")
+
+
+# --- main() called more than once in a process ---------------------------------------------------------------------
+
+
+def test_main_does_not_pile_up_log_handlers(tmp_path):
+    with logger_restored() as logger:
+        before = len(logger.handlers)
+        for _ in range(3):
+            main(["plot", str(tmp_path)])
+        assert len(logger.handlers) <= before + 1

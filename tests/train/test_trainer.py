@@ -2,14 +2,17 @@
 optimizer's schedules and weight-decay mask, fsdp/tp meshes and jax.distributed processes.
 
 Every run trains the same tiny Llama (tests/train/sharded_worker.py) on 48 random SFT examples for at most
-6 steps. Runs of one configuration compile one program; a module-wide persistent compilation cache (also
-handed to the subprocesses) lets every later Trainer of that configuration load it instead of compiling.
+6 steps at learning_rate 1e-2. Runs of one configuration compile one program; a module-wide persistent
+compilation cache (also handed to the subprocesses) lets every later Trainer of that configuration load it
+instead of compiling, and XLA's optimization passes are off (they cost ~3x the compile time here and change
+nothing these tests compare).
 
-Tolerances: runs that differ only in where a sum is split (accumulation, sharding, processes) agree to
-float rounding in loss and gradient norm (1e-5 relative). Their params agree to 1e-4 (1% of one Adam step
-at learning_rate 1e-2): Adam divides each gradient by its own running RMS, so a gradient entry that sums
-to nearly zero carries its rounding (about 1e-3 relative) into an update of size ~lr, which is ~1e-5; a
-real error (a missing all-reduce, a wrong shard, a lost micro-batch) moves params by ~lr instead.
+Tolerances: runs that differ only in where a sum is split (accumulation, sharding, processes) agree in loss
+and gradient norm to float rounding (1e-5 relative; seen: ~3e-7). Their params agree to 2e-4, 2% of one Adam
+step (seen: 1e-5 to 4e-5, so 1e-5 would be flaky): Adam divides each gradient entry by its own running RMS,
+so an entry that sums to nearly zero carries its rounding (~1e-3 relative) into an update of size ~lr. A real
+error (a missing all-reduce, a wrong shard, a lost micro-batch) moves params by ~lr and the loss at the next
+step; a gradient wrongly scaled as a whole, which Adam and clipping would hide, shows in the gradient norm.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flax.errors import TraceContextError
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -45,7 +47,7 @@ from tunix_rt.train.sft import SFTObjective
 from tunix_rt.train.trainer import Trainer, make_optimizer
 
 ITEMS = W.make_items()
-PARAM_ATOL = 1e-4  # see the module docstring
+PARAM_ATOL = 2e-4  # 2% of one Adam step: see the module docstring
 LOSS_RTOL = 1e-5
 WORKER = Path(W.__file__)
 SUBPROCESS_TIMEOUT = 180
@@ -143,7 +145,8 @@ def resume_runs(overrides: dict, tmp: Path) -> ResumeRuns:
     params_at_3 = host_tree(tb.params)
     c, tc = W.train(interrupted, ITEMS, **overrides)  # a fresh model and Trainer, as after a crash
     return ResumeRuns(a, b, c, host_tree(ta.params), host_tree(ta.opt_state), params_at_3, host_tree(tc.params),
-                      host_tree(tc.opt_state), host_tree(ta.rngs), host_tree(tc.rngs), read_metrics(whole), read_metrics(interrupted))
+                      host_tree(tc.opt_state), host_tree(ta.rngs), host_tree(tc.rngs), read_metrics(whole),
+                      read_metrics(interrupted))
 
 
 @pytest.fixture(scope="module")
@@ -161,18 +164,7 @@ def resumed(tmp_path_factory):
 
 # --- 1. exact resume ------------------------------------------------------------------------------------------
 
-LORA_DROPOUT_BUGS = (
-    "LoRA dropout > 0 cannot train: (1) Trainer.__init__ places the RNG state with parallel.mesh.put_global, whose "
-    "np.asarray fails on the typed PRNG keys of nnx.Dropout (TypeError); (2) past that, the jitted step's "
-    "jax.value_and_grad receives the RngState variables as non-differentiated arguments, so Dropout's count "
-    "update inside the grad trace raises flax TraceContextError")
-
-
-@pytest.mark.parametrize("name", [
-    "full", "accumulation", "lora",
-    pytest.param("lora_dropout", marks=pytest.mark.xfail(strict=True, raises=(TypeError, TraceContextError),
-                                                         reason=LORA_DROPOUT_BUGS)),
-])
+@pytest.mark.parametrize("name", ["full", "accumulation", "lora", "lora_dropout"])
 def test_resume_is_exact(resumed, name):
     runs = resumed(name)
     assert [r["step"] for r in runs.whole] == [1, 2, 3, 4, 5, 6]
@@ -198,25 +190,16 @@ def test_records_follow_the_linear_schedule(resumed):
     assert [r["epoch"] for r in runs.whole] == [step / 6 for step in range(1, 7)]
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=LORA_DROPOUT_BUGS.split("; (2)")[0])
 def test_put_global_places_typed_prng_keys():
-    """What nnx.Dropout's RNG state holds: bug 1 of LORA_DROPOUT_BUGS alone."""
+    """What nnx.Dropout's RNG state holds."""
     mesh = make_mesh(1, 1, devices=jax.devices()[:1])
     keys = {"key": jax.random.key(0), "count": jnp.uint32(3)}
     placed = put_global(keys, jax.tree.map(lambda _: NamedSharding(mesh, P()), keys))
     np.testing.assert_array_equal(jax.random.key_data(placed["key"]), jax.random.key_data(keys["key"]))
 
 
-@pytest.mark.xfail(strict=True, raises=TraceContextError, reason=LORA_DROPOUT_BUGS)
-def test_lora_dropout_step_with_the_keys_placed(tmp_path, monkeypatch):
-    """Bug 2 alone: put_global made to place keys (as device_put does), one LoRA-dropout step."""
-    import tunix_rt.train.trainer as trainer_module
-
-    def put_keys_too(tree, shardings):
-        is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-        return jax.tree.map(lambda x, s: jax.device_put(x, s) if is_key(x) else put_global(x, s), tree, shardings)
-
-    monkeypatch.setattr(trainer_module, "put_global", put_keys_too)
+def test_lora_dropout_step_advances_the_rng_streams(tmp_path):
+    """Dropout draws new masks each step: its counters move inside the gradient trace."""
     trainer = Trainer(W.config(tmp_path, lora_rank=4, lora_dropout=0.1), W.new_model(),
                       SFTObjective(ITEMS, seq_len=W.SEQ, pad_id=0))
     before = host_tree(trainer.rngs)
@@ -283,14 +266,12 @@ def test_non_finite_loss_stops_with_the_last_good_state(resumed, tmp_path):
         fresh.fit(output=tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason="a NaN on the very first step reports 'the last good state is saved at step "
-                                       "0', but nothing is saved: no checkpoint exists (fit only saves when step > 0)")
 def test_first_step_failure_claims_no_checkpoint(tmp_path):
     objective = PoisonedSFT(ITEMS, range(len(ITEMS)), seq_len=W.SEQ, pad_id=0)
     with pytest.raises(TrainingError) as failure:
         W.train(tmp_path, ITEMS, objective=objective)
     assert latest_checkpoint(tmp_path) is None
-    assert "saved at step 0" not in str(failure.value), str(failure.value)
+    assert "saved at step 0" not in str(failure.value) and "nothing was saved" in str(failure.value)
 
 
 # --- 4. bf16 compute ------------------------------------------------------------------------------------------
@@ -385,16 +366,16 @@ def test_meshes_match_one_device(resumed, compile_cache, tmp_path):
             np.testing.assert_allclose(run["grad_norms"], one["grad_norms"], rtol=LOSS_RTOL, err_msg=prefix + name)
             assert run["max_param_diff"] < PARAM_ATOL, (prefix + name, run["max_param_diff"], run["max_param_diff_at"])
 
-    # the weights really are split: layer 0's q_proj kernel (64, 64) over both axes, and LoRA's B over tp
+    # the weights really are split: layer 0's q_proj kernel (64, 64) and its Adam moment over both axes, LoRA's
+    # B (4, 64) over tp with its frozen base kernel over both
     assert out["fsdp4_tp2"]["mesh"] == {"fsdp": 4, "tp": 2}
-    q = out["fsdp4_tp2"]["q_proj_trained"]
-    assert (q["spec"], q["shape"], q["shard_shape"]) == (["fsdp", "tp"], [64, 64], [16, 32])
-    q = out["fsdp8"]["q_proj_trained"]
-    assert (q["spec"], q["shard_shape"]) == (["fsdp", "tp"], [8, 64])
-    q = out["lora_fsdp4_tp2"]["q_proj_trained"]
-    assert (q["path"].split("]")[-2], q["spec"], q["shard_shape"]) == ("['lora_b'", [None, "tp"], [4, 32])
-    q = out["lora_fsdp4_tp2"]["q_proj_frozen"]
-    assert (q["spec"], q["shard_shape"]) == (["fsdp", "tp"], [16, 32])
+    placed = lambda run, what: (out[run][f"q_proj_{what}"]["spec"], out[run][f"q_proj_{what}"]["shape"],
+                                out[run][f"q_proj_{what}"]["shard_shape"])
+    assert placed("fsdp4_tp2", "trained") == placed("fsdp4_tp2", "mu") == (["fsdp", "tp"], [64, 64], [16, 32])
+    assert placed("fsdp8", "trained") == placed("fsdp8", "mu") == (["fsdp", "tp"], [64, 64], [8, 64])
+    assert out["lora_fsdp4_tp2"]["q_proj_trained"]["path"].endswith("['lora_b'].value")
+    assert placed("lora_fsdp4_tp2", "trained") == placed("lora_fsdp4_tp2", "mu") == ([None, "tp"], [4, 64], [4, 32])
+    assert placed("lora_fsdp4_tp2", "frozen") == (["fsdp", "tp"], [64, 64], [16, 32])
 
     # a checkpoint written on one device resumes on fsdp=4 x tp=2 (Orbax reshards it) and goes on alike
     moved = out["resharded_resume"]
@@ -419,25 +400,28 @@ def test_two_processes_match_one_process(resumed, compile_cache, tmp_path):
     result, port = tmp_path / "result.json", free_port()
     env = subprocess_env(compile_cache, 2)
     logs = [tmp_path / f"process{pid}.log" for pid in range(2)]
-    procs = []
+    procs, hung, deadline = [], [], time.monotonic() + SUBPROCESS_TIMEOUT
     try:
         for pid, log in enumerate(logs):
             with open(log, "w") as sink:  # files, not pipes: a full pipe would stall a process mid-collective
-                procs.append(subprocess.Popen([sys.executable, str(WORKER), "process", str(result), str(tmp_path / "run"),
-                                               str(port), "2", str(pid)], env=env, stdout=sink, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + SUBPROCESS_TIMEOUT
-        for proc in procs:
-            proc.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the 2-process run took over {SUBPROCESS_TIMEOUT} s:\n" + "\n".join(
-            f"--- process {pid}\n{log.read_text()[-3000:]}" for pid, log in enumerate(logs)))
+                command = [sys.executable, str(WORKER), "process", str(result), str(tmp_path / "run"), str(port), "2",
+                           str(pid)]
+                procs.append(subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT))
+        # until both finish, one fails (its peer would wait for it until jax's own timeouts) or time runs out
+        failed = lambda: any(p.poll() for p in procs)  # poll(): None running, 0 done, else failed
+        while any(p.poll() is None for p in procs) and not failed() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not failed():
+            hung = [pid for pid, p in enumerate(procs) if p.poll() is None]
     finally:
         for proc in procs:  # both go down if either failed or hung
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    for pid, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"process {pid} exited with {proc.returncode}:\n{log.read_text()[-5000:]}"
+    report = "\n".join(f"--- process {pid} (exit {p.returncode})\n{log.read_text()[-4000:]}"
+                       for pid, (p, log) in enumerate(zip(procs, logs)))
+    assert not hung, f"process(es) {hung} still running after {SUBPROCESS_TIMEOUT} s, killed:\n{report}"
+    assert all(p.returncode == 0 for p in procs), report
 
     out = json.loads(result.read_text())
     assert (out["process_count"], out["global_devices"], out["local_devices"]) == (2, 4, 2)

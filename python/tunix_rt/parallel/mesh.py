@@ -75,6 +75,9 @@ def put_global(tree, shardings):
     """
 
     def one(value, sharding):
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):  # typed keys travel as their raw data
+            data = one(jax.random.key_data(value), sharding)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
         value = np.asarray(value)
         return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 

@@ -154,6 +154,9 @@ class Trainer:
         return build
 
     def _loss(self, params, rngs, frozen, rest, aux, batch, graphdef):
+        # Fresh containers for the RNG state, so dropout may advance its counters inside the
+        # gradient trace (nnx refuses to mutate state created at an outer trace level).
+        rngs = jax.tree.map(lambda x: x, rngs)
         model = self._model(graphdef, params, rngs, frozen, rest)
         ctx = LossContext(model, aux, self._reference(graphdef, params, rngs, frozen, rest, aux))
         loss_sum, weight, metrics = self.objective.loss(ctx, batch)
@@ -273,10 +276,12 @@ class Trainer:
                 if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])):
                     if last_saved != self.step and self.step > 0:  # keep the last good state
                         checkpointer.save(self.step, self.state(), {"step": self.step})
+                    kept = (f"the last good state is saved at step {self.step}" if self.step > 0
+                            else "nothing was saved (no step had succeeded)")
                     raise TrainingError(
                         f"step {self.step + 1}: the loss ({out['loss']}) or gradient norm ({out['grad_norm']}) is not "
-                        f"finite, so training stopped; the update was skipped and the last good state is saved at step "
-                        f"{self.step}. Lower learning_rate, set max_grad_norm, or check the data.")
+                        f"finite, so training stopped; the update was skipped and {kept}. Lower learning_rate, set "
+                        "max_grad_norm, or check the data.")
                 self.step += 1
                 out["step_time"] = time.perf_counter() - start
                 out["epoch"] = self.sampler.epoch(self.step)

@@ -67,7 +67,9 @@ def _parser() -> argparse.ArgumentParser:
 
     for name, what in (("sft", "supervised fine-tuning (full, LoRA, QLoRA)"),
                        ("dpo", "preference optimisation: DPO, IPO, hinge, robust, ORPO, SimPO"),
-                       ("distill", "knowledge distillation from --teacher")):
+                       ("distill", "knowledge distillation from --teacher"),
+                       ("grpo", "GRPO and its variants (Dr. GRPO, RLOO, DAPO, GSPO) with the embedded rollout engine"),
+                       ("ppo", "PPO with a value-head critic and the embedded rollout engine")):
         train = sub.add_parser(name, help=what, description=f"{what}. Options not given as flags go as key=value "
                                "(or in --config FILE.yaml); flags win over key=value, which wins over the file.")
         train.add_argument("--config", default=None, help="YAML file of options")
@@ -78,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
         train.add_argument("--lora-rank", type=int, default=None, help="0 = full fine-tuning")
         if name == "distill":
             train.add_argument("--teacher", default=None, help="teacher model (same tokenizer as the student)")
+        if name in ("grpo", "ppo"):
+            train.add_argument("--reward", action="append", default=None,
+                               help="reward function: a built-in (accuracy, math, format, brevity) or "
+                                    "module:function; repeat for several (weights: reward_weights=[...])")
         train.add_argument("overrides", nargs="*", metavar="key=value", help="any other option, e.g. learning_rate=1e-4")
 
     export = sub.add_parser("export", help="write a model (GGUF, quantized or HF) as an HF directory transformers loads")
@@ -214,7 +220,8 @@ def _train(args) -> int:
     from tunix_rt.train.run import CONFIGS, run
 
     explicit = {"model": args.model, "data": args.data, "output": args.output, "steps": args.steps,
-                "lora_rank": args.lora_rank, "teacher": getattr(args, "teacher", None)}
+                "lora_rank": args.lora_rank, "teacher": getattr(args, "teacher", None),
+                "reward": getattr(args, "reward", None)}
     cfg = build_config(CONFIGS[args.command], config_file=args.config, overrides=args.overrides, **explicit)
     logging.getLogger("tunix_rt").setLevel(logging.INFO)
     final = run(cfg)
@@ -243,7 +250,7 @@ def _plot(args) -> int:
 
 
 _COMMANDS = {"generate": _generate, "score": _score, "quantize": _quantize, "serve": _serve, "info": _info,
-             "sft": _train, "dpo": _train, "distill": _train, "export": _export, "plot": _plot}
+             "sft": _train, "dpo": _train, "distill": _train, "grpo": _train, "ppo": _train, "export": _export, "plot": _plot}
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -373,22 +373,36 @@ def test_zero_max_model_len_is_refused(llama):
 # -- compiled programs ------------------------------------------------------------------------------
 
 
-def _reachable_shapes(engine: Engine) -> list[tuple[int, int]]:
-    """(token bucket, sequence bucket) pairs a step can land in: s sequences need >= s tokens."""
-    runner, out = engine.runner, []
-    for t in runner.token_buckets:
-        for i, b in enumerate(runner.seq_buckets):
-            lowest = runner.seq_buckets[i - 1] + 1 if i else 1
-            if lowest <= t:
-                out.append((t, b))
-    return out
+def test_warmup_compiles_every_plain_program(llama):
+    """warmup() compiles each token bucket's forward and each reachable sampler shape up front (on steps that
+    write nothing), so generating afterwards compiles nothing and gives what an unwarmed engine gives."""
+    model, plain = llama
+    engine = _engine(model, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+                     num_kv_blocks=64, token_buckets=(4, 16))
+    assert engine.runner.token_buckets == (4, 16)
+    compiled = engine.warmup()
+    assert compiled == 2 + len(engine.runner.reachable_shapes()) == engine.stats().num_compiles
+    assert engine.stats().kv_cache_usage == 0
+    prompts = _prompts(7, [1, 3, 9, 20])
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=3)
+    with _backend_compiles() as events:
+        outs = engine.generate(prompts, params)
+    assert not events and engine.stats().num_compiles == compiled
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert engine.warmup() == 0
+
+
+@pytest.mark.parametrize("buckets", [(4, 8), (0, 16), (4.0, 16), ()])
+def test_bad_token_buckets(llama, buckets):
+    with pytest.raises(ValueError, match="token_buckets"):
+        Engine(llama[0], max_num_batched_tokens=16, num_kv_blocks=8, token_buckets=buckets)
 
 
 def test_no_recompiles_after_warm_up(llama):
     _, engine = llama
     runner = engine.runner
     # warm-up: one step per reachable shape, b prompts of t tokens in all, one token each
-    shapes = _reachable_shapes(engine)
+    shapes = runner.reachable_shapes()
     for i, (t, b) in enumerate(shapes):
         s = min(b, t)
         lengths = [t // s + (j < t % s) for j in range(s)]

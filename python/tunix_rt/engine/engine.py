@@ -51,7 +51,8 @@ class Engine:
     def __init__(self, model: Decoder | str | os.PathLike | None = "default", tokenizer=None, *,
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int = 1 << 30,
-                 enable_prefix_caching: bool = True, dequantize: bool = False, seed: int = 0):
+                 enable_prefix_caching: bool = True, dequantize: bool = False, seed: int = 0,
+                 token_buckets: Sequence[int] | None = None):
         if not isinstance(model, Decoder):
             from tunix_rt.checkpoints.loader import load_model
 
@@ -64,6 +65,13 @@ class Engine:
                             ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine: {name} must be a positive integer, got {value!r}")
+        if token_buckets is not None:
+            token_buckets = tuple(token_buckets)
+            if not all(isinstance(t, int) and t >= 1 for t in token_buckets) or \
+                    max(token_buckets, default=0) != max_num_batched_tokens:
+                raise ValueError(f"Engine: token_buckets must be positive integers, the largest equal to "
+                                 f"max_num_batched_tokens ({max_num_batched_tokens}), got {token_buckets!r}")
+            token_buckets = tuple(sorted(set(token_buckets)))
         if num_kv_blocks is None:  # no more than max_num_seqs full-length sequences could ever use
             num_kv_blocks = min(kv_cache_memory // ModelRunner.block_bytes(model, block_size),
                                 max_num_seqs * -(-max_model_len // block_size))
@@ -79,7 +87,7 @@ class Engine:
         self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, eos)
         self.runner = ModelRunner(model, num_blocks=num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                  grammars=self.grammars)
+                                  grammars=self.grammars, token_buckets=token_buckets)
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
@@ -265,6 +273,14 @@ class Engine:
         finally:
             if remaining:
                 self.abort(rid)
+
+    def warmup(self) -> int:
+        """Compile every step program plain sampling can need (each token bucket's forward, the sampler of
+        each reachable batch shape), so a running engine compiles nothing new; returns the count compiled.
+        Steps with penalties, top logprobs or a grammar have programs of their own, compiled on first use."""
+        if self.is_sleeping:
+            raise RuntimeError("the engine is asleep: call wake_up() before warmup()")
+        return self.runner.warmup()
 
     # -- weights and memory -----------------------------------------------------------------
 

@@ -75,7 +75,8 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, grammars: GrammarCompiler | None = None):
+                 max_num_batched_tokens: int, max_model_len: int, grammars: GrammarCompiler | None = None,
+                 token_buckets: tuple[int, ...] | None = None):
         self.graphdef, state = nnx.split(model)
         self.leaves, self.treedef = jax.tree.flatten(state)
         head_def, head_state = nnx.split(model.output_head())
@@ -90,7 +91,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.token_buckets = buckets(1, max_num_batched_tokens)
+        self.token_buckets = buckets(1, max_num_batched_tokens) if token_buckets is None else tuple(token_buckets)
         self.seq_buckets = buckets(1, max_num_seqs)
         self.k: tuple[jax.Array, ...] | None = None
         self.v: tuple[jax.Array, ...] | None = None
@@ -124,6 +125,32 @@ class ModelRunner:
                                  f"engine's model has {old.dtype}{list(old.shape)}")
         self.leaves = [leaf for _, leaf in paths_leaves]
         self.head_leaves = jax.tree.leaves(nnx.state(nnx.merge(self.graphdef, state).output_head()))
+
+    def reachable_shapes(self) -> list[tuple[int, int]]:
+        """(token bucket, sequence bucket) pairs a step can land in: s sequences bring at least s tokens."""
+        return [(t, b) for t in self.token_buckets for b in self.seq_buckets
+                if b <= _fit(min(t, self.max_num_seqs), self.seq_buckets)]
+
+    def warmup(self) -> int:
+        """Compile the forward of every token bucket and the plain sampler (no penalties, logprobs of the
+        sampled token only, no grammar) of every reachable shape, on all-padding steps that write nothing;
+        returns how many programs that compiled."""
+        before = len(self.compiled)
+        for t_b in self.token_buckets:
+            pad = np.full(t_b, -1, np.int32)
+            tables = np.zeros((min(t_b, self.max_num_seqs), self.max_blocks_per_seq), np.int32)
+            self._note_compile(("forward", t_b))
+            hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
+                                                   np.zeros(t_b, np.int32), pad, pad, tables)
+            for t, b_b in self.reachable_shapes():
+                if t != t_b:
+                    continue
+                rows_params = SamplingTensors.from_rows([], b_b)
+                hist = np.full((b_b, 1), -1, np.int32)
+                self._note_compile(("sample", t_b, b_b, 1, 0, False))
+                jax.block_until_ready(self._sample(self.head_leaves, hidden, np.zeros(b_b, np.int32), rows_params,
+                                                   hist, hist, 0, None))
+        return len(self.compiled) - before
 
     def _note_compile(self, key: tuple) -> None:
         if key not in self.compiled:

@@ -211,8 +211,129 @@ def _coerce(name: str, value: Any, hint) -> Any:
         if option in (str, bool) and type(value) is option:
             return value
         if typing.get_origin(option) is tuple:
-            items = [value] if isinstance(value, str) else value
-            if isinstance(items, (list, tuple)) and all(isinstance(v, str) for v in items):
-                return tuple(items)
-    expected = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
+            item = typing.get_args(option)[0]
+            items = [value] if isinstance(value, (str, int, float)) else value
+            if not isinstance(items, (list, tuple)):
+                continue
+            try:
+                return tuple(_coerce(f"{name} entry", v, item) for v in items)
+            except ValueError:
+                continue
+    expected = " or ".join(str(o) if typing.get_origin(o) else o.__name__ for o in options if o is not type(None))
     raise ValueError(f"option {name} must be {expected}, got {value!r}")
+
+
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+IMPORTANCE_LEVELS = ("token", "sequence")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RLConfig(TrainConfig):
+    """What GRPO and PPO share: rollouts through the embedded engine, rewards, the clipped objective.
+
+    batch_size counts completions (TRL's convention), so each step samples
+    batch_size * gradient_accumulation_steps / num_generations prompts. Rows are as long as the longest
+    prompt (cut to max_prompt_length) plus max_completion_length; max_length does not apply.
+    """
+
+    reward: tuple[str, ...] = ()  # built-in names or module:function (--reward, repeatable)
+    reward_weights: tuple[float, ...] | None = None  # one per reward; None: all 1
+    num_generations: int = 4  # completions per prompt (the group size G)
+    max_prompt_length: int = 256
+    max_completion_length: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    num_iterations: int = 1  # mu: optimizer steps on each rollout batch
+    epsilon: float = 0.2  # clip range of the ratio, below 1
+    epsilon_high: float | None = None  # above 1 (DAPO's clip-higher); None: epsilon
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length train on no token
+    sleep_engine: bool = False  # free the engine's KV cache while the trainer runs (memory-tight hosts)
+    kv_cache_memory: int = 256 << 20  # bytes for the engine's KV cache
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.reward = (self.reward,) if isinstance(self.reward, str) else tuple(self.reward)
+        for name in ("num_generations", "max_prompt_length", "max_completion_length", "num_iterations",
+                     "kv_cache_memory"):
+            _positive(self, name)
+        if self.reward_weights is not None:
+            self.reward_weights = tuple(float(w) for w in self.reward_weights)
+            if len(self.reward_weights) != len(self.reward):
+                raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {len(self.reward)} "
+                                 "reward functions")
+        rows = self.batch_size * self.gradient_accumulation_steps
+        if rows % self.num_generations:
+            raise ValueError(f"batch_size * gradient_accumulation_steps ({rows}) must be a multiple of "
+                             f"num_generations ({self.num_generations}): whole groups of completions per step")
+        if self.save_steps % self.num_iterations:
+            raise ValueError(f"save_steps ({self.save_steps}) must be a multiple of num_iterations "
+                             f"({self.num_iterations}), so a resumed run starts on a fresh rollout")
+        if not 0 < self.epsilon < 1:
+            raise ValueError(f"epsilon must be in (0, 1), got {self.epsilon}")
+        if self.epsilon_high is not None and not self.epsilon_high > 0:
+            raise ValueError(f"epsilon_high must be positive (or null for epsilon), got {self.epsilon_high}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}, got {self.loss_agg_mode!r}")
+        # The engine validates the sampling options the same way; checking here fails before any loading.
+        from tunix_rt.engine.params import SamplingParams
+
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
+        if self.temperature < 1e-5:
+            raise ValueError("temperature must be > 0: a group of greedy completions has nothing to compare")
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.batch_size * self.gradient_accumulation_steps // self.num_generations
+
+
+@dataclasses.dataclass(kw_only=True)
+class GRPOConfig(RLConfig):
+    num_generations: int = 8
+    beta: float = 0.0  # weight of the k3 KL to the reference (0: no reference pass)
+    advantage_estimator: str = "grpo"  # grpo (group-normalised) | dr_grpo (mean-only) | rloo
+    importance_sampling_level: str = "token"  # token (GRPO) | sequence (GSPO)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards all agree, refill with new prompts
+    max_resample_rounds: int = 3  # extra sampling rounds dynamic sampling may spend per step
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2 (advantages compare completions of one prompt), "
+                             f"got {self.num_generations}")
+        if not self.beta >= 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage_estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, "
+                             f"got {self.advantage_estimator!r}")
+        if self.importance_sampling_level not in IMPORTANCE_LEVELS:
+            raise ValueError(f"importance_sampling_level must be one of {', '.join(IMPORTANCE_LEVELS)}, "
+                             f"got {self.importance_sampling_level!r}")
+        if self.max_resample_rounds < 0:
+            raise ValueError(f"max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class PPOConfig(RLConfig):
+    num_generations: int = 1  # PPO's critic needs no group; more samples per prompt are allowed
+    num_iterations: int = 4  # PPO epochs on each rollout batch
+    kl_coef: float = 0.05  # per-token KL penalty in the reward (0: no reference pass)
+    gamma: float = 1.0
+    lam: float = 0.95
+    vf_coef: float = 0.1
+    cliprange_value: float = 0.2
+    entropy_coef: float = 0.0
+    whiten_advantages: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.kl_coef >= 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not self.vf_coef >= 0 or not self.cliprange_value > 0 or not self.entropy_coef >= 0:
+            raise ValueError("vf_coef and entropy_coef must be >= 0 and cliprange_value > 0")

@@ -276,6 +276,54 @@ def _completion_ids(
     return tokenizer.encode(full[start:], add_special_tokens=False)
 
 
+# --- RL prompts -----------------------------------------------------------------------------------------------
+
+
+class PromptExample(NamedTuple):
+    """One GRPO/PPO row: the prompt's token ids, the prompt as the reward functions see it, and every other
+    column of the row (what the rewards read, e.g. "answer")."""
+
+    prompt_ids: np.ndarray  # int32
+    prompt: str | list  # the row's "prompt" as given: a string, or a list of messages (conversational)
+    columns: dict
+
+
+def tokenize_prompt(row: dict, tokenizer: Tokenizer, *, max_prompt_length: int, where: str) -> PromptExample:
+    """A string prompt is encoded as is; a list of messages goes through the chat template with the generation
+    prompt. Too long a prompt keeps its last max_prompt_length tokens (TRL's left truncation)."""
+    prompt = _field(row, "prompt", where)
+    if isinstance(prompt, str):
+        if not prompt:
+            raise DataError(f'{where}: field "prompt" is an empty string')
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list):
+        ids = tokenizer.encode(_render(tokenizer, _messages(prompt, "prompt", where), True, where),
+                               add_special_tokens=False)
+    else:
+        raise DataError(f'{where}: field "prompt" must be a string or a list of messages, got {_kind(prompt)}')
+    ids = ids[max(0, len(ids) - max_prompt_length):]
+    if not ids:
+        raise DataError(f"{where}: the prompt has no tokens")
+    return PromptExample(np.asarray(ids, np.int32), prompt, {k: v for k, v in row.items() if k != "prompt"})
+
+
+def load_prompts(path, tokenizer: Tokenizer, *, max_prompt_length: int) -> list[PromptExample]:
+    """Every row of a JSONL file as a PromptExample; the rows must share one set of columns (the reward
+    functions get each column as a list aligned with the completions)."""
+    examples = []
+    keys = None
+    for line, row in read_jsonl(path):
+        where = f"{path}:{line}"
+        example = tokenize_prompt(row, tokenizer, max_prompt_length=max_prompt_length, where=where)
+        if keys is None:
+            keys = set(example.columns)
+        elif set(example.columns) != keys:
+            raise DataError(f"{where}: the row's columns {sorted(example.columns)} differ from the first row's "
+                            f"{sorted(keys)}; every row must have the same fields")
+        examples.append(example)
+    return examples
+
+
 # --- batching -------------------------------------------------------------------------------------------------
 
 

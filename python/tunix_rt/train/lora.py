@@ -29,6 +29,10 @@ def dense_kernel(base: nnx.Module) -> jax.Array:
     return base.kernel[...]
 
 
+class HeadParam(nnx.Param):
+    """The weights of a head the base model lacks (PPO's value head): trained in full even under LoRA."""
+
+
 class LoRALinear(nnx.Module):
     """base(x) + dropout(x) @ A @ B * alpha / rank, with A (in, r) and B (r, out) zero at the start."""
 

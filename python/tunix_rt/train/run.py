@@ -1,6 +1,6 @@
 """From a config to a trained model: load, build the objective, fit, export DIR/final.
 
-This is what `tunix-rt sft|dpo|distill` run; Python callers can call `run(config)` directly.
+This is what `tunix-rt sft|dpo|distill|grpo|ppo` run; Python callers can call `run(config)` directly.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import yaml
 from tunix_rt.checkpoints.hf_export import export_hf
 from tunix_rt.checkpoints.loader import LoadedModel, load_model
 from tunix_rt.parallel.mesh import initialize_distributed
-from tunix_rt.train.config import DistillConfig, DPOConfig, SFTConfig, TrainConfig
-from tunix_rt.train.data import load_preferences, load_sft, pack
+from tunix_rt.train.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RLConfig, SFTConfig, TrainConfig
+from tunix_rt.train.data import load_preferences, load_prompts, load_sft, pack
 from tunix_rt.train.lora import merge_lora
+from tunix_rt.train.rl_trainer import RLTrainer
 from tunix_rt.train.trainer import Trainer
 
 log = logging.getLogger("tunix_rt.train")
@@ -63,9 +64,27 @@ def build_objective(cfg: TrainConfig, loaded: LoadedModel, data: str):
             return OnPolicyDistillObjective(examples, teacher, tok, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
                                             **kd)
         return DistillObjective(_sft_items(cfg, tok, data), teacher, **kd)
+    if isinstance(cfg, RLConfig):
+        return _rl_objective(cfg, loaded, data, pad)
     from tunix_rt.train.sft import SFTObjective
 
     return SFTObjective(_sft_items(cfg, tok, data), seq_len=cfg.max_length, pad_id=pad)
+
+
+def _rl_objective(cfg: RLConfig, loaded: LoadedModel, data: str, pad: int):
+    from tunix_rt.train.rewards import resolve_reward
+    from tunix_rt.train.rollout import Sampler
+
+    rewards = [resolve_reward(spec) for spec in cfg.reward]  # before tokenizing: a bad name fails at once
+    sampler = Sampler(cfg, load_prompts(data, loaded.tokenizer, max_prompt_length=cfg.max_prompt_length), rewards)
+    if isinstance(cfg, PPOConfig):
+        from tunix_rt.train.ppo import PPOObjective, attach_value_head
+
+        attach_value_head(loaded.model)
+        return PPOObjective(cfg, sampler, loaded.tokenizer, pad)
+    from tunix_rt.train.grpo import GRPOObjective
+
+    return GRPOObjective(cfg, sampler, loaded.tokenizer, pad)
 
 
 def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
@@ -78,7 +97,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
     loaded = load_model(cfg.model, dequantize=cfg.dequantize)
     objective = build_objective(cfg, loaded, cfg.data)
     eval_objective = build_objective(cfg, loaded, cfg.eval_data) if cfg.eval_data else None
-    trainer = Trainer(cfg, loaded.model, objective)
+    trainer = (RLTrainer if isinstance(cfg, RLConfig) else Trainer)(cfg, loaded.model, objective)
     for o in (objective, eval_objective):
         if hasattr(o, "attach"):  # on-policy objectives sample from the model being trained
             o.attach(trainer.model)
@@ -90,10 +109,14 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
         model = trainer.model()
         if trainer.lora:
             model = merge_lora(model)
+        if isinstance(cfg, PPOConfig):
+            from tunix_rt.train.ppo import policy_only
+
+            model = policy_only(model)
         if jax.process_index() == 0:
             export_hf(model, loaded.tokenizer, loaded.hf_config, final, dtype=cfg.export_dtype,
                       generation_config=loaded.generation_config or None)
     return final
 
 
-CONFIGS = {"sft": SFTConfig, "dpo": DPOConfig, "distill": DistillConfig}
+CONFIGS = {"sft": SFTConfig, "dpo": DPOConfig, "distill": DistillConfig, "grpo": GRPOConfig, "ppo": PPOConfig}

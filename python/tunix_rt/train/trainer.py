@@ -33,7 +33,7 @@ from tunix_rt.train.checkpointing import Checkpointer
 from tunix_rt.train.config import TrainConfig
 from tunix_rt.train.data import BatchSampler
 from tunix_rt.train.errors import TrainingError
-from tunix_rt.train.lora import apply_lora, has_lora
+from tunix_rt.train.lora import HeadParam, apply_lora, has_lora
 from tunix_rt.train.metrics import MetricsWriter
 
 log = logging.getLogger("tunix_rt.train")
@@ -100,7 +100,7 @@ class Trainer:
             raise ValueError(f"batch_size ({cfg.batch_size}) must be a multiple of the fsdp mesh axis ({fsdp})")
         if objective.num_items < 1:
             raise ValueError("the dataset has no usable examples")
-        self.steps = cfg.steps or math.ceil(objective.num_items / (cfg.batch_size * cfg.gradient_accumulation_steps))
+        self.steps = cfg.steps or self._steps_per_pass()
         self.lora = cfg.lora_rank > 0
         if self.lora and not has_lora(model):
             apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
@@ -108,7 +108,7 @@ class Trainer:
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         set_compute_dtype(model, self.compute_dtype)
         model.train()
-        trainable = nnx.LoRAParam if self.lora else nnx.Param
+        trainable = nnx.Any(nnx.LoRAParam, HeadParam) if self.lora else nnx.Param
         self.graphdef, params, rngs, frozen, rest = nnx.split(model, trainable, nnx.RngState, nnx.Param, ...)
         self.eval_graphdef = self._graphdef_in_eval_mode(model)
         shard = lambda tree: put_global(tree, state_shardings(tree, self.mesh))
@@ -128,8 +128,19 @@ class Trainer:
         self._train_step = jax.jit(self._step, donate_argnums=(0, 1, 2),
                                    out_shardings=(param_shardings, opt_shardings, rng_shardings, None))
         self._eval_step = jax.jit(self._eval)
-        self.sampler = BatchSampler(objective.num_items, cfg.batch_size * cfg.gradient_accumulation_steps,
-                                    seed=cfg.seed, shuffle=cfg.shuffle)
+        self.sampler = BatchSampler(objective.num_items, self._items_per_step(), seed=cfg.seed, shuffle=cfg.shuffle)
+
+    def _items_per_step(self) -> int:
+        """Dataset items one optimizer step consumes."""
+        return self.cfg.batch_size * self.cfg.gradient_accumulation_steps
+
+    def _steps_per_pass(self) -> int:
+        """Optimizer steps in one pass over the data (the default number of steps)."""
+        return math.ceil(self.objective.num_items / self._items_per_step())
+
+    def _epoch(self, steps_done: int) -> float:
+        """Passes over the data that `steps_done` steps made."""
+        return self.sampler.epoch(steps_done)
 
     @staticmethod
     def _graphdef_in_eval_mode(model: nnx.Module):
@@ -284,7 +295,7 @@ class Trainer:
                         "max_grad_norm, or check the data.")
                 self.step += 1
                 out["step_time"] = time.perf_counter() - start
-                out["epoch"] = self.sampler.epoch(self.step)
+                out["epoch"] = self._epoch(self.step)
                 if eval_objective is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0:
                     out.update(self.evaluate(eval_objective))
                 records.append({"step": self.step, **out})

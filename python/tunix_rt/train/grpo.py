@@ -1,0 +1,97 @@
+"""GRPO and its variants as an RL objective: group advantages (GRPO, Dr. GRPO, RLOO), the clipped
+objective per token (or GSPO's per sequence) with DAPO's clip-higher, an optional k3 KL to the reference,
+three loss aggregations, truncated-completion masking and DAPO's dynamic sampling.
+
+Old log-probs: with one iteration per rollout the ratio is 1 by construction (the current policy,
+detached, as TRL does); with num_iterations > 1 they are the engine's log-probs of the sampled tokens
+(temperature 1), or a scoring pass of the policy at rollout time when the temperature differs from 1
+(the engine reports the raw distribution, the loss uses the tempered one).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tunix_rt.train.config import GRPOConfig
+from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, group_advantages, kl_k3, token_entropy
+from tunix_rt.train.rl_trainer import RLObjective, tempered_logprobs
+from tunix_rt.train.rollout import Completions
+from tunix_rt.train.sft import policy_logits
+from tunix_rt.train.trainer import LossContext
+
+
+class GRPOObjective(RLObjective):
+    def __init__(self, cfg: GRPOConfig, sampler, tokenizer, pad_id: int):
+        super().__init__(cfg, sampler, tokenizer, pad_id)
+        self.needs_reference = cfg.beta > 0
+        self.old_from_engine = cfg.num_iterations > 1 and cfg.temperature == 1.0
+        self.old_from_score = cfg.num_iterations > 1 and cfg.temperature != 1.0
+
+    # --- host: rollouts -------------------------------------------------------------------------------
+
+    def rollout(self, engine, prompt_indices: np.ndarray, seed: int) -> tuple[dict[str, np.ndarray], dict]:
+        cfg, g = self.cfg, self.cfg.num_generations
+        first = self.sampler.sample(engine, prompt_indices, seed)
+        metrics = self.sampler.metrics(first)
+        spread = first.rewards.reshape(-1, g).std(axis=1) > 0
+        metrics["frac_reward_zero_std"] = float(1.0 - spread.mean())
+        chosen = first
+        if cfg.dynamic_sampling:
+            chosen, extra = self._dynamic_sample(engine, first, seed)
+            metrics.update(extra)
+        batch = self.sampler.batch(chosen, self.pad_id)
+        batch["advantages"] = np.asarray(group_advantages(chosen.rewards, g, cfg.advantage_estimator), np.float32)
+        return batch, metrics
+
+    def _dynamic_sample(self, engine, first: Completions, seed: int) -> tuple[Completions, dict]:
+        """DAPO's dynamic sampling: keep groups whose rewards differ, sample fresh prompts for up to
+        max_resample_rounds more rounds until the step's groups are full, then fill any shortfall with
+        the agreeing groups (their advantages are 0: they add no policy gradient)."""
+        cfg, g = self.cfg, self.cfg.num_generations
+        want = len(first) // g
+        kept, spare = [], []
+        rounds = 0
+        current = first
+        while True:
+            for k in range(len(current) // g):
+                rows = np.arange(k * g, (k + 1) * g)
+                (kept if current.rewards[rows].std() > 0 else spare).append(current.select(rows))
+            if len(kept) >= want or rounds >= cfg.max_resample_rounds:
+                break
+            rounds += 1
+            rng = np.random.default_rng((cfg.seed, seed, rounds))
+            n = len(self.sampler.examples)
+            current = self.sampler.sample(engine, rng.choice(n, want, replace=n < want), seed * 7919 + rounds)
+        filled = max(0, want - len(kept))
+        groups = kept[:want] + spare[:filled]
+        return Completions.concat(groups), {"dynamic_sampling/rounds": float(rounds),
+                                            "dynamic_sampling/filled_groups": float(filled)}
+
+    # --- traced: scoring pass and loss ----------------------------------------------------------------
+
+    def score(self, ctx: LossContext, batch: dict) -> dict:
+        out = {}
+        if self.needs_reference:
+            out["ref_logps"] = tempered_logprobs(policy_logits(ctx.reference(), batch), batch, self.cfg.temperature)
+        if self.old_from_score:
+            out["old_logps"] = tempered_logprobs(policy_logits(ctx.policy, batch), batch, self.cfg.temperature)
+        return out
+
+    def loss(self, ctx: LossContext, batch: dict):
+        cfg = self.cfg
+        logits = policy_logits(ctx.policy, batch)
+        logps = tempered_logprobs(logits, batch, cfg.temperature)
+        mask = batch["loss_mask"]
+        old = batch["old_logps"] if cfg.num_iterations > 1 else jax.lax.stop_gradient(logps)
+        per_token, clip = clipped_policy_loss(logps, old, batch["advantages"], mask, epsilon=cfg.epsilon,
+                                              epsilon_high=cfg.epsilon_high,
+                                              importance_sampling_level=cfg.importance_sampling_level)
+        token_metrics = {**clip, "entropy": jax.lax.stop_gradient(token_entropy(logits / cfg.temperature))}
+        if self.needs_reference:
+            kl = kl_k3(logps, batch["ref_logps"])
+            per_token = per_token + cfg.beta * kl
+            token_metrics["kl"] = jax.lax.stop_gradient(kl)
+        loss_sum, weight = aggregate(per_token, mask, cfg.loss_agg_mode, max_len=cfg.max_completion_length)
+        return loss_sum, weight, self.token_sums(token_metrics, mask)

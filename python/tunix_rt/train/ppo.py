@@ -1,0 +1,107 @@
+"""PPO with a value-head critic on the policy's own trunk (one model, no second copy): per-token rewards
+(the sequence reward at its last token, minus kl_coef times the policy/reference log-ratio on every
+token), GAE by a reverse scan, whitened advantages, the clipped policy objective, the clipped value loss
+and an entropy bonus. The rollout-time pass computes old log-probs, values, rewards and GAE once; the
+num_iterations (PPO epochs) optimizer steps then reuse them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tunix_rt.models.decoder import Decoder
+from tunix_rt.train.config import PPOConfig
+from tunix_rt.train.lora import HeadParam
+from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, clipped_value_loss, gae, token_entropy, whiten
+from tunix_rt.train.rl_trainer import RLObjective, tempered_logprobs
+from tunix_rt.train.trainer import LossContext
+
+
+class ValueHead(nnx.Module):
+    """hidden states (B, T, D) -> values (B, T): one linear unit, zero at the start (values start at 0)."""
+
+    def __init__(self, hidden_size: int):
+        self.kernel = HeadParam(jnp.zeros((hidden_size, 1), jnp.float32))
+        self.bias = HeadParam(jnp.zeros((1,), jnp.float32))
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        return (h.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32))[..., 0]
+
+
+def attach_value_head(model: Decoder) -> Decoder:
+    """Give the model a value head (in place) unless it has one; returns the model."""
+    if not hasattr(model, "value_head"):
+        model.value_head = ValueHead(model.config.hidden_size)
+    return model
+
+
+def policy_only(model: Decoder) -> Decoder:
+    """The model without its value head (what an HF export holds), in place."""
+    if hasattr(model, "value_head"):
+        del model.value_head
+    return model
+
+
+def _forward(model: Decoder, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """(logits, values) from one pass through the trunk."""
+    h, _ = model.hidden_states(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"])
+    return model.logits(h), model.value_head(h)
+
+
+def last_token_rewards(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """(B, T) with each row's score at its last counted token and 0 elsewhere (a row with none gets none)."""
+    t = mask.shape[1]
+    counted = mask > 0
+    last = t - 1 - jnp.argmax(counted[:, ::-1], axis=1)
+    onehot = (jnp.arange(t)[None, :] == last[:, None]) & counted.any(axis=1, keepdims=True)
+    return onehot * scores[:, None]
+
+
+class PPOObjective(RLObjective):
+    def __init__(self, cfg: PPOConfig, sampler, tokenizer, pad_id: int):
+        super().__init__(cfg, sampler, tokenizer, pad_id)
+        self.needs_reference = cfg.kl_coef > 0
+
+    def rollout(self, engine, prompt_indices: np.ndarray, seed: int) -> tuple[dict[str, np.ndarray], dict]:
+        completions = self.sampler.sample(engine, prompt_indices, seed)
+        batch = self.sampler.batch(completions, self.pad_id)
+        batch["scores"] = completions.rewards.astype(np.float32)
+        return batch, self.sampler.metrics(completions)
+
+    def score(self, ctx: LossContext, batch: dict) -> dict:
+        cfg, mask = self.cfg, batch["loss_mask"]
+        logits, values = _forward(ctx.policy, batch)
+        old = tempered_logprobs(logits, batch, cfg.temperature)
+        rewards = last_token_rewards(batch["scores"], mask)
+        out = {}
+        if self.needs_reference:
+            ref = tempered_logprobs(_forward(ctx.reference(), batch)[0], batch, cfg.temperature)
+            kl = (old - ref) * mask
+            rewards = rewards - cfg.kl_coef * kl
+            out["kl"] = kl
+        advantages, returns = gae(rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam)
+        if cfg.whiten_advantages:
+            advantages = whiten(advantages, mask)
+        return {**out, "old_logps": old, "old_values": values * mask, "advantages": advantages, "returns": returns}
+
+    def loss(self, ctx: LossContext, batch: dict):
+        cfg, mask = self.cfg, batch["loss_mask"]
+        logits, values = _forward(ctx.policy, batch)
+        logps = tempered_logprobs(logits, batch, cfg.temperature)
+        pg, clip = clipped_policy_loss(logps, batch["old_logps"], batch["advantages"], mask, epsilon=cfg.epsilon,
+                                       epsilon_high=cfg.epsilon_high)
+        vf = clipped_value_loss(values, batch["old_values"], batch["returns"], clip_range=cfg.cliprange_value)
+        entropy = token_entropy(logits / cfg.temperature)
+        per_token = pg + cfg.vf_coef * vf
+        if cfg.entropy_coef:
+            per_token = per_token - cfg.entropy_coef * entropy
+        loss_sum, weight = aggregate(per_token, mask, cfg.loss_agg_mode, max_len=cfg.max_completion_length)
+        sg = jax.lax.stop_gradient
+        metrics = {**clip, "entropy": sg(entropy), "value_loss": sg(vf), "policy_loss": sg(pg),
+                   "approx_kl": sg(0.5 * (logps - batch["old_logps"]) ** 2)}
+        if self.needs_reference:
+            metrics["kl"] = batch["kl"]
+        return loss_sum, weight, self.token_sums(metrics, mask)

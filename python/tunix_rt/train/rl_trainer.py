@@ -1,0 +1,162 @@
+"""The RL loop (GRPO, PPO) on the one trainer core: rollouts from the embedded engine feed the jitted step.
+
+Every num_iterations optimizer steps a new rollout runs:
+1. sync: the engine takes the trainer's current weights in place (LoRA applied, no copy through disk,
+   no recompile; the prefix cache is reset); woken first if it sleeps between rollouts;
+2. rollout: the step's prompts are sampled G times each and scored by the reward functions; the
+   objective turns them into fixed-shape rows (advantages for GRPO);
+3. reference: one jitted scoring pass adds what stays fixed over the iterations (reference log-probs,
+   old log-probs or values, GAE for PPO);
+4. train: num_iterations optimizer steps on that batch, each the trainer core's jitted step.
+The prompt order is a pure function of the step (as the trainer core's data order), so a run resumes
+from its checkpoints; save_steps is a multiple of num_iterations, so a resumed run starts on a rollout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tunix_rt.train.config import RLConfig
+from tunix_rt.train.losses import token_logprobs
+from tunix_rt.train.trainer import LossContext, Trainer
+
+log = logging.getLogger("tunix_rt.train")
+
+_CORE_KEYS = frozenset({"loss", "grad_norm", "weight", "learning_rate"})  # what the trainer core's step reports
+
+
+def tempered_logprobs(logits: jax.Array, batch: dict, temperature: float) -> jax.Array:
+    """(B, T) log-probs of the targets under softmax(logits / temperature), the distribution sampled from."""
+    return token_logprobs(logits / temperature if temperature != 1.0 else logits, batch["targets"])
+
+
+class RLObjective:
+    """What GRPO and PPO share: prompts as items, G rows per prompt, a rollout per batch, token metrics.
+
+    Subclasses give `rollout` (host: completions -> rows), `score` (traced once per rollout) and `loss`.
+    """
+
+    needs_reference = False
+
+    def __init__(self, cfg: RLConfig, sampler, tokenizer, pad_id: int):
+        self.cfg, self.sampler, self.tokenizer, self.pad_id = cfg, sampler, tokenizer, pad_id
+        self.num_items = len(sampler.examples)
+
+    def host_batch(self, indices, valid):
+        raise TypeError("RL objectives build their batches from rollouts (RLTrainer), not from dataset rows")
+
+    def aux(self):
+        return None
+
+    @staticmethod
+    def token_sums(metrics: dict[str, jax.Array], mask: jax.Array) -> dict[str, jax.Array]:
+        """Per-token metrics summed over the counted tokens, with their count ("tokens"): the host divides,
+        so each is a token mean whatever unit the loss is aggregated in."""
+        m = mask.astype(jnp.float32)
+        return {"tokens": m.sum(), **{k: (v.astype(jnp.float32) * m).sum() for k, v in metrics.items()}}
+
+
+class RLTrainer(Trainer):
+    def __init__(self, cfg: RLConfig, model, objective: RLObjective, *, mesh=None):
+        if cfg.eval_data:
+            raise ValueError("eval_data is not supported for grpo/ppo (the rewards are the evaluation)")
+        super().__init__(cfg, model, objective, mesh=mesh)
+        self._score_step = jax.jit(self._score)
+        self.engine = None
+        self._rollout: tuple[int, dict, dict] | None = None  # (rollout index, device batch, host metrics)
+        self.score_compiles = 0
+
+    # --- how the data is walked: prompts per step, num_iterations steps per rollout ------------------
+
+    def _items_per_step(self) -> int:
+        return self.cfg.prompts_per_step
+
+    def _steps_per_pass(self) -> int:
+        return super()._steps_per_pass() * self.cfg.num_iterations
+
+    def _epoch(self, steps_done: int) -> float:
+        return self.sampler.epoch(-(-steps_done // self.cfg.num_iterations))
+
+    # --- the scoring pass --------------------------------------------------------------------------
+
+    def _score(self, params, rngs, frozen, rest, aux, batches):
+        def one(batch):
+            model = self._model(self.eval_graphdef, params, rngs, frozen, rest)
+            ref = self._reference(self.eval_graphdef, params, rngs, frozen, rest, aux)
+            return self.objective.score(LossContext(model, aux, ref), batch)
+
+        return jax.lax.map(one, batches)
+
+    # --- the engine ----------------------------------------------------------------------------------
+
+    def _sync_engine(self) -> None:
+        from tunix_rt.engine.engine import Engine
+
+        model = self.model()
+        if self.engine is None:
+            rows = self.cfg.batch_size * self.cfg.gradient_accumulation_steps
+            budget = max(512, rows)
+            # Two token buckets: decode steps (up to `rows` sequences) and prefill steps; compiled up
+            # front, so no rollout after the first step meets a new shape.
+            self.engine = Engine(model, self.objective.tokenizer, max_model_len=self.objective.sampler.seq_len,
+                                 max_num_seqs=rows, max_num_batched_tokens=budget, token_buckets=(rows, budget),
+                                 kv_cache_memory=self.cfg.kv_cache_memory, seed=self.cfg.seed)
+            log.info("engine: compiled %d step programs", self.engine.warmup())
+        else:
+            self.engine.wake_up()
+            self.engine.update_weights(model)
+
+    def num_compiles(self) -> int:
+        """Programs compiled so far: train step, scoring pass and the engine's step programs."""
+        engine = self.engine.stats().num_compiles if self.engine is not None else 0
+        return self.compiles + self.score_compiles + engine
+
+    # --- one step ------------------------------------------------------------------------------------
+
+    def _new_rollout(self, index: int) -> tuple[dict, dict]:
+        times = {}
+        start = time.perf_counter()
+        self._sync_engine()
+        times["time/sync"] = time.perf_counter() - start
+        start = time.perf_counter()
+        host, metrics = self.objective.rollout(self.engine, self.sampler.indices(index), self.cfg.seed + index)
+        if self.cfg.sleep_engine:
+            self.engine.sleep()
+        times["time/rollout"] = time.perf_counter() - start
+        start = time.perf_counter()
+        accum = self.cfg.gradient_accumulation_steps
+        batch = self._device_batch({k: v.reshape(accum, -1, *v.shape[1:]) for k, v in host.items()}, 1)
+        before = self._score_step._cache_size()
+        scored = self._score_step(self.params, self.rngs, self.frozen, self.rest, self._aux(), batch)
+        if self._score_step._cache_size() != before:
+            self.score_compiles += 1
+        batch.update(jax.block_until_ready(scored))
+        times["time/reference"] = time.perf_counter() - start
+        return batch, {**metrics, **times}
+
+    def train_batch(self, step: int) -> dict[str, jax.Array]:
+        index = step // self.cfg.num_iterations
+        if self._rollout is None or self._rollout[0] != index:
+            self._rollout = (index, *self._new_rollout(index))
+        return self._rollout[1]
+
+    def run_step(self, step: int) -> dict[str, float]:
+        fresh = self._rollout is None or self._rollout[0] != step // self.cfg.num_iterations
+        batch_metrics = {}
+        if fresh:
+            self.train_batch(step)
+            batch_metrics = self._rollout[2]
+        start = time.perf_counter()
+        out = super().run_step(step)
+        tokens = out.pop("tokens")
+        for name in set(out) - _CORE_KEYS:  # the objective's token sums, both divided by the same weight
+            out[name] = out[name] / tokens if tokens > 0 else 0.0
+        out["time/train"] = time.perf_counter() - start
+        out.update(batch_metrics)
+        out["compiles"] = float(self.num_compiles())
+        return out

@@ -1,0 +1,266 @@
+"""RL estimators and losses against independent NumPy implementations (loops, written from the papers'
+formulas), on hypothesis-drawn rewards, lengths and masks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tunix_rt.train import rl_losses as rl
+
+SETTINGS = settings(max_examples=40, deadline=None)
+
+
+# --- NumPy references ------------------------------------------------------------------------------------
+
+
+def np_group_advantages(rewards, g, estimator):
+    out = np.zeros_like(rewards, dtype=np.float64)
+    for start in range(0, len(rewards), g):
+        group = rewards[start : start + g].astype(np.float64)
+        for i in range(g):
+            if estimator == "grpo":
+                std = np.sqrt(((group - group.mean()) ** 2).sum() / (g - 1))
+                out[start + i] = (group[i] - group.mean()) / (std + 1e-4)
+            elif estimator == "dr_grpo":
+                out[start + i] = group[i] - group.mean()
+            else:  # rloo
+                out[start + i] = group[i] - (group.sum() - group[i]) / (g - 1)
+    return out
+
+
+def np_gae(rewards, values, mask, gamma, lam):
+    b, t = rewards.shape
+    adv = np.zeros((b, t))
+    for r in range(b):
+        length = int(mask[r].sum())  # counted tokens form a prefix of the row here
+        last = 0.0
+        for i in reversed(range(length)):
+            next_v = values[r, i + 1] if i + 1 < length else 0.0
+            delta = rewards[r, i] + gamma * next_v - values[r, i]
+            last = delta + gamma * lam * last
+            adv[r, i] = last
+    returns = (adv + values) * mask
+    return adv, returns
+
+
+def np_policy_loss(logps, old, adv, mask, eps_low, eps_high, level):
+    b, t = logps.shape
+    per = np.zeros((b, t))
+    for r in range(b):
+        n = mask[r].sum()
+        seq_ratio = np.exp(((logps[r] - old[r]) * mask[r]).sum() / max(n, 1))
+        for i in range(t):
+            ratio = seq_ratio if level == "sequence" else np.exp(logps[r, i] - old[r, i])
+            a = adv[r] if adv.ndim == 1 else adv[r, i]
+            per[r, i] = -min(ratio * a, np.clip(ratio, 1 - eps_low, 1 + eps_high) * a)
+    return per
+
+
+def np_aggregate(per, mask, mode, max_len):
+    if mode == "token-mean":
+        return (per * mask).sum(), mask.sum()
+    rows = [r for r in range(per.shape[0]) if mask[r].sum() > 0]
+    if mode == "seq-mean-token-mean":
+        return sum((per[r] * mask[r]).sum() / mask[r].sum() for r in rows), len(rows)
+    return sum((per[r] * mask[r]).sum() for r in rows) / max_len, len(rows)
+
+
+# --- strategies ----------------------------------------------------------------------------------------------
+
+
+@st.composite
+def grouped_rewards(draw):
+    g = draw(st.integers(2, 6))
+    groups = draw(st.integers(1, 4))
+    values = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(-5, 5, allow_nan=False, width=32))
+    return np.array(draw(st.lists(values, min_size=g * groups, max_size=g * groups)), np.float32), g
+
+
+@st.composite
+def token_batch(draw, with_empty_rows=True):
+    b, t = draw(st.integers(1, 4)), draw(st.integers(1, 7))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    lengths = rng.integers(0 if with_empty_rows else 1, t + 1, b)
+    mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.float32)
+    logps = -rng.exponential(1.0, (b, t)).astype(np.float32)
+    old = (logps + rng.normal(0, 0.3, (b, t))).astype(np.float32)
+    return logps, old, mask, rng
+
+
+# --- advantages ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+@SETTINGS
+@given(data=grouped_rewards())
+def test_group_advantages_match_numpy(estimator, data):
+    rewards, g = data
+    ours = np.asarray(rl.group_advantages(jnp.asarray(rewards), g, estimator))
+    np.testing.assert_allclose(ours, np_group_advantages(rewards, g, estimator), rtol=1e-4, atol=1e-4)
+
+
+def test_equal_rewards_give_zero_advantage():
+    for estimator in rl.ADVANTAGE_ESTIMATORS:
+        assert np.all(np.asarray(rl.group_advantages(jnp.full((8,), 3.0), 4, estimator)) == 0)
+
+
+def test_group_advantage_errors():
+    with pytest.raises(ValueError, match="whole number of groups"):
+        rl.grpo_advantages(jnp.zeros(5), 2)
+    with pytest.raises(ValueError, match="group_size"):
+        rl.rloo_advantages(jnp.zeros(4), 1)
+    with pytest.raises(ValueError, match="1-D"):
+        rl.dr_grpo_advantages(jnp.zeros((2, 2)), 2)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        rl.group_advantages(jnp.zeros(4), 2, "ppo")
+
+
+# --- GAE, whitening --------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(data=token_batch(), gamma=st.floats(0, 1), lam=st.floats(0, 1))
+def test_gae_matches_numpy(data, gamma, lam):
+    _, _, mask, rng = data
+    rewards = rng.normal(size=mask.shape).astype(np.float32) * mask
+    values = rng.normal(size=mask.shape).astype(np.float32) * mask
+    adv, ret = rl.gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask), gamma=gamma, lam=lam)
+    want_adv, want_ret = np_gae(rewards, values, mask, gamma, lam)
+    np.testing.assert_allclose(np.asarray(adv), want_adv, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(ret), want_ret, rtol=1e-4, atol=1e-4)
+
+
+def test_gae_ignores_values_past_the_mask():
+    """Garbage in the padding (a value head's output there) must not leak into the advantages."""
+    mask = jnp.array([[1.0, 1.0, 0.0, 0.0]])
+    rewards = jnp.array([[0.0, 1.0, 0.0, 0.0]])
+    clean = rl.gae(rewards, jnp.array([[0.5, 0.2, 0.0, 0.0]]), mask, gamma=0.9, lam=0.8)
+    dirty = rl.gae(rewards, jnp.array([[0.5, 0.2, 7.0, -3.0]]), mask, gamma=0.9, lam=0.8)
+    np.testing.assert_allclose(np.asarray(clean[0]), np.asarray(dirty[0]))
+    # one-step check by hand: A_1 = 1 - 0.2; A_0 = 0 + 0.9 * 0.2 - 0.5 + 0.9 * 0.8 * A_1
+    np.testing.assert_allclose(np.asarray(clean[0])[0, :2], [0.18 - 0.5 + 0.72 * 0.8, 0.8], rtol=1e-6)
+
+
+def test_whiten_over_counted_entries():
+    x = jnp.array([[1.0, 2.0, 3.0, 100.0]])
+    mask = jnp.array([[1.0, 1.0, 1.0, 0.0]])
+    out = np.asarray(rl.whiten(x, mask))
+    np.testing.assert_allclose(out[0, :3], np.array([-1.0, 0.0, 1.0]) / np.std([1, 2, 3], ddof=1), rtol=1e-5)
+    assert out[0, 3] == 0
+
+
+# --- per-token pieces --------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(data=token_batch())
+def test_kl_k3_matches_formula_and_is_nonnegative(data):
+    logps, ref, _, _ = data
+    ours = np.asarray(rl.kl_k3(jnp.asarray(logps), jnp.asarray(ref)))
+    d = ref.astype(np.float64) - logps
+    np.testing.assert_allclose(ours, np.exp(d) - d - 1, rtol=1e-4, atol=1e-6)
+    assert (ours >= -1e-7).all()
+
+
+def test_token_entropy():
+    logits = jnp.array([[[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]])
+    np.testing.assert_allclose(np.asarray(rl.token_entropy(logits)), [[np.log(4), 0.0]], atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", list(rl.AGGREGATIONS))
+@SETTINGS
+@given(data=token_batch())
+def test_aggregations_match_numpy(mode, data):
+    per, _, mask, _ = data
+    total, weight = rl.aggregate(jnp.asarray(per), jnp.asarray(mask), mode, max_len=7)
+    want_total, want_weight = np_aggregate(per.astype(np.float64), mask, mode, 7)
+    np.testing.assert_allclose(float(total), want_total, rtol=1e-4, atol=1e-5)
+    assert float(weight) == want_weight
+
+
+def test_aggregation_splits_add_up():
+    """The trainer adds (sum, weight) over micro-batches: two halves give the loss of the whole."""
+    rng = np.random.default_rng(0)
+    per = jnp.asarray(rng.normal(size=(6, 5)), jnp.float32)
+    mask = jnp.asarray(np.arange(5)[None, :] < rng.integers(1, 6, (6, 1)), jnp.float32)
+    for mode in rl.AGGREGATIONS:
+        whole = rl.aggregate(per, mask, mode)
+        halves = [rl.aggregate(per[i : i + 3], mask[i : i + 3], mode) for i in (0, 3)]
+        np.testing.assert_allclose(float(whole[0] / whole[1]),
+                                   float(sum(h[0] for h in halves) / sum(h[1] for h in halves)), rtol=1e-5)
+
+
+def test_aggregate_errors():
+    with pytest.raises(ValueError, match="unknown loss aggregation 'mean'"):
+        rl.aggregate(jnp.zeros((1, 2)), jnp.ones((1, 2)), "mean")
+    with pytest.raises(ValueError, match="mask shape"):
+        rl.aggregate(jnp.zeros((1, 2)), jnp.ones((1, 3)), "token-mean")
+
+
+# --- the clipped objective -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("per_token_advantages", [False, True])
+@SETTINGS
+@given(data=token_batch(), eps=st.floats(0.05, 0.5), eps_high=st.one_of(st.none(), st.floats(0.05, 0.5)))
+def test_clipped_policy_loss_matches_numpy(level, per_token_advantages, data, eps, eps_high):
+    logps, old, mask, rng = data
+    if per_token_advantages and level == "sequence":
+        return  # GSPO's sequence ratio goes with one advantage per sequence
+    adv = rng.normal(size=logps.shape if per_token_advantages else logps.shape[:1]).astype(np.float32)
+    per, metrics = rl.clipped_policy_loss(jnp.asarray(logps), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask),
+                                          epsilon=eps, epsilon_high=eps_high, importance_sampling_level=level)
+    want = np_policy_loss(logps.astype(np.float64), old, adv, mask, eps, eps if eps_high is None else eps_high, level)
+    np.testing.assert_allclose(np.asarray(per) * mask, want * mask, rtol=2e-4, atol=2e-5)
+    assert set(metrics) == {"clip_low", "clip_high", "clip_ratio"}
+
+
+def test_clip_indicators_and_gradient_zero_when_clipped():
+    logps = jnp.array([[np.log(2.0), np.log(0.5), 0.0]])  # ratios 2, 0.5, 1 against old log p = 0
+    old = jnp.zeros((1, 3))
+    mask = jnp.ones((1, 3))
+    adv_pos, adv_neg = jnp.array([[1.0, 1.0, 1.0]]), jnp.array([[-1.0, -1.0, -1.0]])
+    _, m = rl.clipped_policy_loss(logps, old, adv_pos, mask, epsilon=0.2)
+    assert np.asarray(m["clip_high"]).tolist() == [[1.0, 0.0, 0.0]] and np.asarray(m["clip_low"]).sum() == 0
+    _, m = rl.clipped_policy_loss(logps, old, adv_neg, mask, epsilon=0.2)
+    assert np.asarray(m["clip_low"]).tolist() == [[0.0, 1.0, 0.0]] and np.asarray(m["clip_high"]).sum() == 0
+    # clip-higher: eps_high = 1.5 lets the ratio-2 token through
+    _, m = rl.clipped_policy_loss(logps, old, adv_pos, mask, epsilon=0.2, epsilon_high=1.5)
+    assert np.asarray(m["clip_high"]).sum() == 0
+    grad = jax.grad(lambda lp: rl.clipped_policy_loss(lp, old, adv_pos, mask, epsilon=0.2)[0].sum())(logps)
+    np.testing.assert_allclose(np.asarray(grad), [[0.0, -0.5, -1.0]], atol=1e-6)  # clipped token: no gradient
+
+
+def test_ratio_one_gives_reinforce_gradient():
+    """With old = the detached current log-probs, the gradient is -A * d log p (the policy gradient)."""
+    logps = jnp.array([[-1.0, -2.0], [-0.5, -0.1]])
+    adv = jnp.array([0.7, -1.3])
+    grad = jax.grad(lambda lp: rl.clipped_policy_loss(lp, jax.lax.stop_gradient(lp), adv, jnp.ones((2, 2)),
+                                                      epsilon=0.2)[0].sum())(logps)
+    np.testing.assert_allclose(np.asarray(grad), -np.repeat(np.asarray(adv)[:, None], 2, 1), rtol=1e-6)
+
+
+def test_policy_loss_errors():
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        rl.clipped_policy_loss(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.zeros(1), jnp.ones((1, 2)), epsilon=0.2,
+                               importance_sampling_level="seq")
+    with pytest.raises(ValueError, match="advantages"):
+        rl.clipped_policy_loss(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.zeros(3), jnp.ones((1, 2)), epsilon=0.2)
+
+
+@SETTINGS
+@given(data=token_batch(), clip=st.floats(0.01, 1.0))
+def test_clipped_value_loss_matches_numpy(data, clip):
+    values, old, _, rng = data
+    returns = rng.normal(size=values.shape).astype(np.float32)
+    ours = np.asarray(rl.clipped_value_loss(jnp.asarray(values), jnp.asarray(old), jnp.asarray(returns),
+                                            clip_range=clip))
+    v, o, r = values.astype(np.float64), old.astype(np.float64), returns.astype(np.float64)
+    clipped = np.clip(v, o - clip, o + clip)
+    np.testing.assert_allclose(ours, 0.5 * np.maximum((v - r) ** 2, (clipped - r) ** 2), rtol=1e-4, atol=1e-5)

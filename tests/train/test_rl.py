@@ -21,7 +21,6 @@ from tunix_rt.engine.reference_generator import GenerationConfig
 from tunix_rt.engine.reference_generator import generate as reference_generate
 from tunix_rt.train import run as run_module
 from tunix_rt.train.config import GRPOConfig, PPOConfig, build_config
-from tunix_rt.train.losses import token_logprobs
 from tunix_rt.train.metrics import read_metrics
 from tunix_rt.train.rl_trainer import RLTrainer
 
@@ -140,7 +139,13 @@ def test_engine_logprobs_align_with_the_trainers(tiny, prompts, root):
     trainer.run_step(0)  # a step, so the weights differ from the loaded ones
     trainer._rollout = None
     batch = {k: np.asarray(v)[0] for k, v in trainer.train_batch(2).items()}
-    ours = np.asarray(token_logprobs(logits(trainer.model(), batch["tokens"]), batch["targets"]))
+    full = jax.nn.log_softmax(logits(trainer.model(), batch["tokens"]), axis=-1)  # (B, T, V), every position
+    width = batch["targets"].shape[1]
+    rows = np.arange(len(full))[:, None]
+    at = batch["completion_start"][:, None] + np.arange(width)  # the positions predicting completion tokens
+    assert (batch["tokens"][rows, np.minimum(at + 1, batch["tokens"].shape[1] - 1)] == batch["targets"])[
+        batch["loss_mask"] > 0].all()
+    ours = np.asarray(full)[rows, np.minimum(at, full.shape[1] - 1), batch["targets"]]
     mask = batch["loss_mask"] > 0
     assert mask.sum() > 8
     np.testing.assert_allclose(batch["old_logps"][mask], ours[mask], atol=2e-4)

@@ -16,9 +16,8 @@ import numpy as np
 
 from tunix_rt.train.config import GRPOConfig
 from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, group_advantages, kl_k3, token_entropy
-from tunix_rt.train.rl_trainer import RLObjective, tempered_logprobs
+from tunix_rt.train.rl_trainer import RLObjective, completion_logprobs
 from tunix_rt.train.rollout import Completions
-from tunix_rt.train.sft import policy_logits
 from tunix_rt.train.trainer import LossContext
 
 
@@ -74,15 +73,14 @@ class GRPOObjective(RLObjective):
     def score(self, ctx: LossContext, batch: dict) -> dict:
         out = {}
         if self.needs_reference:
-            out["ref_logps"] = tempered_logprobs(policy_logits(ctx.reference(), batch), batch, self.cfg.temperature)
+            out["ref_logps"] = completion_logprobs(ctx.reference(), batch, self.cfg.temperature)[1]
         if self.old_from_score:
-            out["old_logps"] = tempered_logprobs(policy_logits(ctx.policy, batch), batch, self.cfg.temperature)
+            out["old_logps"] = completion_logprobs(ctx.policy, batch, self.cfg.temperature)[1]
         return out
 
     def loss(self, ctx: LossContext, batch: dict):
         cfg = self.cfg
-        logits = policy_logits(ctx.policy, batch)
-        logps = tempered_logprobs(logits, batch, cfg.temperature)
+        logits, logps = completion_logprobs(ctx.policy, batch, cfg.temperature)
         mask = batch["loss_mask"]
         old = batch["old_logps"] if cfg.num_iterations > 1 else jax.lax.stop_gradient(logps)
         per_token, clip = clipped_policy_loss(logps, old, batch["advantages"], mask, epsilon=cfg.epsilon,

@@ -16,7 +16,7 @@ from tunix_rt.models.decoder import Decoder
 from tunix_rt.train.config import PPOConfig
 from tunix_rt.train.lora import HeadParam
 from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, clipped_value_loss, gae, token_entropy, whiten
-from tunix_rt.train.rl_trainer import RLObjective, tempered_logprobs
+from tunix_rt.train.rl_trainer import RLObjective, completion_hidden, completion_logprobs, tempered_logprobs
 from tunix_rt.train.trainer import LossContext
 
 
@@ -46,8 +46,8 @@ def policy_only(model: Decoder) -> Decoder:
 
 
 def _forward(model: Decoder, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """(logits, values) from one pass through the trunk."""
-    h, _ = model.hidden_states(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"])
+    """(logits, values) in the completion window from one pass through the trunk."""
+    h = completion_hidden(model, batch)
     return model.logits(h), model.value_head(h)
 
 
@@ -78,7 +78,7 @@ class PPOObjective(RLObjective):
         rewards = last_token_rewards(batch["scores"], mask)
         out = {}
         if self.needs_reference:
-            ref = tempered_logprobs(_forward(ctx.reference(), batch)[0], batch, cfg.temperature)
+            ref = completion_logprobs(ctx.reference(), batch, cfg.temperature)[1]
             kl = (old - ref) * mask
             rewards = rewards - cfg.kl_coef * kl
             out["kl"] = kl

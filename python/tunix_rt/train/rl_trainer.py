@@ -30,9 +30,23 @@ log = logging.getLogger("tunix_rt.train")
 _CORE_KEYS = frozenset({"loss", "grad_norm", "weight", "learning_rate"})  # what the trainer core's step reports
 
 
+def completion_hidden(model, batch: dict) -> jax.Array:
+    """(B, C, D) final hidden states at the completion window: entry j predicts completion token j."""
+    h, _ = model.hidden_states(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"])
+    width = batch["targets"].shape[1]
+    index = jnp.minimum(batch["completion_start"][:, None] + jnp.arange(width), h.shape[1] - 1)
+    return jnp.take_along_axis(h, index[..., None], axis=1)
+
+
 def tempered_logprobs(logits: jax.Array, batch: dict, temperature: float) -> jax.Array:
-    """(B, T) log-probs of the targets under softmax(logits / temperature), the distribution sampled from."""
+    """(B, C) log-probs of the targets under softmax(logits / temperature), the distribution sampled from."""
     return token_logprobs(logits / temperature if temperature != 1.0 else logits, batch["targets"])
+
+
+def completion_logprobs(model, batch: dict, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """(logits (B, C, V), log-probs (B, C)) of the completion tokens: the output head runs on the window only."""
+    logits = model.logits(completion_hidden(model, batch))
+    return logits, tempered_logprobs(logits, batch, temperature)
 
 
 class RLObjective:

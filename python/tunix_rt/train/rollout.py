@@ -2,9 +2,10 @@
 fixed-shape training rows.
 
 The engine samples every prompt's G completions as one request with n = G, so they share the prompt's
-KV blocks (prefix caching). Rows are laid out as the SFT batches are (prompt + completion, right-padded
-to one length), and every per-token array (the engine's log-probs, later the reference's) is aligned
-with the `targets` layout: entry t belongs to the token at t + 1.
+KV blocks (prefix caching). The model reads rows laid out as the SFT batches are (prompt + completion,
+right-padded to one length); every per-token array (targets, masks, the engine's log-probs, later the
+reference's, values, advantages) lives in a completion window of max_completion_length entries per row,
+so the output head and the losses run on completion positions only.
 """
 
 from __future__ import annotations
@@ -80,17 +81,26 @@ class Sampler:
                            total, per_fn)
 
     def batch(self, c: Completions, pad_id: int) -> dict[str, np.ndarray]:
-        """SFT-layout rows (loss on the completion) plus `old_logps` (the engine's) in the targets layout;
-        truncated completions lose their loss mask when mask_truncated_completions is set."""
+        """The model's inputs as SFT-layout rows (tokens, positions, segment_ids: (N, seq_len)) and every
+        per-token array in the completion window (N, max_completion_length): `completion_start` (N,) is the
+        row index whose output predicts the first completion token, and window entry j belongs to completion
+        token j (targets, loss_mask, and old_logps, the engine's log-probs). Truncated completions lose their
+        loss mask when mask_truncated_completions is set."""
+        width = self.cfg.max_completion_length
         examples = [SFTExample(np.concatenate([p.prompt_ids, ids]),
                                np.arange(len(p.prompt_ids) + len(ids)) >= len(p.prompt_ids))
                     for p, ids in zip(c.prompts, c.token_ids)]
-        batch = sft_batch(examples, self.seq_len, pad_id=pad_id)
-        old = np.zeros(batch["targets"].shape, np.float32)
-        for r, (p, lp) in enumerate(zip(c.prompts, c.logprobs)):
-            start = len(p.prompt_ids) - 1
-            old[r, start : start + len(lp)] = lp
-        batch["old_logps"] = old
+        rows = sft_batch(examples, self.seq_len, pad_id=pad_id)
+        n = len(c)
+        batch = {k: rows[k] for k in ("tokens", "positions", "segment_ids")}
+        batch["completion_start"] = np.array([len(p.prompt_ids) - 1 for p in c.prompts], np.int32)
+        batch["targets"] = np.zeros((n, width), np.int32)
+        batch["loss_mask"] = np.zeros((n, width), np.float32)
+        batch["old_logps"] = np.zeros((n, width), np.float32)
+        for r, (ids, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            batch["targets"][r, :len(ids)] = ids
+            batch["loss_mask"][r, :len(ids)] = 1.0
+            batch["old_logps"][r, :len(lp)] = lp
         if self.cfg.mask_truncated_completions:
             batch["loss_mask"] *= ~c.truncated[:, None]
         return batch

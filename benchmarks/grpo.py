@@ -1,0 +1,175 @@
+"""GRPO step time on the default model, side by side with TRL's GRPOTrainer, in one run.
+
+Usage: python benchmarks/grpo.py [--steps 5] [--peer-python PY] [--only ours,ours-f32,trl]
+
+Every contender runs the same GRPO step: 4 prompts x 4 completions of up to 64 tokens (sampled at
+temperature 1 from SmolLM2-135M-Instruct), LoRA rank 8 (alpha 16) on all seven projections, AdamW,
+no KL term (beta 0, TRL's default), one iteration per rollout, the same reward function
+(tunix_rt.train.rewards.brevity_reward, which TRL calls with the same arguments), 2 threads. The
+prompts ask for stories, so every completion runs to (nearly) 64 tokens and each contender does the
+same work; the table shows the mean completion length beside each. Each runs in its own
+subprocess, one after the other, and reports the median step time after one warm-up step.
+
+  ours      tunix-rt RLTrainer on the default GGUF (Q4_1 base kept packed: QLoRA), this interpreter
+  ours-f32  the same on the f32 weights (the HF directory the peers load)
+  trl       TRL GRPOTrainer, torch CPU, transformers generate (no vLLM) (--peer-python: an
+            interpreter with trl + peft + torch==2.13.0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PROMPTS_PER_STEP, GENERATIONS, MAX_NEW, RANK, ALPHA = 4, 4, 64, 8, 16.0
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+THREADS = 2
+TOPICS = ("a lighthouse keeper", "a lost robot", "a desert city", "a winter market", "a river pilot",
+          "a clockmaker", "a mountain school", "a night train", "a ship's cat", "an old library")
+
+
+def prompts_file(directory: str) -> str:
+    path = os.path.join(directory, "prompts.jsonl")
+    with open(path, "w") as f:
+        for topic in TOPICS * 4:
+            f.write(json.dumps({"prompt": [{"role": "user", "content": f"Write a long, detailed story about {topic}."}]})
+                    + "\n")
+    return path
+
+
+# --- contenders (each runs in a subprocess: `python grpo.py --run NAME STEPS`) -------------------------------
+
+
+def run_ours(model: str, steps: int) -> dict:
+    from tunix_rt.checkpoints.loader import load_model
+    from tunix_rt.train.config import GRPOConfig
+    from tunix_rt.train.rl_trainer import RLTrainer
+    from tunix_rt.train.run import build_objective
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = GRPOConfig(model=model, data=prompts_file(out), output=out, steps=steps,
+                         batch_size=PROMPTS_PER_STEP * GENERATIONS, num_generations=GENERATIONS,
+                         max_completion_length=MAX_NEW, lora_rank=RANK, lora_alpha=ALPHA, lora_targets=TARGETS,
+                         reward=("brevity",), learning_rate=1e-5, save_steps=10_000, progress=False, shuffle=False)
+        loaded = load_model(model, dequantize=False)
+        trainer = RLTrainer(cfg, loaded.model, build_objective(cfg, loaded, cfg.data))
+        times, splits, lengths = [], [], []
+        for step in range(steps):
+            start = time.perf_counter()
+            out_ = trainer.run_step(step)
+            times.append(time.perf_counter() - start)
+            splits.append({k: out_[k] for k in ("time/rollout", "time/reference", "time/train", "time/sync")})
+            lengths.append(out_["completions/mean_length"])
+        return {"times": times, "splits": splits, "lengths": lengths, "compiles": trainer.num_compiles()}
+
+
+def run_trl(model: str, steps: int) -> dict:
+    import torch
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tunix_rt.train.rewards import brevity_reward
+
+    torch.set_num_threads(THREADS)
+    times, marks, lengths = [], [], []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            marks.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - marks[-1])
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    with tempfile.TemporaryDirectory() as out:
+        data = load_dataset("json", data_files=prompts_file(out), split="train")
+        config = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS_PER_STEP * GENERATIONS,
+                            num_generations=GENERATIONS, max_completion_length=MAX_NEW, max_steps=steps,
+                            learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                            beta=0.0, temperature=1.0, use_vllm=False, gradient_checkpointing=False,
+                            dataloader_num_workers=0, shuffle_dataset=False)
+        policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        trainer = GRPOTrainer(model=policy, reward_funcs=brevity_reward, args=config, train_dataset=data,
+                              peft_config=LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                     target_modules=list(TARGETS), task_type="CAUSAL_LM"),
+                              callbacks=[Timer()])
+        trainer.train()
+    return {"times": times, "lengths": lengths}
+
+
+# --- parent ------------------------------------------------------------------------------------------------------
+
+
+def launch(name: str, steps: int, python: str, model: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.path.dirname(os.path.abspath(__file__)) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([python, os.path.abspath(__file__), "--run", name, model, str(steps)], env=env,
+                          capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"error": " | ".join(tail) or f"exit {proc.returncode}"}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5, help="steps per run; the first is warm-up")
+    parser.add_argument("--peer-python", default=sys.executable, help="interpreter with trl + peft installed")
+    parser.add_argument("--only", default="ours,ours-f32,trl")
+    parser.add_argument("--run", nargs=3, metavar=("NAME", "MODEL", "STEPS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        name, model, steps = args.run
+        run = run_trl if name == "trl" else run_ours
+        print(json.dumps(run(model, int(steps))))
+        return
+
+    from tunix_rt.checkpoints.hf_export import export_hf
+    from tunix_rt.checkpoints.loader import load_model
+
+    hf_dir = tempfile.mkdtemp(prefix="tunix-rt-bench-")  # f32 weights as an HF directory, for ours-f32 and TRL
+    loaded = load_model("default", dequantize=True)
+    export_hf(loaded.model, loaded.tokenizer, loaded.hf_config, hf_dir)
+    del loaded
+    models = {"ours": "default", "ours-f32": hf_dir, "trl": hf_dir}
+    print(f"GRPO step, SmolLM2-135M-Instruct, {PROMPTS_PER_STEP} prompts x {GENERATIONS} completions x up to "
+          f"{MAX_NEW} tokens, LoRA r{RANK}, {THREADS} threads; median of steps 2..{args.steps}", flush=True)
+    medians = {}
+    for name in args.only.split(","):
+        python = args.peer_python if name == "trl" else sys.executable
+        result = launch(name, args.steps, python, models[name])
+        if "error" in result:
+            print(f"  {name:8} failed: {result['error']}", flush=True)
+            continue
+        medians[name] = statistics.median(result["times"][1:])
+        length = statistics.mean(result["lengths"]) if result.get("lengths") else float("nan")
+        line = f"  {name:8} {medians[name]:7.2f} s/step  mean completion {length:5.1f} tokens"
+        if "splits" in result:
+            split = {k: statistics.median(s[k] for s in result["splits"][1:]) for k in result["splits"][0]}
+            line += "  (" + ", ".join(f"{k[5:]} {v:.2f} s" for k, v in split.items()) + ")"
+            line += f"  compiles {result['compiles']}"
+        print(line, flush=True)
+    print()
+    print(f"{'run':10} {'s/step':>7} {'TRL / this':>11}")
+    for name, seconds in medians.items():
+        trl = medians.get("trl")
+        print(f"{name:10} {seconds:7.2f} {(f'{trl / seconds:.2f}x' if trl else '-'):>11}")
+    import shutil
+
+    shutil.rmtree(hf_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,11 +1,11 @@
-"""GRPO step time on the default model, side by side with TRL's GRPOTrainer, in one run.
+"""GRPO step time on the default model, side by side with TRL's GRPOTrainer and Tunix's GRPOLearner, in one run.
 
-Usage: python benchmarks/grpo.py [--steps 5] [--peer-python PY] [--only ours,ours-f32,trl]
+Usage: python benchmarks/grpo.py [--steps 5] [--peer-python PY] [--only ours,ours-f32,trl,tunix]
 
 Every contender runs the same GRPO step: 4 prompts x 4 completions of up to 64 tokens (sampled at
 temperature 1 from SmolLM2-135M-Instruct), LoRA rank 8 (alpha 16) on all seven projections, AdamW,
-no KL term (beta 0, TRL's default), one iteration per rollout, the same reward function
-(tunix_rt.train.rewards.brevity_reward, which TRL calls with the same arguments), 2 threads. The
+no KL term (beta 0, TRL's default), one iteration per rollout, the same reward function (`brevity`
+below, TRL's signature, which tunix-rt takes as path:function), 2 threads. The
 prompts ask for stories, so every completion runs to (nearly) 64 tokens and each contender does the
 same work; the table shows the mean completion length beside each. Each runs in its own
 subprocess, one after the other, and reports the median step time after one warm-up step.
@@ -14,6 +14,8 @@ subprocess, one after the other, and reports the median step time after one warm
   ours-f32  the same on the f32 weights (the HF directory the peers load)
   trl       TRL GRPOTrainer, torch CPU, transformers generate (no vLLM) (--peer-python: an
             interpreter with trl + peft + torch==2.13.0)
+  tunix     google-tunix 0.1.7 GRPOLearner with its vanilla sampler (benchmarks/tunix_grpo_peer.py; the
+            same --peer-python, with jax 0.10.2 and google-tunix)
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 THREADS = 2
 TOPICS = ("a lighthouse keeper", "a lost robot", "a desert city", "a winter market", "a river pilot",
           "a clockmaker", "a mountain school", "a night train", "a ship's cat", "an old library")
+
+
+def brevity(prompts, completions, completion_ids, **columns) -> list[float]:
+    """The benchmark's reward, the same function in every contender: shorter is better."""
+    return [-len(ids) / 100.0 for ids in completion_ids]
 
 
 def prompts_file(directory: str) -> str:
@@ -56,7 +63,8 @@ def run_ours(model: str, steps: int) -> dict:
         cfg = GRPOConfig(model=model, data=prompts_file(out), output=out, steps=steps,
                          batch_size=PROMPTS_PER_STEP * GENERATIONS, num_generations=GENERATIONS,
                          max_completion_length=MAX_NEW, lora_rank=RANK, lora_alpha=ALPHA, lora_targets=TARGETS,
-                         reward=("brevity",), learning_rate=1e-5, save_steps=10_000, progress=False, shuffle=False)
+                         reward=(f"{os.path.abspath(__file__)}:brevity",), learning_rate=1e-5, save_steps=10_000,
+                         progress=False, shuffle=False)
         loaded = load_model(model, dequantize=False)
         trainer = RLTrainer(cfg, loaded.model, build_objective(cfg, loaded, cfg.data))
         times, splits, lengths = [], [], []
@@ -75,8 +83,6 @@ def run_trl(model: str, steps: int) -> dict:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from tunix_rt.train.rewards import brevity_reward
 
     torch.set_num_threads(THREADS)
     times, marks, lengths = [], [], []
@@ -100,13 +106,27 @@ def run_trl(model: str, steps: int) -> dict:
                             beta=0.0, temperature=1.0, use_vllm=False, gradient_checkpointing=False,
                             dataloader_num_workers=0, shuffle_dataset=False)
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        trainer = GRPOTrainer(model=policy, reward_funcs=brevity_reward, args=config, train_dataset=data,
+        trainer = GRPOTrainer(model=policy, reward_funcs=brevity, args=config, train_dataset=data,
                               peft_config=LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
                                                      target_modules=list(TARGETS), task_type="CAUSAL_LM"),
                               callbacks=[Timer()])
         trainer.train()
     return {"times": times, "lengths": lengths}
 
+
+def run_tunix(model: str, steps: int) -> dict:
+    from transformers import AutoTokenizer
+    from tunix_grpo_peer import grpo_steps  # benchmarks/tunix_grpo_peer.py, on PYTHONPATH
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    with tempfile.TemporaryDirectory() as out, open(prompts_file(out)) as f:
+        prompts = [tokenizer.apply_chat_template(json.loads(line)["prompt"], add_generation_prompt=True, tokenize=False)
+                   for line in f]
+    return grpo_steps(model, prompts, steps, prompts_per_step=PROMPTS_PER_STEP, generations=GENERATIONS,
+                      max_new_tokens=MAX_NEW, rank=RANK, alpha=ALPHA, targets=TARGETS, reward_fn=brevity)
+
+
+RUNS = {"ours": run_ours, "ours-f32": run_ours, "trl": run_trl, "tunix": run_tunix}
 
 # --- parent ------------------------------------------------------------------------------------------------------
 
@@ -127,13 +147,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="steps per run; the first is warm-up")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter with trl + peft installed")
-    parser.add_argument("--only", default="ours,ours-f32,trl")
+    parser.add_argument("--only", default="ours,ours-f32,trl,tunix")
     parser.add_argument("--run", nargs=3, metavar=("NAME", "MODEL", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
         name, model, steps = args.run
-        run = run_trl if name == "trl" else run_ours
-        print(json.dumps(run(model, int(steps))))
+        print(json.dumps(RUNS[name](model, int(steps))))
         return
 
     from tunix_rt.checkpoints.hf_export import export_hf
@@ -143,12 +162,12 @@ def main() -> None:
     loaded = load_model("default", dequantize=True)
     export_hf(loaded.model, loaded.tokenizer, loaded.hf_config, hf_dir)
     del loaded
-    models = {"ours": "default", "ours-f32": hf_dir, "trl": hf_dir}
+    models = {"ours": "default", "ours-f32": hf_dir, "trl": hf_dir, "tunix": hf_dir}
     print(f"GRPO step, SmolLM2-135M-Instruct, {PROMPTS_PER_STEP} prompts x {GENERATIONS} completions x up to "
           f"{MAX_NEW} tokens, LoRA r{RANK}, {THREADS} threads; median of steps 2..{args.steps}", flush=True)
     medians = {}
     for name in args.only.split(","):
-        python = args.peer_python if name == "trl" else sys.executable
+        python = sys.executable if name.startswith("ours") else args.peer_python
         result = launch(name, args.steps, python, models[name])
         if "error" in result:
             print(f"  {name:8} failed: {result['error']}", flush=True)
@@ -162,10 +181,10 @@ def main() -> None:
             line += f"  compiles {result['compiles']}"
         print(line, flush=True)
     print()
-    print(f"{'run':10} {'s/step':>7} {'TRL / this':>11}")
+    print(f"{'run':10} {'s/step':>7} {'TRL / this':>11} {'Tunix / this':>13}")
     for name, seconds in medians.items():
-        trl = medians.get("trl")
-        print(f"{name:10} {seconds:7.2f} {(f'{trl / seconds:.2f}x' if trl else '-'):>11}")
+        cell = lambda peer: f"{medians[peer] / seconds:.2f}x" if peer in medians else "-"
+        print(f"{name:10} {seconds:7.2f} {cell('trl'):>11} {cell('tunix'):>13}")
     import shutil
 
     shutil.rmtree(hf_dir, ignore_errors=True)

@@ -11,7 +11,6 @@ detached, as TRL does); with num_iterations > 1 they are the engine's log-probs 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from tunix_rt.train.config import GRPOConfig

@@ -19,7 +19,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tunix_rt.train.config import RLConfig
 from tunix_rt.train.losses import token_logprobs

@@ -45,8 +45,8 @@ def prompts_file(directory: str) -> str:
     path = os.path.join(directory, "prompts.jsonl")
     with open(path, "w") as f:
         for topic in TOPICS * 4:
-            f.write(json.dumps({"prompt": [{"role": "user", "content": f"Write a long, detailed story about {topic}."}]})
-                    + "\n")
+            message = {"role": "user", "content": f"Write a long, detailed story about {topic}."}
+            f.write(json.dumps({"prompt": [message]}) + "\n")
     return path
 
 

@@ -250,7 +250,8 @@ def _plot(args) -> int:
 
 
 _COMMANDS = {"generate": _generate, "score": _score, "quantize": _quantize, "serve": _serve, "info": _info,
-             "sft": _train, "dpo": _train, "distill": _train, "grpo": _train, "ppo": _train, "export": _export, "plot": _plot}
+             "sft": _train, "dpo": _train, "distill": _train, "grpo": _train, "ppo": _train, "export": _export,
+             "plot": _plot}
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -50,8 +50,8 @@ def test_accuracy_reward():
 
 def test_format_and_brevity_rewards():
     good = "<think>add them</think>\n<answer>4</answer>"
-    assert format_reward([], [good, "<answer>4</answer>", good + " extra", "<think><think>x</think><answer>1</answer>"]) \
-        == [1.0, 0.0, 0.0, 0.0]
+    nested = "<think><think>x</think><answer>1</answer>"
+    assert format_reward([], [good, "<answer>4</answer>", good + " extra", nested]) == [1.0, 0.0, 0.0, 0.0]
     assert brevity_reward([], ["a", "b"], completion_ids=[[1] * 5, [1] * 50]) == [-0.05, -0.5]
 
 

@@ -22,7 +22,7 @@ from tunix_rt.engine.reference_generator import generate as reference_generate
 from tunix_rt.train import run as run_module
 from tunix_rt.train.config import GRPOConfig, PPOConfig, build_config
 from tunix_rt.train.metrics import read_metrics
-from tunix_rt.train.rl_trainer import RLTrainer
+from tunix_rt.train.rl_trainer import RLTrainer, completion_logprobs
 
 COMMON = ("batch_size=8", "num_generations=4", "max_completion_length=12", "progress=false")
 TIMES = ("time/rollout", "time/reference", "time/train", "time/sync")
@@ -130,26 +130,30 @@ def test_first_iteration_ratio_is_one_with_engine_logprobs(grpo_run):
 
 
 def test_engine_logprobs_align_with_the_trainers(tiny, prompts, root):
-    """The rows' old_logps (the engine's, in the targets layout) equal the trainer model's log-probs of the
-    same tokens: a misaligned layout or a stale engine shows up here."""
+    """Each completion's log-probs three ways agree: the engine's (old_logps), the trainer's on the packed
+    group rows (the prompt once, the G completions behind it), and a plain forward of prompt + completion
+    alone. A misaligned window, a leaking segment or a stale engine shows up here."""
     cfg = build_config(GRPOConfig, overrides=[*COMMON, "num_iterations=2", "save_steps=2"], model=str(tiny),
                        data=prompts, output=str(root / "align"), reward=["brevity"])
     loaded = load_model(cfg.model, dequantize=True)
     trainer = RLTrainer(cfg, loaded.model, run_module.build_objective(cfg, loaded, cfg.data))
     trainer.run_step(0)  # a step, so the weights differ from the loaded ones
     trainer._rollout = None
-    batch = {k: np.asarray(v)[0] for k, v in trainer.train_batch(2).items()}
-    full = jax.nn.log_softmax(logits(trainer.model(), batch["tokens"]), axis=-1)  # (B, T, V), every position
-    width = batch["targets"].shape[1]
-    rows = np.arange(len(full))[:, None]
-    at = batch["completion_start"][:, None] + np.arange(width)  # the positions predicting completion tokens
-    assert (batch["tokens"][rows, np.minimum(at + 1, batch["tokens"].shape[1] - 1)] == batch["targets"])[
-        batch["loss_mask"] > 0].all()
-    ours = np.asarray(full)[rows, np.minimum(at, full.shape[1] - 1), batch["targets"]]
-    mask = batch["loss_mask"] > 0
-    assert mask.sum() > 8
-    np.testing.assert_allclose(batch["old_logps"][mask], ours[mask], atol=2e-4)
-    assert (batch["old_logps"][~mask] == 0).all()
+    batch = {k: v[0] for k, v in trainer.train_batch(2).items()}
+    model = trainer.model()
+    packed = np.asarray(completion_logprobs(model, batch, 1.0)[1])
+    host = {k: np.asarray(v) for k, v in batch.items()}
+    g = cfg.num_generations
+    assert host["tokens"].shape[0] * g == host["targets"].shape[0]
+    for i, (targets, mask) in enumerate(zip(host["targets"], host["loss_mask"] > 0)):
+        row = host["tokens"][i // g]
+        prompt = row[host["segment_ids"][i // g] == -1]
+        alone = np.concatenate([prompt, targets[mask]])[None]
+        logp = jax.nn.log_softmax(logits(model, alone)[0], axis=-1)
+        plain = np.asarray(logp)[len(prompt) - 1 : len(alone[0]) - 1][np.arange(mask.sum()), targets[mask]]
+        np.testing.assert_allclose(packed[i][mask], plain, atol=1e-4)
+        np.testing.assert_allclose(host["old_logps"][i][mask], plain, atol=2e-4)
+        assert (host["old_logps"][i][~mask] == 0).all()
 
 
 def test_engine_greedy_equals_trainer_greedy_after_a_step(tiny, prompts, root):
@@ -259,7 +263,7 @@ def test_reward_errors_name_the_function(root, tiny, prompts, capsys, tmp_path):
     ([{"prompt": "a"}, {"prompt": 3}], (), r"prompts.jsonl:2: field \"prompt\" must be a string or a list"),
     ([{"prompt": "a", "answer": "1"}, {"prompt": "b"}], (), r"prompts.jsonl:2: the row's columns"),
     ([{"prompt": "a"}], ("--reward", "nonesuch"), "unknown reward 'nonesuch'"),
-    ([{"prompt": "a"}], ("batch_size=6",), "must be a multiple of num_generations"),
+    ([{"prompt": "a"}], ("batch_size=6",), "batch_size \\(6\\) must be a multiple of num_generations"),
     ([{"prompt": "a"}], ("num_iterations=3",), "save_steps .* must be a multiple of num_iterations"),
 ])
 def test_bad_inputs_are_one_line_errors(tiny, tmp_path, capsys, rows, extra, message):

@@ -17,7 +17,10 @@ def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None,
     """(B, T) query and (B, S) key positions -> boolean mask (B, T, S).
 
     With `segment_ids` (B, T) (training on packed rows: queries and keys are the same tokens, each
-    packed example numbered, positions restarting at 0), a query sees only keys of its own segment.
+    packed example numbered, positions restarting at 0), a query sees only keys of its own segment. A
+    negative segment id marks a shared prefix: every positive segment of the row sees it as well (so G
+    completions of one prompt pack behind a single copy of it, their positions continuing the prompt's),
+    and it sees only itself. 0 marks padding.
     """
     q = q_pos[:, :, None]
     k = k_pos[:, None, :]
@@ -25,7 +28,8 @@ def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None,
     if window is not None:
         mask &= (q - k) < window
     if segment_ids is not None:
-        mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+        sq, sk = segment_ids[:, :, None], segment_ids[:, None, :]
+        mask &= (sq == sk) | ((sk < 0) & (sq > 0))
     return mask
 
 

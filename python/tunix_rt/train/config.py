@@ -265,10 +265,9 @@ class RLConfig(TrainConfig):
             if len(self.reward_weights) != len(self.reward):
                 raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {len(self.reward)} "
                                  "reward functions")
-        rows = self.batch_size * self.gradient_accumulation_steps
-        if rows % self.num_generations:
-            raise ValueError(f"batch_size * gradient_accumulation_steps ({rows}) must be a multiple of "
-                             f"num_generations ({self.num_generations}): whole groups of completions per step")
+        if self.batch_size % self.num_generations:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of num_generations "
+                             f"({self.num_generations}): each micro-batch trains on whole groups of completions")
         if self.save_steps % self.num_iterations:
             raise ValueError(f"save_steps ({self.save_steps}) must be a multiple of num_iterations "
                              f"({self.num_iterations}), so a resumed run starts on a fresh rollout")

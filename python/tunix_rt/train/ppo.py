@@ -28,7 +28,8 @@ class ValueHead(nnx.Module):
         self.bias = HeadParam(jnp.zeros((1,), jnp.float32))
 
     def __call__(self, h: jax.Array) -> jax.Array:
-        return (h.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32))[..., 0]
+        h = h.astype(jnp.float32)
+        return (h @ self.kernel[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32))[..., 0]
 
 
 def attach_value_head(model: Decoder) -> Decoder:

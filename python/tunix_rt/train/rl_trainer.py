@@ -30,11 +30,14 @@ _CORE_KEYS = frozenset({"loss", "grad_norm", "weight", "learning_rate"})  # what
 
 
 def completion_hidden(model, batch: dict) -> jax.Array:
-    """(B, C, D) final hidden states at the completion window: entry j predicts completion token j."""
+    """(N, C, D) final hidden states at the completion window: entry j predicts completion token j.
+
+    The rows are packed groups (rollout.Sampler.batch): completion i lives in row i // G.
+    """
     h, _ = model.hidden_states(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"])
-    width = batch["targets"].shape[1]
-    index = jnp.minimum(batch["completion_start"][:, None] + jnp.arange(width), h.shape[1] - 1)
-    return jnp.take_along_axis(h, index[..., None], axis=1)
+    index = batch["completion_index"]
+    rows = jnp.arange(index.shape[0]) // (index.shape[0] // h.shape[0])
+    return h[rows[:, None], index]
 
 
 def tempered_logprobs(logits: jax.Array, batch: dict, temperature: float) -> jax.Array:
@@ -79,6 +82,10 @@ class RLTrainer(Trainer):
         if cfg.eval_data:
             raise ValueError("eval_data is not supported for grpo/ppo (the rewards are the evaluation)")
         super().__init__(cfg, model, objective, mesh=mesh)
+        groups = cfg.batch_size // cfg.num_generations
+        if groups % self.mesh.shape["fsdp"]:
+            raise ValueError(f"batch_size / num_generations ({groups} groups, one packed row each) must be a multiple "
+                             f"of the fsdp mesh axis ({self.mesh.shape['fsdp']})")
         self._score_step = jax.jit(self._score)
         self.engine = None
         self._rollout: tuple[int, dict, dict] | None = None  # (rollout index, device batch, host metrics)
@@ -116,7 +123,7 @@ class RLTrainer(Trainer):
             budget = max(512, rows)
             # Two token buckets: decode steps (up to `rows` sequences) and prefill steps; compiled up
             # front, so no rollout after the first step meets a new shape.
-            self.engine = Engine(model, self.objective.tokenizer, max_model_len=self.objective.sampler.seq_len,
+            self.engine = Engine(model, self.objective.tokenizer, max_model_len=self.objective.sampler.max_model_len,
                                  max_num_seqs=rows, max_num_batched_tokens=budget, token_buckets=(rows, budget),
                                  kv_cache_memory=self.cfg.kv_cache_memory, seed=self.cfg.seed)
             log.info("engine: compiled %d step programs", self.engine.warmup())

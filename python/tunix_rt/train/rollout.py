@@ -2,10 +2,11 @@
 fixed-shape training rows.
 
 The engine samples every prompt's G completions as one request with n = G, so they share the prompt's
-KV blocks (prefix caching). The model reads rows laid out as the SFT batches are (prompt + completion,
-right-padded to one length); every per-token array (targets, masks, the engine's log-probs, later the
-reference's, values, advantages) lives in a completion window of max_completion_length entries per row,
-so the output head and the losses run on completion positions only.
+KV blocks (prefix caching). The trainer reads one packed row per group (the prompt once, its completions
+behind it, attention kept apart by segment ids), so the prompt is computed once there too; every
+per-token array (targets, masks, the engine's log-probs, later the reference's, values, advantages) lives
+in a completion window of max_completion_length entries per completion, so the output head and the
+losses run on completion positions only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.train.config import RLConfig
-from tunix_rt.train.data import PromptExample, SFTExample, sft_batch
+from tunix_rt.train.data import PromptExample
 from tunix_rt.train.rewards import RewardFn, score
 
 
@@ -58,7 +59,9 @@ class Sampler:
         self.cfg, self.examples, self.rewards = cfg, list(examples), list(rewards)
         self.weights = cfg.reward_weights or (1.0,) * len(rewards)
         longest = max(len(e.prompt_ids) for e in self.examples)
-        self.seq_len = -(-(longest + cfg.max_completion_length) // 8) * 8  # one row length for every batch
+        # One row length for every batch: a prompt and its group's completions.
+        self.seq_len = -(-(longest + cfg.num_generations * cfg.max_completion_length) // 8) * 8
+        self.max_model_len = longest + cfg.max_completion_length  # what the engine holds per sequence
 
     def sample(self, engine, prompt_indices: np.ndarray, seed: int) -> Completions:
         cfg, g = self.cfg, self.cfg.num_generations
@@ -81,26 +84,42 @@ class Sampler:
                            total, per_fn)
 
     def batch(self, c: Completions, pad_id: int) -> dict[str, np.ndarray]:
-        """The model's inputs as SFT-layout rows (tokens, positions, segment_ids: (N, seq_len)) and every
-        per-token array in the completion window (N, max_completion_length): `completion_start` (N,) is the
-        row index whose output predicts the first completion token, and window entry j belongs to completion
-        token j (targets, loss_mask, and old_logps, the engine's log-probs). Truncated completions lose their
-        loss mask when mask_truncated_completions is set."""
-        width = self.cfg.max_completion_length
-        examples = [SFTExample(np.concatenate([p.prompt_ids, ids]),
-                               np.arange(len(p.prompt_ids) + len(ids)) >= len(p.prompt_ids))
-                    for p, ids in zip(c.prompts, c.token_ids)]
-        rows = sft_batch(examples, self.seq_len, pad_id=pad_id)
+        """One row per group: the prompt once (segment -1, a shared prefix) and behind it each of its G
+        completions (segments 1..G, positions continuing the prompt's), so the prompt's tokens run through
+        the model once, not G times. Per completion, in the window (N, max_completion_length):
+        `completion_index` (the row position whose output predicts completion token j: the prompt's last
+        token for j = 0, else the completion's token j - 1), targets, loss_mask, and old_logps (the
+        engine's). Truncated completions lose their loss mask when mask_truncated_completions is set."""
+        g, width = self.cfg.num_generations, self.cfg.max_completion_length
         n = len(c)
-        batch = {k: rows[k] for k in ("tokens", "positions", "segment_ids")}
-        batch["completion_start"] = np.array([len(p.prompt_ids) - 1 for p in c.prompts], np.int32)
-        batch["targets"] = np.zeros((n, width), np.int32)
-        batch["loss_mask"] = np.zeros((n, width), np.float32)
-        batch["old_logps"] = np.zeros((n, width), np.float32)
-        for r, (ids, lp) in enumerate(zip(c.token_ids, c.logprobs)):
-            batch["targets"][r, :len(ids)] = ids
-            batch["loss_mask"][r, :len(ids)] = 1.0
-            batch["old_logps"][r, :len(lp)] = lp
+        groups = n // g
+        batch = {"tokens": np.full((groups, self.seq_len), pad_id, np.int32),
+                 "positions": np.full((groups, self.seq_len), -1, np.int32),
+                 "segment_ids": np.zeros((groups, self.seq_len), np.int32),
+                 "completion_index": np.zeros((n, width), np.int32),
+                 "targets": np.zeros((n, width), np.int32),
+                 "loss_mask": np.zeros((n, width), np.float32),
+                 "old_logps": np.zeros((n, width), np.float32)}
+        for row in range(groups):
+            prompt = c.prompts[row * g].prompt_ids
+            p = len(prompt)
+            batch["tokens"][row, :p] = prompt
+            batch["positions"][row, :p] = np.arange(p)
+            batch["segment_ids"][row, :p] = -1
+            offset = p
+            for k in range(g):
+                i = row * g + k
+                ids, lp = c.token_ids[i], c.logprobs[i]
+                m = len(ids)
+                batch["tokens"][row, offset:offset + m] = ids
+                batch["positions"][row, offset:offset + m] = np.arange(p, p + m)
+                batch["segment_ids"][row, offset:offset + m] = k + 1
+                batch["completion_index"][i, 0] = p - 1
+                batch["completion_index"][i, 1:m] = np.arange(offset, offset + m - 1)
+                batch["targets"][i, :m] = ids
+                batch["loss_mask"][i, :m] = 1.0
+                batch["old_logps"][i, :len(lp)] = lp
+                offset += m
         if self.cfg.mask_truncated_completions:
             batch["loss_mask"] *= ~c.truncated[:, None]
         return batch

@@ -321,7 +321,7 @@ class PPOConfig(RLConfig):
     num_iterations: int = 4  # PPO epochs on each rollout batch
     kl_coef: float = 0.05  # per-token KL penalty in the reward (0: no reference pass)
     gamma: float = 1.0
-    lam: float = 0.95
+    lam: float = 1.0  # verl's default: with one reward at the end, lam < 1 leans on a critic that starts untrained
     vf_coef: float = 0.1
     cliprange_value: float = 0.2
     entropy_coef: float = 0.0

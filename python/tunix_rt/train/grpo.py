@@ -24,7 +24,6 @@ class GRPOObjective(RLObjective):
     def __init__(self, cfg: GRPOConfig, sampler, tokenizer, pad_id: int):
         super().__init__(cfg, sampler, tokenizer, pad_id)
         self.needs_reference = cfg.beta > 0
-        self.old_from_engine = cfg.num_iterations > 1 and cfg.temperature == 1.0
         self.old_from_score = cfg.num_iterations > 1 and cfg.temperature != 1.0
 
     # --- host: rollouts -------------------------------------------------------------------------------

@@ -24,10 +24,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from peer_process import run_contender
 
 PROMPTS_PER_STEP, GENERATIONS, MAX_NEW, RANK, ALPHA = 4, 4, 64, 8, 16.0
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -131,18 +132,6 @@ RUNS = {"ours": run_ours, "ours-f32": run_ours, "trl": run_trl, "tunix": run_tun
 # --- parent ------------------------------------------------------------------------------------------------------
 
 
-def launch(name: str, steps: int, python: str, model: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.path.dirname(os.path.abspath(__file__)) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([python, os.path.abspath(__file__), "--run", name, model, str(steps)], env=env,
-                          capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"error": " | ".join(tail) or f"exit {proc.returncode}"}
-    return json.loads(lines[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="steps per run; the first is warm-up")
@@ -168,7 +157,7 @@ def main() -> None:
     medians = {}
     for name in args.only.split(","):
         python = sys.executable if name.startswith("ours") else args.peer_python
-        result = launch(name, args.steps, python, models[name])
+        result = run_contender(python, __file__, ["--run", name, models[name], str(args.steps)], THREADS)
         if "error" in result:
             print(f"  {name:8} failed: {result['error']}", flush=True)
             continue

@@ -21,9 +21,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from peer_process import run_contender
 
 BATCH, SEQ_LEN, RANK, ALPHA = 8, 128, 8, 16.0
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -120,19 +121,6 @@ CONTENDERS = {"ours": run_ours, "trl": run_trl, "tunix": run_tunix}
 # --- parent ------------------------------------------------------------------------------------------------------
 
 
-def launch(name: str, mode: str, dtype: str, steps: int, python: str, hf_dir: str) -> dict:
-    env = dict(os.environ, TUNIX_RT_BENCH_HF_DIR=hf_dir, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS),
-               PYTHONPATH=os.path.dirname(os.path.abspath(__file__)) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", ""), TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([python, os.path.abspath(__file__), "--run", name, mode, dtype, str(steps)], env=env,
-                          capture_output=True, text=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    if proc.returncode or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"error": " | ".join(tail) or f"exit {proc.returncode}"}
-    return json.loads(lines[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="steps per run; the first 2 are warm-up")
@@ -166,7 +154,8 @@ def main() -> None:
           f"median of steps {warmup + 1}..{args.steps}", flush=True)
     for name, mode, dtype in plan:
         python = sys.executable if name == "ours" else args.peer_python
-        result = launch(name, mode, dtype, args.steps, python, hf_dir)
+        result = run_contender(python, __file__, ["--run", name, mode, dtype, str(args.steps)], THREADS,
+                               TUNIX_RT_BENCH_HF_DIR=hf_dir, XLA_FLAGS=os.environ.get("XLA_FLAGS", ""))
         if "error" in result:
             print(f"  {name:6} {mode:5} {dtype:9} failed: {result['error']}", flush=True)
             continue

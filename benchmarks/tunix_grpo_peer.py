@@ -20,8 +20,6 @@ ids of each completion, as the sampler returned them: up to, not including, EOS)
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Callable, Sequence
 
@@ -40,22 +38,15 @@ def grpo_steps(hf_dir: str, prompts: list[str], steps: int, *, prompts_per_step:
     import qwix
     import transformers
     from flax import nnx
-    from tunix.models.llama3 import model as llama
     from tunix.models.llama3 import params as llama_params
+    from tunix_peer import llama_config
     from tunix.rl import rl_cluster as rl_cluster_lib
     from tunix.rl.grpo import grpo_learner
     from tunix.rl.rollout import base_rollout
 
     if not prompts:
         raise ValueError("no prompts")
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        hf = json.load(f)
-    config = llama.ModelConfig(
-        num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
-        hidden_dim=hf["intermediate_size"], num_heads=hf["num_attention_heads"],
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-        num_kv_heads=hf["num_key_value_heads"], rope_theta=int(hf["rope_theta"]), norm_eps=hf["rms_norm_eps"],
-        weight_tying=hf.get("tie_word_embeddings", True))
+    config = llama_config(hf_dir)
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -13,6 +13,20 @@ import os
 import time
 
 
+def llama_config(hf_dir: str):
+    """Tunix's Llama3 ModelConfig with the dimensions of the HF checkpoint in hf_dir (SmolLM2's)."""
+    from tunix.models.llama3 import model as llama
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    return llama.ModelConfig(
+        num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
+        hidden_dim=hf["intermediate_size"], num_heads=hf["num_attention_heads"],
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        num_kv_heads=hf["num_key_value_heads"], rope_theta=int(hf["rope_theta"]), norm_eps=hf["rms_norm_eps"],
+        weight_tying=hf.get("tie_word_embeddings", True))
+
+
 def train_steps(mode: str, dtype: str, steps: int, batch: int, seq_len: int, rank: int, alpha: float,
                 targets: tuple[str, ...]) -> list[float]:
     import jax
@@ -21,21 +35,13 @@ def train_steps(mode: str, dtype: str, steps: int, batch: int, seq_len: int, ran
     import optax
     import qwix
     from flax import nnx
-    from tunix.models.llama3 import model as llama
     from tunix.models.llama3 import params as llama_params
     from tunix.sft import peft_trainer, utils
 
     if dtype != "float32":
         raise SystemExit("the Tunix peer runs f32 only")
     hf_dir = os.environ["TUNIX_RT_BENCH_HF_DIR"]
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        hf = json.load(f)
-    config = llama.ModelConfig(
-        num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
-        hidden_dim=hf["intermediate_size"], num_heads=hf["num_attention_heads"],
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-        num_kv_heads=hf["num_key_value_heads"], rope_theta=int(hf["rope_theta"]), norm_eps=hf["rms_norm_eps"],
-        weight_tying=hf.get("tie_word_embeddings", True))
+    config = llama_config(hf_dir)
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     with mesh:
         model = llama_params.create_model_from_safe_tensors(hf_dir, config, mesh, dtype=jnp.float32)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.models.hf_tiny import make_tiny_model_dir
-from tests.train.test_train_cli import cli, logits, write_jsonl
+from tests.train.test_train_cli import cli, fast_compiles, logits, write_jsonl  # noqa: F401 (an autouse fixture)
 from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.engine.reference_generator import GenerationConfig
@@ -26,14 +26,6 @@ from tunix_rt.train.rl_trainer import RLTrainer, completion_logprobs
 
 COMMON = ("batch_size=8", "num_generations=4", "max_completion_length=12", "progress=false")
 TIMES = ("time/rollout", "time/reference", "time/train", "time/sync")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fast_compiles():
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(scope="module")

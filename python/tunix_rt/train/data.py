@@ -1,4 +1,4 @@
-"""Training data for SFT and DPO: JSONL rows in TRL's formats -> token ids with loss masks -> fixed-shape batches.
+"""Training data for SFT, DPO and RL prompts: JSONL rows in TRL's formats -> token ids (with loss masks) -> batches.
 
 Numpy only. Batches are always padded to one `seq_len`, because the trainer jit-compiles a single shape.
 """

@@ -167,9 +167,18 @@ def test_kl_k3_matches_formula_and_is_nonnegative(data):
     assert (ours >= -1e-7).all()
 
 
-def test_token_entropy():
+def test_logprobs_and_entropy():
     logits = jnp.array([[[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]])
-    np.testing.assert_allclose(np.asarray(rl.token_entropy(logits)), [[np.log(4), 0.0]], atol=1e-6)
+    logps, entropy = rl.logprobs_and_entropy(logits, jnp.array([[2, 0]]))
+    np.testing.assert_allclose(np.asarray(entropy), [[np.log(4), 0.0]], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(logps), [[-np.log(4), 0.0]], atol=1e-6)
+    # tempered: softmax([2, 0] / 2) = softmax([1, 0])
+    logps, entropy = rl.logprobs_and_entropy(jnp.array([[[2.0, 0.0]]]), jnp.array([[1]]), temperature=2.0)
+    p = np.exp([1.0, 0.0]) / np.exp([1.0, 0.0]).sum()
+    np.testing.assert_allclose(np.asarray(logps), [[np.log(p[1])]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(entropy), [[-(p * np.log(p)).sum()]], rtol=1e-6)
+    with pytest.raises(ValueError, match="targets shape"):
+        rl.logprobs_and_entropy(logits, jnp.zeros((1, 3), jnp.int32))
 
 
 @pytest.mark.parametrize("mode", list(rl.AGGREGATIONS))

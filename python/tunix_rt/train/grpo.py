@@ -14,8 +14,8 @@ import jax
 import numpy as np
 
 from tunix_rt.train.config import GRPOConfig
-from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, group_advantages, kl_k3, token_entropy
-from tunix_rt.train.rl_trainer import RLObjective, completion_logprobs
+from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, group_advantages, kl_k3, logprobs_and_entropy
+from tunix_rt.train.rl_trainer import RLObjective, completion_logits, completion_logprobs
 from tunix_rt.train.rollout import Completions
 from tunix_rt.train.trainer import LossContext
 
@@ -71,20 +71,21 @@ class GRPOObjective(RLObjective):
     def score(self, ctx: LossContext, batch: dict) -> dict:
         out = {}
         if self.needs_reference:
-            out["ref_logps"] = completion_logprobs(ctx.reference(), batch, self.cfg.temperature)[1]
+            out["ref_logps"] = completion_logprobs(ctx.reference(), batch, self.cfg.temperature)
         if self.old_from_score:
-            out["old_logps"] = completion_logprobs(ctx.policy, batch, self.cfg.temperature)[1]
+            out["old_logps"] = completion_logprobs(ctx.policy, batch, self.cfg.temperature)
         return out
 
     def loss(self, ctx: LossContext, batch: dict):
         cfg = self.cfg
-        logits, logps = completion_logprobs(ctx.policy, batch, cfg.temperature)
+        logps, entropy = logprobs_and_entropy(completion_logits(ctx.policy, batch), batch["targets"],
+                                              temperature=cfg.temperature)
         mask = batch["loss_mask"]
         old = batch["old_logps"] if cfg.num_iterations > 1 else jax.lax.stop_gradient(logps)
         per_token, clip = clipped_policy_loss(logps, old, batch["advantages"], mask, epsilon=cfg.epsilon,
                                               epsilon_high=cfg.epsilon_high,
                                               importance_sampling_level=cfg.importance_sampling_level)
-        token_metrics = {**clip, "entropy": jax.lax.stop_gradient(token_entropy(logits / cfg.temperature))}
+        token_metrics = {**clip, "entropy": jax.lax.stop_gradient(entropy)}
         if self.needs_reference:
             kl = kl_k3(logps, batch["ref_logps"])
             per_token = per_token + cfg.beta * kl

@@ -15,7 +15,8 @@ from flax import nnx
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.train.config import PPOConfig
 from tunix_rt.train.lora import HeadParam
-from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, clipped_value_loss, gae, token_entropy, whiten
+from tunix_rt.train.rl_losses import (aggregate, clipped_policy_loss, clipped_value_loss, gae, logprobs_and_entropy,
+                                       whiten)
 from tunix_rt.train.rl_trainer import RLObjective, completion_hidden, completion_logprobs, tempered_logprobs
 from tunix_rt.train.trainer import LossContext
 
@@ -79,7 +80,7 @@ class PPOObjective(RLObjective):
         rewards = last_token_rewards(batch["scores"], mask)
         out = {}
         if self.needs_reference:
-            ref = completion_logprobs(ctx.reference(), batch, cfg.temperature)[1]
+            ref = completion_logprobs(ctx.reference(), batch, cfg.temperature)
             kl = (old - ref) * mask
             rewards = rewards - cfg.kl_coef * kl
             out["kl"] = kl
@@ -91,11 +92,10 @@ class PPOObjective(RLObjective):
     def loss(self, ctx: LossContext, batch: dict):
         cfg, mask = self.cfg, batch["loss_mask"]
         logits, values = _forward(ctx.policy, batch)
-        logps = tempered_logprobs(logits, batch, cfg.temperature)
+        logps, entropy = logprobs_and_entropy(logits, batch["targets"], temperature=cfg.temperature)
         pg, clip = clipped_policy_loss(logps, batch["old_logps"], batch["advantages"], mask, epsilon=cfg.epsilon,
                                        epsilon_high=cfg.epsilon_high)
         vf = clipped_value_loss(values, batch["old_values"], batch["returns"], clip_range=cfg.cliprange_value)
-        entropy = token_entropy(logits / cfg.temperature)
         per_token = pg + cfg.vf_coef * vf
         if cfg.entropy_coef:
             per_token = per_token - cfg.entropy_coef * entropy

@@ -1,6 +1,6 @@
 """RL losses and estimators as pure JAX functions: advantages (GRPO, Dr. GRPO, RLOO, GAE), the clipped
 policy objective (PPO/GRPO, DAPO's asymmetric clip, GSPO's sequence-level ratio), the k3 KL estimator,
-the loss aggregation modes, the clipped value loss and the token entropy.
+the loss aggregation modes, the clipped value loss, and token log-probs with their entropy.
 
 Conventions as in losses.py: per-token arrays are (B, T) over the completion tokens; `mask` (B, T) is
 nonzero where a token counts. Every loss returns (sum, weight) in the aggregation's own unit (tokens or
@@ -118,11 +118,15 @@ def kl_k3(logps: jax.Array, ref_logps: jax.Array) -> jax.Array:
     return jnp.exp(d) - d - 1
 
 
-def token_entropy(logits: jax.Array) -> jax.Array:
-    """(B, T) entropy of the softmax over the last axis, in f32."""
-    logits = logits.astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+def logprobs_and_entropy(logits: jax.Array, targets: jax.Array, *,
+                         temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """(B, T) log-probs of `targets` and (B, T) entropy under softmax(logits / temperature), in f32, from one
+    log-softmax over the vocabulary (the losses need both)."""
+    if jnp.shape(targets) != jnp.shape(logits)[:-1]:
+        raise ValueError(f"targets shape {jnp.shape(targets)} must equal logits shape[:-1] {jnp.shape(logits)[:-1]}")
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    picked = jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -45,10 +45,14 @@ def tempered_logprobs(logits: jax.Array, batch: dict, temperature: float) -> jax
     return token_logprobs(logits / temperature if temperature != 1.0 else logits, batch["targets"])
 
 
-def completion_logprobs(model, batch: dict, temperature: float) -> tuple[jax.Array, jax.Array]:
-    """(logits (B, C, V), log-probs (B, C)) of the completion tokens: the output head runs on the window only."""
-    logits = model.logits(completion_hidden(model, batch))
-    return logits, tempered_logprobs(logits, batch, temperature)
+def completion_logits(model, batch: dict) -> jax.Array:
+    """(N, C, V) logits at the completion window: the output head runs on completion positions only."""
+    return model.logits(completion_hidden(model, batch))
+
+
+def completion_logprobs(model, batch: dict, temperature: float) -> jax.Array:
+    """(N, C) tempered log-probs of the completion tokens (what scoring passes keep)."""
+    return tempered_logprobs(completion_logits(model, batch), batch, temperature)
 
 
 class RLObjective:

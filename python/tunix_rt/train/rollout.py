@@ -29,7 +29,6 @@ class Completions:
     prompts: list[PromptExample]  # one per row (repeated G times)
     token_ids: list[np.ndarray]
     logprobs: list[np.ndarray]  # the engine's log p of each sampled token (raw distribution)
-    texts: list[str]
     truncated: np.ndarray  # (N,) bool: cut at max_completion_length, no EOS
     rewards: np.ndarray  # (N,) weighted total
     rewards_per_fn: np.ndarray  # (F, N), NaN where a function returned None
@@ -39,13 +38,13 @@ class Completions:
 
     def select(self, rows: np.ndarray) -> Completions:
         take = lambda xs: [xs[i] for i in rows]
-        return Completions(take(self.prompts), take(self.token_ids), take(self.logprobs), take(self.texts),
+        return Completions(take(self.prompts), take(self.token_ids), take(self.logprobs),
                            self.truncated[rows], self.rewards[rows], self.rewards_per_fn[:, rows])
 
     @staticmethod
     def concat(parts: Sequence[Completions]) -> Completions:
         cat = lambda name: [x for p in parts for x in getattr(p, name)]
-        return Completions(cat("prompts"), cat("token_ids"), cat("logprobs"), cat("texts"),
+        return Completions(cat("prompts"), cat("token_ids"), cat("logprobs"),
                            np.concatenate([p.truncated for p in parts]), np.concatenate([p.rewards for p in parts]),
                            np.concatenate([p.rewards_per_fn for p in parts], axis=1))
 
@@ -80,8 +79,7 @@ class Sampler:
         columns["completion_ids"] = [ids.tolist() for ids in token_ids]
         total, per_fn = score(self.rewards, self.weights, [p.prompt for p in repeated], completions, columns)
         return Completions(repeated, token_ids, [np.asarray(o.logprobs, np.float32) for o in rows],
-                           [o.text for o in rows], np.array([o.finish_reason == "length" for o in rows]),
-                           total, per_fn)
+                           np.array([o.finish_reason == "length" for o in rows]), total, per_fn)
 
     def batch(self, c: Completions, pad_id: int) -> dict[str, np.ndarray]:
         """One row per group: the prompt once (segment -1, a shared prefix) and behind it each of its G

@@ -4,11 +4,15 @@ Usage: python benchmarks/quant_matmul.py [--quick] [--formats q4_0,q8_0,...]
 Prints a table: median times (jitted, warmed up), speed-up = f32 time / quant time, and the
 weight bytes each op streams per call over its time, next to a bandwidth figure measured here
 (a jitted reduction over a 512 MiB array). Timings are never asserted anywhere.
+Path "int8": x quantized to int8 per block, as decode runs it (int8_rows=64, as the engine's
+decode steps pass); "exact": f32 products over dequantized weights, the default past 4 rows
+(scoring, training).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -18,6 +22,7 @@ import numpy as np
 
 from tunix_rt.ops import quant_matmul, quantize
 from tunix_rt.ops._ffi import isa_level
+from tunix_rt.ops.quant import MAX_INT8_ROWS
 
 SMOLLM2 = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
 
@@ -60,19 +65,27 @@ def main() -> None:
     bw = measured_bandwidth()
     print(f"quant_matmul vs f32 x @ w | jax {jax.__version__} | {jax.devices()[0]} | kernel tier {isa_level()} | "
           f"measured read bandwidth {bw:.1f} GB/s")
-    print(f"{'M':>5} {'K':>6} {'N':>6} {'fmt':>5} {'f32 ms':>9} {'quant ms':>9} {'speedup':>8} {'f32 GB/s':>9} {'quant GB/s':>10}")
+    print(f"{'M':>5} {'K':>6} {'N':>6} {'fmt':>5} {'path':>5} {'f32 ms':>9} {'quant ms':>9} {'speedup':>8} "
+          f"{'f32 GB/s':>9} {'quant GB/s':>10}")
     rng = np.random.default_rng(0)
     dot = jax.jit(lambda x, w: x @ w)
-    qmm = jax.jit(quant_matmul)
+    exact = jax.jit(quant_matmul)  # past 4 rows: exact products
+    int8 = jax.jit(functools.partial(quant_matmul, int8_rows=MAX_INT8_ROWS))
     for k, n in shapes:
         w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
         qts = {fmt: quantize(w, fmt) for fmt in formats}
         for m in ms:
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
             for fmt in formats:
-                t_f32, t_q = paired_medians([(dot, (x, w)), (qmm, (x, qts[fmt]))])
-                print(f"{m:>5} {k:>6} {n:>6} {fmt:>5} {t_f32 * 1e3:>9.3f} {t_q * 1e3:>9.3f} {t_f32 / t_q:>7.2f}x "
-                      f"{w.nbytes / t_f32 / 1e9:>9.1f} {qts[fmt].nbytes / t_q / 1e9:>10.1f}")
+                paths = []
+                if m <= MAX_INT8_ROWS:
+                    paths.append(("int8", int8))
+                if m > 4:
+                    paths.append(("exact", exact))
+                for path, fn in paths:
+                    t_f32, t_q = paired_medians([(dot, (x, w)), (fn, (x, qts[fmt]))])
+                    print(f"{m:>5} {k:>6} {n:>6} {fmt:>5} {path:>5} {t_f32 * 1e3:>9.3f} {t_q * 1e3:>9.3f} "
+                          f"{t_f32 / t_q:>7.2f}x {w.nbytes / t_f32 / 1e9:>9.1f} {qts[fmt].nbytes / t_q / 1e9:>10.1f}")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@
 //   mins    (N, K/G) float16 for q4_1, else (N, 0)
 // Quantize/dequantize follow ggml's reference arithmetic step by step (this file builds with
 // -ffp-contract=off), so the bytes equal gguf.quants'. The matmul quantizes activations to int8
-// per 32-block on the fly and takes integer dot products (llama.cpp's q8 scheme); the exact
-// dequantized product is the pure-JAX reference's job.
+// per 32-block on the fly and takes integer dot products (llama.cpp's q8 scheme) for up to
+// kInt8Rows rows (Python decides how many: see int8_activation_rows); more rows, or `exact`, take
+// exact f32 products over dequantized weight panels.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -183,22 +184,23 @@ void DequantizeRange(const Weights& w, int64_t col, int64_t k0, int64_t kk, floa
 // d * sum(q) for offset formats, whose -8 * sum must cancel against the quantized dot exactly.
 // e[b] (formats with mins) is exact - d * sum(q): q4_1 codes are 0..15, all of one sign, so the
 // kernels take the dot on q - 8 (centred, as accurate as q4_0) by adding 8 * d_w * e.
-// With `paired`, each pair of blocks (2p, 2p+1) is stored as [x0[0:16] x1[0:16] x0[16:32] x1[16:32]]:
-// the order in which one 32-byte load of two 4-bit weight blocks unpacks (low nibbles, then high
-// ones), so two blocks take one unpack; pd holds the pair's scales as [d0 x4, d1 x4], and pc (for
-// offset formats) the pair's 8 * sum(q) as int32 lanes [8 s0, 0, 0, 0, 8 s1, 0, 0, 0], which the
-// kernels subtract from the integer dot: sum((code - 8) * q) exactly, with no scalar correction.
-// A last odd block stays in natural order.
+// With `interleave` P (2 for AVX2, 4 for AVX-512), each run of P blocks is stored as
+// [x0[0:16] .. xP-1[0:16] x0[16:32] .. xP-1[16:32]]: the order in which one load of P 4-bit weight
+// blocks unpacks (low nibbles, then high ones), so P blocks take one unpack; pd holds the run's
+// scales as [d0 x4, d1 x4, ...], and pc (for offset formats) its 8 * sum(q) as int32 lanes
+// [8 s0, 0, 0, 0, 8 s1, 0, 0, 0, ...], which the kernels subtract from the integer dot:
+// sum((code - 8) * q) exactly, with no scalar correction. Blocks past the last full run stay in
+// natural order.
 struct QuantizedActivations {
   int64_t m, k;
-  bool paired;
+  int interleave;
   std::vector<int8_t> q;
   std::vector<float> d, s, e, pd;
   std::vector<int32_t> pc;
   int64_t blocks() const { return k / kSub; }
 };
 
-void QuantizeActivationRow(const float* x, int64_t k, bool paired, bool exact_sums, int8_t* q, float* d, float* s,
+void QuantizeActivationRow(const float* x, int64_t k, int interleave, bool exact_sums, int8_t* q, float* d, float* s,
                            float* e, float* pd, int32_t* pc) {
   const int64_t nb = k / kSub;
   for (int64_t b = 0; b < nb; ++b) {
@@ -207,25 +209,25 @@ void QuantizeActivationRow(const float* x, int64_t k, bool paired, bool exact_su
     for (int64_t i = 0; i < kSub; ++i) amax = std::max(amax, std::fabs(xb[i]));
     const float db = amax / 127.0f;
     const float id = db != 0.0f ? 1.0f / db : 0.0f;
-    const bool in_pair = paired && (b | 1) < nb;
-    const int64_t base = in_pair ? (b & ~int64_t{1}) * kSub : b * kSub;
+    const int64_t run = b - b % interleave;  // first block of b's run
+    const bool in_run = interleave > 1 && run + interleave <= nb;
     int sum = 0;
     float exact = 0.0f;
     for (int64_t i = 0; i < kSub; ++i) {
       exact += xb[i];
       const int v = static_cast<int>(std::nearbyint(xb[i] * id));
-      // paired: element i of the pair's first (second) block goes to (i / 16) * 32 + (i % 16) (+ 16)
-      const int64_t at = in_pair ? base + (i / 16) * 32 + (b & 1) * 16 + (i % 16) : base + i;
+      // in a run: element i of its j-th block goes to (i / 16) * 16 P + j * 16 + i % 16
+      const int64_t at = in_run ? run * kSub + (i / 16) * 16 * interleave + (b - run) * 16 + (i % 16) : b * kSub + i;
       q[at] = static_cast<int8_t>(v);
       sum += v;
     }
     d[b] = db;
     s[b] = exact_sums ? exact : db * static_cast<float>(sum);
     if (exact_sums) e[b] = exact - db * static_cast<float>(sum);
-    if (in_pair)
-      for (int j = 0; j < 4; ++j) pd[(b & ~int64_t{1}) * 4 + (b & 1) * 4 + j] = db;
-    if (in_pair && pc != nullptr)
-      for (int j = 0; j < 4; ++j) pc[(b & ~int64_t{1}) * 4 + (b & 1) * 4 + j] = j == 0 ? 8 * sum : 0;
+    if (in_run)
+      for (int j = 0; j < 4; ++j) pd[b * 4 + j] = db;
+    if (in_run && pc != nullptr)
+      for (int j = 0; j < 4; ++j) pc[b * 4 + j] = j == 0 ? 8 * sum : 0;
   }
 }
 
@@ -233,7 +235,7 @@ void QuantizeActivationRow(const float* x, int64_t k, bool paired, bool exact_su
 // written to y[r * cols + c].
 using TileFn = void (*)(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows,
                         int cols, float* y);
-constexpr int kTileRows = 4, kTileCols = 1;
+constexpr int kTileRows = 4, kTileCols = 1, kMaxTileCols = 4;  // kernels may take more columns (SelectTile)
 
 // Every kernel computes, per weight group g and activation block b in g:
 //   d_w[g] * d_x[b] * sum(code * xq)  +  correction,
@@ -265,6 +267,10 @@ void TileScalar(const Weights& w, const QuantizedActivations& a, int64_t col, in
 
 #ifdef TUNIX_RT_X86
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+#define VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+// AVX-512 VNNI (vpdpbusd: four u8 x s8 products into each int32 lane) with F16C.
+bool HasVnni() { return isa_level() >= IsaLevel::kAvx512 && cpu_features().avx512vnni && cpu_features().f16c; }
 
 AVX2_FN inline float HSum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -345,6 +351,29 @@ AVX2_FN void TileAvx2(const Weights& w, const QuantizedActivations& a, int64_t c
     for (int c = 0; c < C; ++c) y[r * C + c] = HSum(acc[r][c]) + (kOffset8 ? -8.0f * corr[r][c] : corr[r][c]);
 }
 
+// q4_1's correction for one column and activation row: the sum over blocks of m * s + 8 * d * e
+// (see QuantizedActivations), eight blocks per step.
+AVX2_FN inline float MinCorrectionAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t row) {
+  const int64_t nb = a.blocks(), groups = w.l.groups();
+  const int shift = GroupShift(w.l.group);
+  const float* xs = a.s.data() + row * nb;
+  const float* xe = a.e.data() + row * nb;
+  const uint16_t* mc = w.mins + col * groups;
+  const uint16_t* dc = static_cast<const uint16_t*>(w.scales) + col * groups;
+  __m256 v = _mm256_setzero_ps();
+  int64_t b = 0;
+  if (shift == 0)
+    for (; b + 8 <= nb; b += 8) {
+      const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mc + b)));
+      const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dc + b)));
+      v = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + b), v);
+      v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), d8), _mm256_loadu_ps(xe + b), v);
+    }
+  float tail = 0.0f;
+  for (; b < nb; ++b) tail += _cvtsh_ss(mc[b >> shift]) * xs[b] + 8.0f * _cvtsh_ss(dc[b >> shift]) * xe[b];
+  return HSum(v) + tail;
+}
+
 // 4-bit formats over paired activations: one 32-byte load unpacks two weight blocks; both
 // blocks' int16 products add before one madd (|sum| <= 4 * 15 * 127, no saturation), and the
 // per-block scales multiply the 8 int32 lanes as [s0 x4, s1 x4].
@@ -358,7 +387,7 @@ AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int6
   float corr[R][C];
   const uint8_t* wrow[C];
   const int8_t* xq[R];
-  const float *xs[R], *xd[R], *pd[R], *xe[R];
+  const float *xs[R], *xd[R], *pd[R];
   const int32_t* pc[R];
   for (int c = 0; c < C; ++c) wrow[c] = w.row(col + c);
   for (int r = 0; r < R; ++r) {
@@ -367,7 +396,6 @@ AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int6
     xs[r] = a.s.data() + (r0 + r) * nb;
     pd[r] = a.pd.data() + (r0 + r) * nb * 4;
     pc[r] = kOffset8 ? a.pc.data() + (r0 + r) * nb * 4 : nullptr;
-    xe[r] = kHasMin ? a.e.data() + (r0 + r) * nb : nullptr;
     for (int c = 0; c < C; ++c) {
       acc[r][c] = _mm256_setzero_ps();
       corr[r][c] = 0.0f;
@@ -419,27 +447,9 @@ AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int6
       }
     }
   }
-  if constexpr (kHasMin) {  // sum over blocks of m * s + 8 * d * e, eight blocks per step
-    for (int c = 0; c < C; ++c) {
-      const uint16_t* mc = w.mins + (col + c) * groups;
-      const uint16_t* dc = static_cast<const uint16_t*>(w.scales) + (col + c) * groups;
-      for (int r = 0; r < R; ++r) {
-        __m256 v = _mm256_setzero_ps();
-        int64_t b = 0;
-        if (shift == 0)
-          for (; b + 8 <= nb; b += 8) {
-            const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mc + b)));
-            const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dc + b)));
-            v = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs[r] + b), v);
-            v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), d8), _mm256_loadu_ps(xe[r] + b), v);
-          }
-        float tail = 0.0f;
-        for (; b < nb; ++b)
-          tail += _cvtsh_ss(mc[b >> shift]) * xs[r][b] + 8.0f * _cvtsh_ss(dc[b >> shift]) * xe[r][b];
-        corr[r][c] = HSum(v) + tail;
-      }
-    }
-  }
+  if constexpr (kHasMin)
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) corr[r][c] = MinCorrectionAvx2(w, a, col + c, r0 + r);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) y[r * C + c] = HSum(acc[r][c]) + (kOffset8 ? -8.0f * corr[r][c] : corr[r][c]);
 }
@@ -463,13 +473,113 @@ void TileAvx2Any(const Weights& w, const QuantizedActivations& a, int64_t col, i
   };
   kTable[rows - 1](w, a, col, r0, rows, cols, y);
 }
+
+// 4-bit formats with AVX-512 VNNI over activations interleaved by 4: one 64-byte load holds four
+// weight blocks, whose low and high nibbles meet the activations in two vpdpbusd; lane j then
+// holds a partial dot of block j / 4, scaled by [d_w d_x] spread the same way.
+template <bool kOffset8, bool kHasMin, bool kF16, int R, int C>
+VNNI_FN void TileQuadsVnni(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int,
+                           float* y) {
+  const int64_t nb = a.blocks(), groups = w.l.groups();
+  const int shift = GroupShift(w.l.group);
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 acc[R][C];
+  __m256 tail[R][C];
+  float corr[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      acc[r][c] = _mm512_setzero_ps();
+      tail[r][c] = _mm256_setzero_ps();
+      corr[r][c] = 0.0f;
+    }
+  const int64_t quads = nb / 4;
+  for (int64_t p = 0; p < quads; ++p) {
+    __m512i lo[C], hi[C];
+    __m512 dw[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i raw = _mm512_loadu_si512(w.row(col + c) + p * 2 * kSub);
+      lo[c] = _mm512_and_si512(raw, mask);
+      hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+      const int64_t s0 = (col + c) * groups;
+      __m128 d4;
+      if (shift == 0) {
+        d4 = kF16 ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w.scales) + s0 + 4 * p)))
+                  : _mm_loadu_ps(static_cast<const float*>(w.scales) + s0 + 4 * p);
+      } else {
+        d4 = _mm_setr_ps(ScaleAt<kF16>(w.scales, s0 + ((4 * p) >> shift)), ScaleAt<kF16>(w.scales, s0 + ((4 * p + 1) >> shift)),
+                         ScaleAt<kF16>(w.scales, s0 + ((4 * p + 2) >> shift)), ScaleAt<kF16>(w.scales, s0 + ((4 * p + 3) >> shift)));
+      }
+      dw[c] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(d4));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = a.q.data() + (r0 + r) * a.k + p * 4 * kSub;
+      const __m512i xlo = _mm512_loadu_si512(xq), xhi = _mm512_loadu_si512(xq + 2 * kSub);
+      __m512i init = _mm512_setzero_si512();
+      if constexpr (kOffset8) init = _mm512_sub_epi32(init, _mm512_loadu_si512(a.pc.data() + ((r0 + r) * nb + 4 * p) * 4));
+      const __m512 xd = _mm512_loadu_ps(a.pd.data() + ((r0 + r) * nb + 4 * p) * 4);
+      for (int c = 0; c < C; ++c) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, lo[c], xlo), hi[c], xhi);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[c], xd), acc[r][c]);
+      }
+    }
+  }
+  for (int64_t b = quads * 4; b < nb; ++b) {  // blocks past the last run of 4 (natural order)
+    for (int c = 0; c < C; ++c) {
+      const __m256i codes = LoadCodes<4>(w.row(col + c), b);
+      const float d = ScaleAt<kF16>(w.scales, (col + c) * groups + (b >> shift));
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (r0 + r) * a.k + b * kSub));
+        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, xv);
+        tail[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a.d[(r0 + r) * nb + b]), tail[r][c]);
+        if constexpr (kOffset8) corr[r][c] -= 8.0f * d * a.s[(r0 + r) * nb + b];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      if constexpr (kHasMin) corr[r][c] = MinCorrectionAvx2(w, a, col + c, r0 + r);
+      y[r * C + c] = _mm512_reduce_add_ps(acc[r][c]) + HSum(tail[r][c]) + corr[r][c];
+    }
+}
+
+constexpr int kVnniTileCols = kMaxTileCols;
+
+
+template <bool kOffset8, bool kHasMin, bool kF16, int R>
+constexpr TileFn kVnniRow[kVnniTileCols] = {
+    TileQuadsVnni<kOffset8, kHasMin, kF16, R, 1>, TileQuadsVnni<kOffset8, kHasMin, kF16, R, 2>,
+    TileQuadsVnni<kOffset8, kHasMin, kF16, R, 3>, TileQuadsVnni<kOffset8, kHasMin, kF16, R, 4>};
+
+template <bool kOffset8, bool kHasMin, bool kF16>
+void TileQuadsVnniAny(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols,
+                      float* y) {
+  static constexpr const TileFn* kTable[kTileRows] = {
+      kVnniRow<kOffset8, kHasMin, kF16, 1>, kVnniRow<kOffset8, kHasMin, kF16, 2>,
+      kVnniRow<kOffset8, kHasMin, kF16, 3>, kVnniRow<kOffset8, kHasMin, kF16, 4>,
+  };
+  kTable[rows - 1][cols - 1](w, a, col, r0, rows, cols, y);
+}
 #endif
 
-// Kernel per format id (rows of kFormats) for the detected ISA tier; `paired` tells the
+// Kernel per format id (rows of kFormats) for the detected ISA tier; `interleave` tells the
 // activation layout it expects.
-TileFn SelectTile(int32_t fmt, bool* paired) {
-  *paired = false;
+TileFn SelectTile(int32_t fmt, int* interleave, int* tile_cols) {
+  *interleave = 1;
+  *tile_cols = kTileCols;
 #ifdef TUNIX_RT_X86
+  if (HasVnni() && kFormats[fmt].bits == 4) {
+    static constexpr TileFn kVnni[kNumFormats] = {
+        nullptr,
+        TileQuadsVnniAny<true, false, true>,    // q4_0
+        TileQuadsVnniAny<false, true, true>,    // q4_1
+        nullptr,
+        TileQuadsVnniAny<true, false, false>,   // int4
+    };
+    *interleave = 4;
+    *tile_cols = kVnniTileCols;
+    return kVnni[fmt];
+  }
   if (isa_level() >= IsaLevel::kAvx2 && cpu_features().f16c) {
     static constexpr TileFn kAvx2[kNumFormats] = {
         TileAvx2Any<8, false, false, true>,  // q8_0
@@ -478,7 +588,7 @@ TileFn SelectTile(int32_t fmt, bool* paired) {
         TileAvx2Any<8, false, false, false>, // int8
         TileAvx2Any<4, true, false, false>,  // int4
     };
-    *paired = kFormats[fmt].bits == 4;
+    *interleave = kFormats[fmt].bits == 4 ? 2 : 1;
     return kAvx2[fmt];
   }
 #endif
@@ -488,10 +598,9 @@ TileFn SelectTile(int32_t fmt, bool* paired) {
 
 // ---- GEMM: exact f32 products over dequantized weight panels ------------------------------------
 //
-// Past kGemvRows rows, dequantizing a panel of weights once and reusing it for every row costs as
-// much per multiply-add as the int8 path without VNNI, so large M takes the exact route: y equals
-// x @ dequantize(qt) up to f32 summation order. `exact` sends small M here too (output heads,
-// whose logits int8 activations would perturb). A panel holds kNR columns x kPanelK rows of
+// Large M (training, scoring, prefill) takes the exact route: y equals x @ dequantize(qt) up to
+// f32 summation order. `exact` sends small M here too (output heads, whose logits int8
+// activations would perturb). A panel holds kNR columns x kPanelK rows of
 // dequantized weights, k-major (panel[k * kNR + j]); x is packed per k panel into kMR-row tiles,
 // k-major too (xp[k * kMR + r]: rows of x are K apart, and a power-of-two K would make them fight
 // over the same L1 sets). The micro-kernel broadcasts one x value per row into kNR columns at
@@ -731,6 +840,203 @@ void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, int64_t
   }
 }
 
+// ---- int8 GEMM with AVX-512 VNNI: kGemvRows < M <= kInt8Rows ----------------------------------
+//
+// vpdpbusd adds four u8 x s8 products into each int32 lane. Rows ride in the 16 lanes: x is
+// repacked once per call so that one 64-byte load holds 4 consecutive k of 16 rows, and each
+// weight column's 4 codes are broadcast to every lane, so no weight is ever repacked. The weight
+// codes are the unsigned operand: 4-bit codes as stored (0..15), 8-bit ones plus 128 (c ^ 0x80);
+// the lanes start at -off * sum(xq) (off = 8 or 128), which leaves sum((code - off) * xq), the
+// same centred dot as the GEMV kernels. q4_1 adds (m + 8 d) times the exact block sum of x.
+// Each 32-block's int32 dot is scaled by d_w * d_x into f32 accumulators, C columns x G row groups
+// at a time. K runs in panels so x's panel stays in L1; the f32 partial sums live in a
+// column-major scratch (16 rows per vector) between panels and are transposed into y at the end.
+constexpr int64_t kInt8Rows = 64;
+constexpr int kLanes = 16;
+constexpr int64_t kVnniPanelBlocks = 8;  // 256-deep K panels
+
+struct RowPackedActivations {
+  int64_t m, nb, groups;   // rows, 32-blocks, groups of 16 rows
+  std::vector<int8_t> x;   // [group][block][quad 8][lane 16][4]
+  std::vector<int32_t> off;  // [group][block][lane]: -off * sum(xq)
+  std::vector<float> d, s;   // [group][block][lane]: x block scale; exact block sum (formats with mins)
+  int64_t at(int64_t g, int64_t b) const { return g * nb + b; }
+};
+
+#ifdef TUNIX_RT_X86
+
+// x (M, K) quantized per 32-block as QuantizeActivationRow does (same scales, same codes: the
+// vector amax, multiply and round-to-nearest-even convert are exact), in the row-packed layout.
+VNNI_FN std::shared_ptr<RowPackedActivations> PackRows(const ffi::AnyBuffer& x, const Layout& l) {
+  auto a = std::make_shared<RowPackedActivations>();
+  const int64_t m = x.dimensions()[0], k = l.k, nb = k / kSub;
+  a->m = m;
+  a->nb = nb;
+  a->groups = (m + kLanes - 1) / kLanes;
+  a->x.assign(a->groups * nb * kSub * kLanes, 0);
+  a->off.assign(a->groups * nb * kLanes, 0);
+  a->d.assign(a->groups * nb * kLanes, 0.0f);
+  a->s.assign(l.f->has_min ? a->groups * nb * kLanes : 0, 0.0f);
+  const int32_t off = l.f->bits == 8 ? 128 : 8;
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  std::vector<float> scratch(k);
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t g = r / kLanes, lane = r % kLanes;
+    const float* row = RowAsF32(x.untyped_data(), bf16, r, k, scratch.data());
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 x0 = _mm512_loadu_ps(row + b * kSub), x1 = _mm512_loadu_ps(row + b * kSub + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      const float d = amax / 127.0f;
+      const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+      alignas(32) int8_t q[kSub];
+      _mm_store_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+      _mm_store_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+      int8_t* dst = a->x.data() + a->at(g, b) * kSub * kLanes + lane * 4;
+      for (int quad = 0; quad < kSub / 4; ++quad) std::memcpy(dst + quad * kLanes * 4, q + 4 * quad, 4);
+      const int64_t v = a->at(g, b) * kLanes + lane;
+      a->off[v] = -off * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      a->d[v] = d;
+      if (l.f->has_min) a->s[v] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+    }
+  }
+  return a;
+}
+
+// acc[c * ld + g * 16 + lane] += row (g * 16 + lane) of x . column cols[c], over blocks [b0, b1).
+template <int G, int C, int kBits, bool kHasMin, bool kF16>
+VNNI_FN void VnniColumns(const Weights& w, const RowPackedActivations& a, int64_t g0, const int64_t* cols,
+                         int64_t b0, int64_t b1, float* acc_out, int64_t ld) {
+  acc_out += g0 * kLanes;
+  const int shift = GroupShift(w.l.group);
+  const int64_t groups = w.l.groups();
+  __m512 acc[G][C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) acc[g][c] = _mm512_loadu_ps(acc_out + c * ld + g * kLanes);
+  alignas(64) uint8_t codes[C][kSub];
+  for (int64_t b = b0; b < b1; ++b) {
+    float dw[C], mw[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* row = w.row(cols[c]);
+      if constexpr (kBits == 8) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kSub));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[c]), _mm256_xor_si256(raw, _mm256_set1_epi8(-128)));
+      } else {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kSub / 2));
+        const __m128i mask = _mm_set1_epi8(0x0f);
+        _mm_store_si128(reinterpret_cast<__m128i*>(codes[c]), _mm_and_si128(raw, mask));
+        _mm_store_si128(reinterpret_cast<__m128i*>(codes[c] + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+      }
+      const int64_t si = cols[c] * groups + (b >> shift);
+      dw[c] = ScaleAt<kF16>(w.scales, si);
+      if constexpr (kHasMin) mw[c] = _cvtsh_ss(w.mins[si]) + 8.0f * dw[c];
+    }
+    __m512i dot[G][C];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const __m512i init = _mm512_loadu_si512(a.off.data() + a.at(g0 + g, b) * kLanes);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) dot[g][c] = init;
+    }
+#pragma GCC unroll 8
+    for (int quad = 0; quad < kSub / 4; ++quad) {
+      __m512i wb[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        int32_t four;
+        std::memcpy(&four, codes[c] + 4 * quad, sizeof(four));
+        wb[c] = _mm512_set1_epi32(four);
+      }
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m512i xv = _mm512_loadu_si512(a.x.data() + (a.at(g0 + g, b) * (kSub / 4) + quad) * kLanes * 4);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) dot[g][c] = _mm512_dpbusd_epi32(dot[g][c], wb[c], xv);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const __m512 dx = _mm512_loadu_ps(a.d.data() + a.at(g0 + g, b) * kLanes);
+      __m512 sx = _mm512_setzero_ps();
+      if constexpr (kHasMin) sx = _mm512_loadu_ps(a.s.data() + a.at(g0 + g, b) * kLanes);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        acc[g][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[g][c]), _mm512_mul_ps(dx, _mm512_set1_ps(dw[c])), acc[g][c]);
+        if constexpr (kHasMin) acc[g][c] = _mm512_fmadd_ps(sx, _mm512_set1_ps(mw[c]), acc[g][c]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc_out + c * ld + g * kLanes, acc[g][c]);
+}
+
+using VnniColumnsFn = void (*)(const Weights&, const RowPackedActivations&, int64_t, const int64_t*, int64_t, int64_t,
+                               float*, int64_t);
+// One call covers `cols` columns and two row groups (`pair`), or one (`single`, for an odd last
+// group): 16 int32 and 16 f32 accumulators, which the 32 vector registers hold without spills.
+struct VnniKernel {
+  VnniColumnsFn pair, single;
+  int cols;
+};
+
+template <int kBits, bool kHasMin, bool kF16>
+VnniKernel VnniFor(int64_t groups) {
+  if (groups == 1) return {nullptr, VnniColumns<1, 8, kBits, kHasMin, kF16>, 8};
+  return {VnniColumns<2, 4, kBits, kHasMin, kF16>, VnniColumns<1, 4, kBits, kHasMin, kF16>, 4};
+}
+
+VnniKernel SelectVnni(int32_t fmt, int64_t groups) {
+  switch (fmt) {
+    case 0: return VnniFor<8, false, true>(groups);   // q8_0
+    case 1: return VnniFor<4, false, true>(groups);   // q4_0
+    case 2: return VnniFor<4, true, true>(groups);    // q4_1
+    case 3: return VnniFor<8, false, false>(groups);  // int8
+    default: return VnniFor<4, false, false>(groups); // int4
+  }
+}
+
+ffi::Future VnniGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuffer& x, ffi::AnyBuffer y) {
+  const std::shared_ptr<RowPackedActivations> a = PackRows(x, w.l);
+  const VnniKernel kernel = SelectVnni(static_cast<int32_t>(w.l.f - kFormats), a->groups);
+  const int64_t n = w.l.n, m = a->m, ld = a->groups * kLanes, nb = a->nb;
+  void* out = y.untyped_data();
+  const bool out_bf16 = y.element_type() == ffi::DataType::BF16;
+  const int64_t tiles = (n + kernel.cols - 1) / kernel.cols;
+  const int64_t chunks = NumChunks(pool, tiles, std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, ld * w.l.k * kernel.cols)));
+  return ParallelFor(pool, tiles, chunks, [=](int64_t, int64_t begin, int64_t end) {
+    const int64_t c_begin = begin * kernel.cols, c_end = std::min(n, end * kernel.cols);
+    std::vector<float> acc((end - begin) * kernel.cols * ld, 0.0f);
+    int64_t cols[8];
+    for (int64_t p0 = 0; p0 < nb; p0 += kVnniPanelBlocks) {
+      const int64_t p1 = std::min(nb, p0 + kVnniPanelBlocks);
+      for (int64_t t = begin; t < end; ++t) {
+        for (int c = 0; c < kernel.cols; ++c) cols[c] = std::min(n - 1, t * kernel.cols + c);  // a short last tile repeats its last column
+        float* tile = acc.data() + (t - begin) * kernel.cols * ld;
+        int64_t g = 0;
+        for (; g + 2 <= a->groups; g += 2) kernel.pair(w, *a, g, cols, p0, p1, tile, ld);
+        if (g < a->groups) kernel.single(w, *a, g, cols, p0, p1, tile, ld);
+      }
+    }
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = c_begin; c < c_end; ++c) {
+        const float v = acc[(c - c_begin) * ld + r];
+        if (out_bf16) {
+          static_cast<uint16_t*>(out)[r * n + c] = F32ToBf16(v);
+        } else {
+          static_cast<float*>(out)[r * n + c] = v;
+        }
+      }
+    (void)a;  // keeps the packed activations alive until every task is done
+    return ffi::Error::Success();
+  });
+}
+#endif
+
 // ---- handlers -----------------------------------------------------------------------------------
 
 bool FloatInput(const ffi::AnyBuffer& b) { return IsF32OrBf16(b.element_type()); }
@@ -831,14 +1137,18 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
   if (m == 0 || l.n == 0) return ReadyFuture(ffi::Error::Success());
   const Weights w{l, static_cast<const uint8_t*>(qs.untyped_data()), scales.untyped_data(),
                   static_cast<const uint16_t*>(mins.untyped_data())};
-  if (exact || m > kGemvRows) return QuantGemm(pool, w, x, *y);
+  if (exact || m > kInt8Rows) return QuantGemm(pool, w, x, *y);
+#ifdef TUNIX_RT_X86
+  if (m > kGemvRows && HasVnni()) return VnniGemm(pool, w, x, *y);
+#endif
 
-  bool paired;
-  const TileFn tile_fn = SelectTile(fmt, &paired);
+  int interleave, tile_cols;
+  const TileFn tile_fn = SelectTile(fmt, &interleave, &tile_cols);
+  const bool paired = interleave > 1;
   auto act = std::make_shared<QuantizedActivations>();
   act->m = m;
   act->k = l.k;
-  act->paired = paired;
+  act->interleave = interleave;
   act->q.resize(m * l.k);
   act->d.resize(m * act->blocks());
   act->s.resize(m * act->blocks());
@@ -849,7 +1159,7 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
     const bool bf16 = x.element_type() == ffi::DataType::BF16;
     std::vector<float> scratch(l.k);
     for (int64_t r = 0; r < m; ++r)
-      QuantizeActivationRow(RowAsF32(x.untyped_data(), bf16, r, l.k, scratch.data()), l.k, paired, l.f->has_min,
+      QuantizeActivationRow(RowAsF32(x.untyped_data(), bf16, r, l.k, scratch.data()), l.k, interleave, l.f->has_min,
                             act->q.data() + r * l.k, act->d.data() + r * act->blocks(),
                             act->s.data() + r * act->blocks(), l.f->has_min ? act->e.data() + r * act->blocks() : nullptr,
                             paired ? act->pd.data() + r * act->blocks() * 4 : nullptr,
@@ -857,14 +1167,14 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
   }
   void* out = y->untyped_data();
   const bool out_bf16 = y->element_type() == ffi::DataType::BF16;
-  const int64_t col_tiles = (l.n + kTileCols - 1) / kTileCols;
-  const int64_t work_per_tile = std::max<int64_t>(1, m * l.k * kTileCols);
+  const int64_t col_tiles = (l.n + tile_cols - 1) / tile_cols;
+  const int64_t work_per_tile = std::max<int64_t>(1, m * l.k * tile_cols);
   const int64_t chunks = NumChunks(pool, col_tiles, std::max<int64_t>(1, (1 << 18) / work_per_tile));
   return ParallelFor(pool, col_tiles, chunks, [=](int64_t, int64_t begin, int64_t end) {
-    float tile[kTileRows * kTileCols];
+    float tile[kTileRows * kMaxTileCols];
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t c0 = t * kTileCols;
-      const int cols = static_cast<int>(std::min<int64_t>(kTileCols, l.n - c0));
+      const int64_t c0 = t * tile_cols;
+      const int cols = static_cast<int>(std::min<int64_t>(tile_cols, l.n - c0));
       for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
         tile_fn(w, *act, c0, r0, rows, cols, tile);

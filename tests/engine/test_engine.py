@@ -25,6 +25,8 @@ from tunix_rt.engine.params import SamplingParams
 from tunix_rt.engine.reference_generator import GenerationConfig, generate as reference_generate
 from tunix_rt.models.config import FULL, SLIDING, ModelConfig, RopeConfig
 from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.quant_layers import QuantLinear
+from tunix_rt.ops.quant import quantize
 from tests.engine.idle import assert_idle
 
 GREEDY = dict(temperature=0.0)
@@ -392,6 +394,41 @@ def test_warmup_compiles_every_plain_program(llama):
     assert engine.warmup() == 0
 
 
+def _quantized_llama() -> Decoder:
+    """The tiny llama with every projection quantized to q4_0 (as GGUF weights load)."""
+    model = Decoder(_llama_config(intermediate_size=64), rngs=nnx.Rngs(2))
+    for layer in model.layers:
+        for parent, names in ((layer.attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for name in names:
+                setattr(parent, name, QuantLinear(quantize(getattr(parent, name).kernel[...], "q4_0")))
+    return model
+
+
+def test_quantized_model_decodes_with_int8_program():
+    """Decode-only steps of 5..64 rows on quantized weights run a twin forward whose QuantLinears
+    take int8_rows=64 (integer dots, as single-stream decode); steps that prefill keep exact
+    products. warmup() compiles the twins, so a batch of 8 streams compiles nothing more, and each
+    stream's greedy tokens equal its own single-stream run."""
+    model = _quantized_llama()
+    engine = _engine(model, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32, block_size=4,
+                     num_kv_blocks=128, token_buckets=(4, 8, 32))
+    runner = engine.runner
+    assert runner.quantized
+    assert [runner.int8_decode(t, True) for t in (4, 8, 32)] == [False, True, False]  # 32 > fit(8 seqs)
+    assert not runner.int8_decode(8, False)
+    compiled = engine.warmup()
+    assert {("forward", 4, False), ("forward", 8, False), ("forward", 8, True), ("forward", 32, False)} <= runner.compiled
+    prompts = _prompts(21, [3, 9, 14, 5, 7, 2, 11, 6])
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    with _backend_compiles() as events:
+        together = engine.generate(prompts, params)
+    assert not events and engine.stats().num_compiles == compiled
+    alone = [engine.generate([p], params)[0] for p in prompts]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert_idle(engine)
+
+
 @pytest.mark.parametrize("buckets", [(4, 8), (0, 16), (4.0, 16), ()])
 def test_bad_token_buckets(llama, buckets):
     with pytest.raises(ValueError, match="token_buckets"):
@@ -408,7 +445,8 @@ def test_no_recompiles_after_warm_up(llama):
         lengths = [t // s + (j < t % s) for j in range(s)]
         engine.reset_prefix_cache()  # so every prompt token is computed
         engine.generate(_prompts(100 + i, lengths), SamplingParams(max_tokens=1, **GREEDY))
-    expected = {("forward", t) for t in runner.token_buckets} | {("sample", t, b, 1, 0, False) for t, b in shapes}
+    assert not runner.quantized  # f32 weights: one forward program per bucket, no int8-decode twin
+    expected = {("forward", t, False) for t in runner.token_buckets} | {("sample", t, b, 1, 0, False) for t, b in shapes}
     assert expected <= runner.compiled
     compiled, num_compiles = set(runner.compiled), engine.stats().num_compiles
     # x {no penalties, penalties} x {no logprobs, logprobs} x {no grammar, grammar}

@@ -5,10 +5,13 @@ What must hold, and how tightly:
   packed bytes (f16 scales/mins, int8 codes, nibble order) and dequantized values, for the FFI op
   and for the reference, on adversarial blocks (ties, zeros, constants, 1e30 / 1e-30, f16-subnormal
   scales, exact .5 rounding points) and bf16 inputs. int8/int4 have no GGUF twin: FFI == reference.
-* quant_matmul, up to 4 rows, quantizes x to int8 per 32-block, so it only approximates
+* quant_matmul, up to int8_rows rows (4 by default, 64 at most), quantizes x to int8 per
+  32-block, so it only approximates
   x @ dequantize(qt): the per-element error is bounded by sum_b (amax_b(x) / 254) * sum_{i in b}
   |w_i| (half an activation step times the weights) plus float rounding; the relative Frobenius
   error is ~0.5%. More rows, or exact=True, multiply by exact dequantized panels: f32 rounding only.
+  Up to 4 rows take GEMV kernels; 5..64 rows the VNNI int8 GEMM where the CPU has it, else 4-row
+  GEMV tiles.
 * Its gradient wrt x is exact: dy @ dequantize(qt).T, the same as through the reference.
 * The references stay bit exact under jit, where XLA contracts multiply-adds into FMAs and turns
   divisions by constants into multiplications.
@@ -41,6 +44,7 @@ from tunix_rt.ops import (
     quantize,
     quantize_reference,
 )
+from tunix_rt.ops.quant import GEMV_ROWS, MAX_INT8_ROWS
 
 QUANTIZE_TARGET, DEQUANTIZE_TARGET, MATMUL_TARGET = "tunix_rt_quantize", "tunix_rt_dequantize", "tunix_rt_quant_matmul"
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
@@ -701,28 +705,53 @@ def test_quant_matmul_frobenius_every_m(fmt, group, dtype):
         rel = np.linalg.norm(_f32(y) - _f32(y_ref)) / np.linalg.norm(_f32(y_ref))
         assert rel <= 1e-2, (m, rel)
         # rows are independent of the other rows in the call: the last row equals the same row in
-        # the smallest call that takes the same kernel (1 row for GEMV, 5 rows for the GEMM)
+        # the smallest call that takes the same kernel (1 row for GEMV, 5 rows for the int8 GEMM)
         alone = quant_matmul(x[m - 1], qt) if m <= GEMV_ROWS else quant_matmul(x[m - GEMV_ROWS - 1:m], qt)[-1]
         np.testing.assert_array_equal(_f32(y[m - 1]), _f32(alone))
 
 
-# quant.cc: up to this many rows the op quantizes x to int8 (GEMV); past it, it multiplies x by
-# exact dequantized weight panels (GEMM), so its result equals x @ dequantize(qt) to f32 rounding.
-GEMV_ROWS = 4
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("fmt,group", FMT_GROUPS)
+def test_quant_matmul_int8_rows(fmt, group, dtype):
+    """With int8_rows=64, 5..64 rows quantize x too (the VNNI int8 GEMM: 16 rows per vector, so 17
+    and 33 leave partial row groups; N = 37 leaves a partial column tile): within the int8 error
+    bound, rows independent of each other, the same under jit; the default stays exact."""
+    k, n = 256, 37
+    rng = np.random.default_rng(17)
+    qt = quantize(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), fmt, group)
+    xs = jnp.asarray(rng.standard_normal((MAX_INT8_ROWS, k)), dtype)
+    for m in (5, 17, 33, MAX_INT8_ROWS):
+        int8 = functools.partial(quant_matmul, int8_rows=MAX_INT8_ROWS)
+        y, five, jitted = int8(xs[:m], qt), int8(xs[m - 5:m], qt), jax.jit(int8)(xs[:m], qt)
+        ref64, bound = matmul_error_bound(_f32(xs[:m]), qt, dtype)
+        err = np.abs(_f32(y).astype(np.float64) - ref64)
+        assert np.all(err <= bound), (m, np.max(err - bound))
+        np.testing.assert_array_equal(_f32(y[-1]), _f32(five[-1]))
+        np.testing.assert_array_equal(_f32(jitted), _f32(y))
+        # by default the same call is exact
+        ref, exact_bound = exact_matmul_bound(_f32(xs[:m]), qt, dtype)
+        assert np.all(np.abs(_f32(quant_matmul(xs[:m], qt)).astype(np.float64) - ref) <= exact_bound), m
+
+
+# Up to GEMV_ROWS rows (int8_rows, at most MAX_INT8_ROWS) the op quantizes x to int8; past
+# that it multiplies x by exact dequantized weight panels, so its result equals x @ dequantize(qt)
+# to f32 rounding.
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("fmt,group", FMT_GROUPS)
 def test_quant_matmul_many_rows_is_exact(fmt, group, dtype):
-    """M > 4 (GEMM over dequantized panels; K = 640 spans two 512-deep panels, N = 7 leaves a
-    partial 3-column tile): equal to x @ dequantize(qt) up to f32 summation order."""
+    """M > 4, or > 64 with int8_rows=64 (GEMM over dequantized panels; K = 640 spans
+    two 512-deep panels, N = 7 leaves a partial 3-column tile): equal to x @ dequantize(qt) up to
+    f32 summation order."""
     k, n = 640, 7
     rng = np.random.default_rng(13)
     qt = quantize(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), fmt, group)
-    for m in (5, 6, 9):
+    for m, rows in ((5, GEMV_ROWS), (6, GEMV_ROWS), (9, GEMV_ROWS), (65, MAX_INT8_ROWS), (70, MAX_INT8_ROWS)):
         x = jnp.asarray(rng.standard_normal((m, k)), dtype)
         ref, bound = exact_matmul_bound(_f32(x), qt, dtype)
-        err = np.abs(_f32(quant_matmul(x, qt)).astype(np.float64) - ref)
+        y = quant_matmul(x, qt, int8_rows=rows)
+        err = np.abs(_f32(y).astype(np.float64) - ref)
         assert np.all(err <= bound), (m, np.max(err / bound))
     # exact=True takes the same route for GEMV-sized M (output heads)
     for m in (1, 3, 4):
@@ -881,21 +910,21 @@ _TIER_SCRIPT = textwrap.dedent(
     out = {}
     rng = np.random.default_rng(99)
     w = jnp.asarray(rng.standard_normal((256, 40)), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((11, 256)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((65, 256)), jnp.float32)
     for fmt, group in (("q8_0", 32), ("q4_0", 32), ("q4_1", 32), ("int8", 64), ("int4", 128)):
         qt = quantize(w, fmt, group)
         out[f"{fmt}_qs"] = np.asarray(qt.qs)
         out[f"{fmt}_scales"] = np.asarray(qt.scales)
         out[f"{fmt}_deq"] = np.asarray(dequantize(qt))
-        for m in (1, 2, 3, 4, 5, 11):
-            out[f"{fmt}_y{m}"] = np.asarray(quant_matmul(x[:m], qt))
-        out[f"{fmt}_ybf16"] = np.asarray(quant_matmul(x.astype(jnp.bfloat16), qt).astype(jnp.float32))
+        for m in (1, 2, 3, 4, 5, 11, 17, 33, 64, 65):  # int8 up to 64 rows, exact at 65
+            out[f"{fmt}_y{m}"] = np.asarray(quant_matmul(x[:m], qt, int8_rows=64))
+        out[f"{fmt}_ybf16"] = np.asarray(quant_matmul(x[:33].astype(jnp.bfloat16), qt, int8_rows=64).astype(jnp.float32))
     np.savez(sys.argv[1], **out)
     print(json.dumps({"isa": _ffi.isa_level()}))
     """
 )
 
-_TIERS = ("scalar", "avx2")
+_TIERS = ("scalar", "avx2", "avx512")
 
 
 @pytest.fixture(scope="module")
@@ -909,27 +938,29 @@ def test_isa_tier_matches_reference(tier_runs, tier):
     assert report["isa"] == expected_tier(tier)
     rng = np.random.default_rng(99)
     w = jnp.asarray(rng.standard_normal((256, 40)), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((11, 256)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((65, 256)), jnp.float32)
     for fmt, group in (("q8_0", 32), ("q4_0", 32), ("q4_1", 32), ("int8", 64), ("int4", 128)):
         qt_ref = quantize_reference(w, fmt, group)
         assert_bits_equal(res[f"{fmt}_qs"], qt_ref.qs, f"{tier} {fmt} qs")
         assert_bits_equal(res[f"{fmt}_scales"], qt_ref.scales, f"{tier} {fmt} scales")
         assert_bits_equal(res[f"{fmt}_deq"], dequantize_reference(qt_ref), f"{tier} {fmt} dequantize")
-        for m in (1, 2, 3, 4, 5, 11):
+        for m in (1, 2, 3, 4, 5, 11, 17, 33, 64, 65):
             y_ref = _np(quant_matmul_reference(x[:m], qt_ref))
             rel = np.linalg.norm(res[f"{fmt}_y{m}"] - y_ref) / np.linalg.norm(y_ref)
             assert rel <= 1e-2, (tier, fmt, m, rel)
             _, bound = matmul_error_bound(_np(x[:m]), qt_ref, F32)
             assert np.all(np.abs(res[f"{fmt}_y{m}"] - y_ref) <= bound), (tier, fmt, m)
-        y_ref = _f32(quant_matmul_reference(x.astype(jnp.bfloat16), qt_ref))
+        y_ref = _f32(quant_matmul_reference(x[:33].astype(jnp.bfloat16), qt_ref))
         assert np.linalg.norm(res[f"{fmt}_ybf16"] - y_ref) / np.linalg.norm(y_ref) <= 1e-2
 
 
 @pytest.mark.skipif(hardware_tier() == "scalar", reason="needs a SIMD tier to compare with scalar")
-def test_isa_tiers_agree(tier_runs):
-    """Same integer dots; only the f32 accumulation order/FMA differ."""
+@pytest.mark.parametrize("tier", _TIERS[1:])
+def test_isa_tiers_agree(tier_runs, tier):
+    """Same integer dots (the VNNI tier quantizes x with vector code to the same bytes and scales);
+    only the f32 accumulation order/FMA differ."""
     _, scalar = tier_runs["scalar"]
-    _, simd = tier_runs["avx2"]
+    _, simd = tier_runs[tier]
     for key in scalar:
         if key.endswith(("_qs", "_scales", "_deq")):
             assert_bits_equal(simd[key], scalar[key], key)
@@ -941,6 +972,18 @@ def test_isa_tiers_agree(tier_runs):
     # the cap selects a different kernel, not only a different name: the f32 accumulation orders
     # differ (scalar adds block by block, AVX2 fuses multiply-adds in 8 lanes), so some bits do
     assert any(not np.array_equal(simd[k], scalar[k]) for k in scalar if "_y" in k)
+
+
+@pytest.mark.skipif(not _ffi.cpu_features().get("avx512_vnni") or hardware_tier() != "avx512",
+                    reason="needs AVX-512 VNNI to run the VNNI kernels")
+def test_vnni_tier_runs_its_own_kernels(tier_runs):
+    """The avx512 cap takes the VNNI GEMV (4-bit formats) and int8 GEMM (5..64 rows), not AVX2's."""
+    _, avx2 = tier_runs["avx2"]
+    _, vnni = tier_runs["avx512"]
+    for fmt in ("q4_0", "q4_1", "int4"):
+        assert not np.array_equal(vnni[f"{fmt}_y1"], avx2[f"{fmt}_y1"]), fmt
+    for fmt in ("q8_0", "q4_0", "q4_1", "int8", "int4"):
+        assert not np.array_equal(vnni[f"{fmt}_y17"], avx2[f"{fmt}_y17"]), fmt
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1079,3 +1122,11 @@ def test_lowered_hlo_contains_custom_calls():
     assert MATMUL_TARGET in both and DEQUANTIZE_TARGET in both
     # and the references contain no custom call
     assert "tunix_rt_" not in jax.jit(quant_matmul_reference).lower(x, qt).as_text()
+
+
+@MATMULS
+@pytest.mark.parametrize("rows", [-1, MAX_INT8_ROWS + 1, 2.0, None, True])
+def test_bad_int8_rows(mm, rows):
+    qt = _good_qt()
+    with pytest.raises(ValueError, match="quant_matmul: int8_rows"):
+        mm(jnp.ones((2, 64), jnp.float32), qt, int8_rows=rows)

@@ -26,6 +26,8 @@ from tunix_rt.engine.scheduler import ScheduledRequest
 from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.decoder import Decoder, head_logits
 from tunix_rt.models.kv_cache import PagedKVCache
+from tunix_rt.models.quant_layers import set_int8_rows
+from tunix_rt.ops.quant import GEMV_ROWS, MAX_INT8_ROWS, QuantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +50,12 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config):
     would be hashed on every call, and flat weight leaves skip pytree flattening. The sampler
     takes only the output head's leaves: every leaf passed costs dispatch time on each step."""
 
-    @functools.partial(jax.jit, donate_argnums=(1, 2))
-    def forward(leaves, k, v, tokens, positions, slots, token_seq, block_tables):
+    @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnums=8)
+    def forward(leaves, k, v, tokens, positions, slots, token_seq, block_tables, int8_decode):
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         cache = PagedKVCache(k, v, slots, token_seq, block_tables)
+        if int8_decode:
+            set_int8_rows(model, MAX_INT8_ROWS)
         h, cache = model.hidden_states(tokens[None], positions[None], cache)
         return h[0], cache.k, cache.v
 
@@ -79,6 +83,8 @@ class ModelRunner:
                  token_buckets: tuple[int, ...] | None = None):
         self.graphdef, state = nnx.split(model)
         self.leaves, self.treedef = jax.tree.flatten(state)
+        self.quantized = any(isinstance(v, QuantizedTensor)
+                             for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, QuantizedTensor)))
         head_def, head_state = nnx.split(model.output_head())
         self.head_leaves, head_treedef = jax.tree.flatten(head_state)
         self._forward, self._sample = _compile_step(self.graphdef, self.treedef, head_def, head_treedef, model.config)
@@ -126,6 +132,12 @@ class ModelRunner:
         self.leaves = [leaf for _, leaf in paths_leaves]
         self.head_leaves = jax.tree.leaves(nnx.state(nnx.merge(self.graphdef, state).output_head()))
 
+    def int8_decode(self, t_b: int, decode_only: bool) -> bool:
+        """Whether a step of token bucket t_b runs the int8-activation program: decode-only steps of
+        5..64 rows (quantized weights take integer dots there, as in single-stream decode). Steps
+        that prefill keep exact products: the prompt's last logits pick the first token."""
+        return self.quantized and decode_only and GEMV_ROWS < t_b <= MAX_INT8_ROWS and t_b <= _fit(self.max_num_seqs, self.token_buckets)
+
     def reachable_shapes(self) -> list[tuple[int, int]]:
         """(token bucket, sequence bucket) pairs a step can land in: s sequences bring at least s tokens."""
         return [(t, b) for t in self.token_buckets for b in self.seq_buckets
@@ -139,9 +151,10 @@ class ModelRunner:
         for t_b in self.token_buckets:
             pad = np.full(t_b, -1, np.int32)
             tables = np.zeros((min(t_b, self.max_num_seqs), self.max_blocks_per_seq), np.int32)
-            self._note_compile(("forward", t_b))
-            hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
-                                                   np.zeros(t_b, np.int32), pad, pad, tables)
+            for int8 in {False, self.int8_decode(t_b, True)}:
+                self._note_compile(("forward", t_b, int8))
+                hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
+                                                       np.zeros(t_b, np.int32), pad, pad, tables, int8)
             for t, b_b in self.reachable_shapes():
                 if t != t_b:
                     continue
@@ -184,8 +197,10 @@ class ModelRunner:
             rows[i] = offset - 1
         params, prompt_hist, output_hist, num_top = self._sampling_inputs(scheduled, b_b)
 
-        self._note_compile(("forward", t_b))
-        hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, tokens, positions, slots, token_seq, tables)
+        int8 = self.int8_decode(t_b, num_tokens == len(scheduled))
+        self._note_compile(("forward", t_b, int8))
+        hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, tokens, positions, slots, token_seq, tables,
+                                               int8)
         bitmask = self._grammar_masks(scheduled, b_b)
         self._note_compile(("sample", t_b, b_b, prompt_hist.shape[1], num_top, bitmask is not None))
         out: SamplerOutput = self._sample(self.head_leaves, hidden, rows, params, prompt_hist, output_hist, num_top,

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_rt.ops.quant import QuantizedTensor, dequantize_reference, quant_matmul
+from tunix_rt.ops.quant import GEMV_ROWS, QuantizedTensor, dequantize_reference, quant_matmul
 
 
 class QuantWeight(nnx.Variable):
@@ -20,15 +20,18 @@ class QuantWeight(nnx.Variable):
 
 
 class QuantLinear(nnx.Module):
-    """y = x @ W (+ b) with W a quantized (in, out) weight."""
+    """y = x @ W (+ b) with W a quantized (in, out) weight; up to `int8_rows` rows of x take int8
+    activations (see quant_matmul)."""
 
-    def __init__(self, weight: QuantizedTensor, bias: jax.Array | None = None, *, exact: bool = False):
+    def __init__(self, weight: QuantizedTensor, bias: jax.Array | None = None, *, exact: bool = False,
+                 int8_rows: int = GEMV_ROWS):
         self.kernel = QuantWeight(weight)
         self.bias = nnx.Param(bias) if bias is not None else None
         self.exact = exact
+        self.int8_rows = int8_rows
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = quant_matmul(x, self.kernel.get_value(), exact=self.exact)
+        y = quant_matmul(x, self.kernel.get_value(), exact=self.exact, int8_rows=self.int8_rows)
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 
@@ -51,3 +54,11 @@ class QuantEmbed(nnx.Module):
 
     def attend(self, h: jax.Array) -> jax.Array:
         return quant_matmul(h, self.table_t.get_value(), exact=True)
+
+
+def set_int8_rows(model: nnx.Module, rows: int) -> None:
+    """Let every QuantLinear in `model` take int8 activations up to `rows` rows: what the engine
+    does to the model it merges inside a decode-only step (that copy lives in one trace only)."""
+    for _, module in model.iter_modules():
+        if isinstance(module, QuantLinear):
+            module.int8_rows = rows

@@ -2,8 +2,9 @@
 
 `quantize(w, fmt)` takes w of shape (K, N) and quantizes along K in blocks (ggml's row blocks: one
 GGUF weight row is one column here). `quant_matmul(x, qt)` ~= x @ dequantize(qt) for x (..., K):
-up to 4 rows the compiled op quantizes x to int8 per 32-block and uses integer dot products, as
-llama.cpp does; more rows (or exact=True) run exact f32 products over dequantized weights. Its
+up to `int8_rows` rows (4 by default; the engine's decode steps pass 64) the compiled op quantizes x
+to int8 per 32-block and uses integer dot products, as llama.cpp does; more rows (scoring,
+training) or exact=True run exact f32 products over dequantized weights. Its
 gradient with respect to x is exact (dy @ dequantize(qt).T) and the weights stay frozen, which is
 what QLoRA needs. Each FFI op has a pure-JAX reference with the same signature; quantize and
 dequantize references reproduce gguf.quants bit for bit.
@@ -23,6 +24,8 @@ from tunix_rt.ops._ffi import platform_dispatch
 
 _QUANTIZE, _DEQUANTIZE, _MATMUL = "tunix_rt_quantize", "tunix_rt_dequantize", "tunix_rt_quant_matmul"
 SUB_BLOCK = 32  # nibble packing and activation blocks
+GEMV_ROWS = 4  # rows that quantize x to int8 by default (single-stream decode)
+MAX_INT8_ROWS = 64  # the most the compiled op's int8 path takes (quant.cc's kInt8Rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,9 +293,17 @@ def _check_matmul(x, qt) -> QuantFormat:
     return f
 
 
-def quant_matmul_reference(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False) -> jax.Array:
-    """x @ dequantize(qt) in f32, cast to x's dtype (`exact` is accepted for a matching signature)."""
+def _check_int8_rows(int8_rows) -> None:
+    if isinstance(int8_rows, bool) or not isinstance(int8_rows, int) or not 0 <= int8_rows <= MAX_INT8_ROWS:
+        raise ValueError(f"quant_matmul: int8_rows must be an int in [0, {MAX_INT8_ROWS}], got {int8_rows!r}")
+
+
+def quant_matmul_reference(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False,
+                           int8_rows: int = GEMV_ROWS) -> jax.Array:
+    """x @ dequantize(qt) in f32, cast to x's dtype (`exact` and `int8_rows` are accepted for a
+    matching signature)."""
     _check_matmul(x, qt)
+    _check_int8_rows(int8_rows)
     w = dequantize_reference(qt)
     return jnp.matmul(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
@@ -330,20 +341,24 @@ def _matmul_bwd(fmt, k, n, group, exact, residuals, dy):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def quant_matmul(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False) -> jax.Array:
+def quant_matmul(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False, int8_rows: int = GEMV_ROWS) -> jax.Array:
     """x (..., K) f32/bf16 times the quantized (K, N) weight -> (..., N) in x's dtype.
 
-    Up to 4 rows the compiled op quantizes x to int8 per 32-block (memory-bound decode, llama.cpp's
-    scheme, ~0.5% relative error); more rows, or `exact=True`, compute x @ dequantize(qt) in f32
-    over dequantized panels. Output heads pass exact=True: their argmax is sensitive to it.
+    Up to `int8_rows` rows (4 by default, at most 64) the compiled op quantizes x to int8 per
+    32-block (decode, llama.cpp's scheme, ~0.5% relative error; AVX-512 VNNI integer dots where the
+    CPU has them); more rows, or `exact=True`, compute x @ dequantize(qt) in f32 over dequantized
+    panels. The engine's decode-only steps pass int8_rows=64; teacher-forced scoring and training
+    keep exact products. Output heads pass exact=True: their argmax is sensitive to it.
     """
     _check_matmul(x, qt)
+    _check_int8_rows(int8_rows)
     k, n = qt.shape
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), k)
+    exact = bool(exact) or x2.shape[0] > int8_rows
 
     def compiled(x2, qs, scales, mins):
-        return _matmul(x2, qs, scales, mins, qt.fmt, k, n, qt.group, bool(exact))
+        return _matmul(x2, qs, scales, mins, qt.fmt, k, n, qt.group, exact)
 
     def reference(x2, qs, scales, mins):
         return quant_matmul_reference(x2, dataclasses.replace(qt, qs=qs, scales=scales, mins=mins))

@@ -600,20 +600,20 @@ TileFn SelectTile(int32_t fmt, int* interleave, int* tile_cols) {
 //
 // Large M (training, scoring, prefill) takes the exact route: y equals x @ dequantize(qt) up to
 // f32 summation order. `exact` sends small M here too (output heads, whose logits int8
-// activations would perturb). A panel holds kNR columns x kPanelK rows of
-// dequantized weights, k-major (panel[k * kNR + j]); x is packed per k panel into kMR-row tiles,
+// activations would perturb). A panel holds nr columns (16, or 32 on AVX-512) x kPanelK rows of
+// dequantized weights, k-major (panel[k * nr + j]); x is packed per k panel into kMR-row tiles,
 // k-major too (xp[k * kMR + r]: rows of x are K apart, and a power-of-two K would make them fight
-// over the same L1 sets). The micro-kernel broadcasts one x value per row into kNR columns at
-// once, keeping kMR x kNR outputs in registers.
+// over the same L1 sets). The micro-kernel broadcasts one x value per row into nr columns at
+// once, keeping kMR x nr outputs in registers.
 constexpr int64_t kGemvRows = 4;
 constexpr int64_t kPanelK = 256;  // a multiple of every group size
 // Stride of the dequantized-column scratch: not a multiple of 1 KiB, so columns 4 apart do not
 // alias in the low 12 address bits (false store-to-load dependencies).
 constexpr int64_t kColStride = kPanelK + 16;
-constexpr int kMR = 6, kNR = 16;
+constexpr int kMR = 6, kNR = 16, kMaxNR = 32;
 
 using DequantFn = void (*)(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out);
-using TransposeFn = void (*)(const float* colbuf, int64_t kk, float* panel);
+using TransposeFn = void (*)(const float* colbuf, int64_t kk, float* panel);  // nr columns
 // The exact path's small-M kernel: y[r * ldy + col] = x[r] . dequantize(column col) for r < m,
 // without building panels. `column` is scratch for K floats (the scalar version's).
 using ColumnDotsFn = void (*)(const Weights& w, int64_t col, const float* x, int64_t m, float* column, float* y,
@@ -680,10 +680,11 @@ AVX2_FN void MicroAvx2(const float* xp, const float* panel, int64_t kk, float* y
     for (int j = 0; j < cols; ++j) y[r * ldy + j] += tile[r][j];
 }
 
-// The panel (k-major, kNR wide) from kNR dequantized columns (colbuf[j * kColStride + i]), by 8 x 8
-// register transposes: strided scalar stores cost more than the multiply-adds they feed.
+// The panel (k-major, kNRt wide) from kNRt dequantized columns (colbuf[j * kColStride + i]), by
+// 8 x 8 register transposes: strided scalar stores cost more than the multiply-adds they feed.
+template <int kNRt>
 AVX2_FN void TransposePanelAvx2(const float* colbuf, int64_t kk, float* panel) {
-  for (int jb = 0; jb < kNR; jb += 8) {
+  for (int jb = 0; jb < kNRt; jb += 8) {
     for (int64_t i0 = 0; i0 < kk; i0 += 8) {
       __m256 r[8];
       for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(colbuf + (jb + j) * kColStride + i0);
@@ -700,7 +701,7 @@ AVX2_FN void TransposePanelAvx2(const float* colbuf, int64_t kk, float* panel) {
           _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
           _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
           _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
-      for (int k = 0; k < 8; ++k) _mm256_storeu_ps(panel + (i0 + k) * kNR + jb, out[k]);
+      for (int k = 0; k < 8; ++k) _mm256_storeu_ps(panel + (i0 + k) * kNRt + jb, out[k]);
     }
   }
 }
@@ -709,6 +710,55 @@ void MicroAvx2Any(const float* xp, const float* panel, int64_t kk, float* y, int
   using F = void (*)(const float*, const float*, int64_t, float*, int64_t, int);
   static constexpr F kTable[kMR] = {MicroAvx2<1>, MicroAvx2<2>, MicroAvx2<3>,
                                     MicroAvx2<4>, MicroAvx2<5>, MicroAvx2<6>};
+  kTable[rows - 1](xp, panel, kk, y, ldy, cols);
+}
+
+#define AVX512_FN __attribute__((target("avx512f,avx2,fma,f16c")))
+
+// The AVX-512 micro-kernel: R rows x 32 columns (two zmm per row) of a 32-wide panel.
+template <int R>
+AVX512_FN void MicroAvx512(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int cols) {
+  __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t k = 0; k < kk; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(panel + k * kMaxNR), b1 = _mm512_loadu_ps(panel + k * kMaxNR + 16);
+    const float* a = xp + k * kMR;
+#define TUNIX_RT_ROW(r, lo, hi)                       \
+  if constexpr (R > r) {                              \
+    const __m512 ar = _mm512_set1_ps(a[r]);           \
+    lo = _mm512_fmadd_ps(ar, b0, lo);                 \
+    hi = _mm512_fmadd_ps(ar, b1, hi);                 \
+  }
+    TUNIX_RT_ROW(0, c00, c01)
+    TUNIX_RT_ROW(1, c10, c11)
+    TUNIX_RT_ROW(2, c20, c21)
+    TUNIX_RT_ROW(3, c30, c31)
+    TUNIX_RT_ROW(4, c40, c41)
+    TUNIX_RT_ROW(5, c50, c51)
+#undef TUNIX_RT_ROW
+  }
+  const __m512 acc[kMR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+  if (cols == kMaxNR) {
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) {
+        float* out = y + r * ldy + 16 * h;
+        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), acc[r][h]));
+      }
+    return;
+  }
+  alignas(64) float tile[kMR][kMaxNR];
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(tile[r], acc[r][0]);
+    _mm512_store_ps(tile[r] + 16, acc[r][1]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < cols; ++j) y[r * ldy + j] += tile[r][j];
+}
+
+void MicroAvx512Any(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int rows, int cols) {
+  using F = void (*)(const float*, const float*, int64_t, float*, int64_t, int);
+  static constexpr F kTable[kMR] = {MicroAvx512<1>, MicroAvx512<2>, MicroAvx512<3>,
+                                    MicroAvx512<4>, MicroAvx512<5>, MicroAvx512<6>};
   kTable[rows - 1](xp, panel, kk, y, ldy, cols);
 }
 
@@ -780,10 +830,11 @@ struct GemmKernels {
   TransposeFn transpose;
   MicroFn micro;
   ColumnDotsFn column_dots;
+  int nr;  // panel width
 };
 
 GemmKernels SelectGemm(int32_t fmt) {
-  GemmKernels g{DequantizeRange, TransposePanelScalar, MicroScalar, ColumnDotsScalar};
+  GemmKernels g{DequantizeRange, TransposePanelScalar, MicroScalar, ColumnDotsScalar, kNR};
 #ifdef TUNIX_RT_X86
   if (isa_level() >= IsaLevel::kAvx2 && cpu_features().f16c) {
     static constexpr DequantFn kDeq[kNumFormats] = {
@@ -796,15 +847,35 @@ GemmKernels SelectGemm(int32_t fmt) {
         ColumnDotsAvx2<4, false, true, true>,  ColumnDotsAvx2<8, false, false, false>,
         ColumnDotsAvx2<4, true, false, false>,
     };
-    g = GemmKernels{kDeq[fmt], TransposePanelAvx2, MicroAvx2Any, kDots[fmt]};
+    g = isa_level() >= IsaLevel::kAvx512
+            ? GemmKernels{kDeq[fmt], TransposePanelAvx2<kMaxNR>, MicroAvx512Any, kDots[fmt], kMaxNR}
+            : GemmKernels{kDeq[fmt], TransposePanelAvx2<kNR>, MicroAvx2Any, kDots[fmt], kNR};
   }
 #endif
   return g;
 }
 
 // Columns [c_begin, c_end) of y (f32, row stride n, zeroed) from f32 x (M, K).
-void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, int64_t m, float* y, int64_t c_begin,
-                 int64_t c_end) {
+// x (M, K) in the micro-kernels' layout, once per call (every column chunk reads it): per K panel,
+// kMR-row tiles k-major, rows past M zero. Panel p, tile t starts at ((p * row_tiles + t) * kPanelK) * kMR.
+std::vector<float> PackPanels(const float* x, int64_t m, int64_t k) {
+  const int64_t row_tiles = (m + kMR - 1) / kMR, panels = (k + kPanelK - 1) / kPanelK;
+  std::vector<float> xp(panels * row_tiles * kPanelK * kMR, 0.0f);
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t k0 = p * kPanelK, kk = std::min(kPanelK, k - k0);
+    for (int64_t row = 0; row < m; ++row) {
+      float* dst = xp.data() + ((p * row_tiles + row / kMR) * kPanelK) * kMR + row % kMR;
+      const float* src = x + row * k + k0;
+      for (int64_t i = 0; i < kk; ++i) dst[i * kMR] = src[i];
+    }
+  }
+  return xp;
+}
+
+// Columns [c_begin, c_end) of y (f32, row stride n, zeroed) from x (M, K) f32, or, past kGemvRows
+// rows, from x packed by PackPanels.
+void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, const float* xp_all, int64_t m, float* y,
+                 int64_t c_begin, int64_t c_end) {
   const int64_t k = w.l.k, n = w.l.n;
   if (m <= kGemvRows) {  // too few rows to pay for panels: dequantize a column, dot it with each row
     std::vector<float> column(k);
@@ -812,18 +883,13 @@ void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, int64_t
     return;
   }
   const int64_t row_tiles = (m + kMR - 1) / kMR;
-  std::vector<float> panel(kPanelK * kNR), columns(kNR * kColStride), xp(row_tiles * kPanelK * kMR);
+  std::vector<float> panel(kPanelK * g.nr), columns(g.nr * kColStride);
   for (int64_t k0 = 0; k0 < k; k0 += kPanelK) {
     const int64_t kk = std::min(kPanelK, k - k0);
-    for (int64_t t = 0; t < row_tiles; ++t)  // pack x[:, k0:k0+kk]; rows past M are zero
-      for (int64_t i = 0; i < kk; ++i)
-        for (int r = 0; r < kMR; ++r) {
-          const int64_t row = t * kMR + r;
-          xp[(t * kPanelK + i) * kMR + r] = row < m ? x[row * k + k0 + i] : 0.0f;
-        }
-    for (int64_t c0 = c_begin; c0 < c_end; c0 += kNR) {
-      const int cols = static_cast<int>(std::min<int64_t>(kNR, c_end - c0));
-      for (int j = 0; j < kNR; ++j) {  // columns past the end stay zero
+    const float* xp = xp_all + (k0 / kPanelK) * row_tiles * kPanelK * kMR;
+    for (int64_t c0 = c_begin; c0 < c_end; c0 += g.nr) {
+      const int cols = static_cast<int>(std::min<int64_t>(g.nr, c_end - c0));
+      for (int j = 0; j < g.nr; ++j) {  // columns past the end stay zero
         float* col = columns.data() + j * kColStride;
         if (j < cols) {
           g.deq(w, c0 + j, k0, kk, col);
@@ -834,7 +900,7 @@ void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, int64_t
       g.transpose(columns.data(), kk, panel.data());
       for (int64_t r0 = 0; r0 < m; r0 += kMR) {
         const int rows = static_cast<int>(std::min<int64_t>(kMR, m - r0));
-        g.micro(xp.data() + (r0 / kMR) * kPanelK * kMR, panel.data(), kk, y + r0 * n + c0, n, rows, cols);
+        g.micro(xp + (r0 / kMR) * kPanelK * kMR, panel.data(), kk, y + r0 * n + c0, n, rows, cols);
       }
     }
   }
@@ -1109,17 +1175,19 @@ ffi::Future QuantGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuf
   }
   uint16_t* y_bf16 = out_bf16 ? static_cast<uint16_t*>(y.untyped_data()) : nullptr;
   const GemmKernels kernels = SelectGemm(static_cast<int32_t>(w.l.f - kFormats));
-  const int64_t col_tiles = (n + kNR - 1) / kNR;
-  const int64_t chunks = NumChunks(pool, col_tiles, std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, m * k * kNR)));
+  auto xp = std::make_shared<std::vector<float>>(m > kGemvRows ? PackPanels(xf, m, k) : std::vector<float>());
+  const int64_t nr = kernels.nr, col_tiles = (n + nr - 1) / nr;
+  const int64_t chunks = NumChunks(pool, col_tiles, std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, m * k * nr)));
   return ParallelFor(pool, col_tiles, chunks, [=](int64_t, int64_t begin, int64_t end) {
-    const int64_t c_begin = begin * kNR, c_end = std::min(n, end * kNR);
+    const int64_t c_begin = begin * nr, c_end = std::min(n, end * nr);
     for (int64_t r = 0; r < m; ++r) std::fill(yf + r * n + c_begin, yf + r * n + c_end, 0.0f);
-    GemmColumns(w, kernels, xf, m, yf, c_begin, c_end);
+    GemmColumns(w, kernels, xf, xp->data(), m, yf, c_begin, c_end);
     if (y_bf16)
       for (int64_t r = 0; r < m; ++r)
         for (int64_t c = c_begin; c < c_end; ++c) y_bf16[r * n + c] = F32ToBf16(yf[r * n + c]);
-    (void)x_copy;  // keeps the bf16 conversions alive until every task is done
+    (void)x_copy;  // keeps the bf16 conversions and the packed x alive until every task is done
     (void)y_copy;
+    (void)xp;
     return ffi::Error::Success();
   });
 }

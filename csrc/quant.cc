@@ -8,7 +8,7 @@
 // Quantize/dequantize follow ggml's reference arithmetic step by step (this file builds with
 // -ffp-contract=off), so the bytes equal gguf.quants'. The matmul quantizes activations to int8
 // per 32-block on the fly and takes integer dot products (llama.cpp's q8 scheme) for up to
-// kInt8Rows rows (Python decides how many: see int8_activation_rows); more rows, or `exact`, take
+// kInt8Rows rows (Python decides how many: quant_matmul's int8_rows); more rows, or `exact`, take
 // exact f32 products over dequantized weight panels.
 #include <algorithm>
 #include <cmath>
@@ -545,7 +545,6 @@ VNNI_FN void TileQuadsVnni(const Weights& w, const QuantizedActivations& a, int6
 
 constexpr int kVnniTileCols = kMaxTileCols;
 
-
 template <bool kOffset8, bool kHasMin, bool kF16, int R>
 constexpr TileFn kVnniRow[kVnniTileCols] = {
     TileQuadsVnni<kOffset8, kHasMin, kF16, R, 1>, TileQuadsVnni<kOffset8, kHasMin, kF16, R, 2>,
@@ -823,6 +822,50 @@ AVX2_FN void ColumnDotsAvx2(const Weights& w, int64_t col, const float* x, int64
   }
   for (int64_t r = 0; r < m; ++r) y[r * ldy + col] = HSum(_mm256_add_ps(acc0[r], acc1[r]));
 }
+
+// ColumnDotsAvx2 with 16 lanes: the same dequantized values (d * q, or d * q + m) from 16 codes
+// at a time; two accumulators per row halve the multiply-add chain.
+template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
+AVX512_FN void ColumnDotsAvx512(const Weights& w, int64_t col, const float* x, int64_t m, float*, float* y,
+                                int64_t ldy) {
+  const int64_t k = w.l.k, groups = w.l.groups();
+  const int shift = GroupShift(w.l.group);
+  const uint8_t* row = w.row(col);
+  __m512 acc0[kGemvRows], acc1[kGemvRows];
+  for (int64_t r = 0; r < m; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < k / kSub; ++b) {
+    __m512i c0, c1;
+    if constexpr (kBits == 8) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kSub));
+      c0 = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw));
+      c1 = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1));
+    } else {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kSub / 2));
+      const __m128i mask = _mm_set1_epi8(0x0f);
+      c0 = _mm512_cvtepu8_epi32(_mm_and_si128(raw, mask));
+      c1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+    }
+    const int64_t si = col * groups + (b >> shift);
+    const __m512 d = _mm512_set1_ps(ScaleAt<kF16>(w.scales, si));
+    __m512 q0 = _mm512_cvtepi32_ps(c0), q1 = _mm512_cvtepi32_ps(c1);
+    if constexpr (kOffset8) {
+      q0 = _mm512_sub_ps(q0, _mm512_set1_ps(8.0f));
+      q1 = _mm512_sub_ps(q1, _mm512_set1_ps(8.0f));
+    }
+    __m512 v0 = _mm512_mul_ps(d, q0), v1 = _mm512_mul_ps(d, q1);
+    if constexpr (kHasMin) {
+      const __m512 mn = _mm512_set1_ps(_cvtsh_ss(w.mins[si]));
+      v0 = _mm512_add_ps(v0, mn);
+      v1 = _mm512_add_ps(v1, mn);
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xb = x + r * k + b * kSub;
+      acc0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), v0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), v1, acc1[r]);
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) y[r * ldy + col] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+}
 #endif
 
 struct GemmKernels {
@@ -847,8 +890,13 @@ GemmKernels SelectGemm(int32_t fmt) {
         ColumnDotsAvx2<4, false, true, true>,  ColumnDotsAvx2<8, false, false, false>,
         ColumnDotsAvx2<4, true, false, false>,
     };
+    static constexpr ColumnDotsFn kDots512[kNumFormats] = {
+        ColumnDotsAvx512<8, false, false, true>, ColumnDotsAvx512<4, true, false, true>,
+        ColumnDotsAvx512<4, false, true, true>,  ColumnDotsAvx512<8, false, false, false>,
+        ColumnDotsAvx512<4, true, false, false>,
+    };
     g = isa_level() >= IsaLevel::kAvx512
-            ? GemmKernels{kDeq[fmt], TransposePanelAvx2<kMaxNR>, MicroAvx512Any, kDots[fmt], kMaxNR}
+            ? GemmKernels{kDeq[fmt], TransposePanelAvx2<kMaxNR>, MicroAvx512Any, kDots512[fmt], kMaxNR}
             : GemmKernels{kDeq[fmt], TransposePanelAvx2<kNR>, MicroAvx2Any, kDots[fmt], kNR};
   }
 #endif

@@ -918,6 +918,7 @@ _TIER_SCRIPT = textwrap.dedent(
         out[f"{fmt}_deq"] = np.asarray(dequantize(qt))
         for m in (1, 2, 3, 4, 5, 11, 17, 33, 64, 65):  # int8 up to 64 rows, exact at 65
             out[f"{fmt}_y{m}"] = np.asarray(quant_matmul(x[:m], qt, int8_rows=64))
+        out[f"{fmt}_yexact3"] = np.asarray(quant_matmul(x[:3], qt, exact=True))  # column dots
         out[f"{fmt}_ybf16"] = np.asarray(quant_matmul(x[:33].astype(jnp.bfloat16), qt, int8_rows=64).astype(jnp.float32))
     np.savez(sys.argv[1], **out)
     print(json.dumps({"isa": _ffi.isa_level()}))
@@ -952,6 +953,8 @@ def test_isa_tier_matches_reference(tier_runs, tier):
             assert np.all(np.abs(res[f"{fmt}_y{m}"] - y_ref) <= bound), (tier, fmt, m)
         y_ref = _f32(quant_matmul_reference(x[:33].astype(jnp.bfloat16), qt_ref))
         assert np.linalg.norm(res[f"{fmt}_ybf16"] - y_ref) / np.linalg.norm(y_ref) <= 1e-2
+        ref, bound = exact_matmul_bound(_np(x[:3]), qt_ref, F32)
+        assert np.all(np.abs(res[f"{fmt}_yexact3"] - ref) <= bound), (tier, fmt)
 
 
 @pytest.mark.skipif(hardware_tier() == "scalar", reason="needs a SIMD tier to compare with scalar")

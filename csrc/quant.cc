@@ -95,6 +95,28 @@ struct Weights {
   const uint8_t* row(int64_t col) const { return qs + col * l.row_bytes(); }
 };
 
+// Software prefetch for GEMVs: a small weight (K = 576: 288-byte columns) streams too briefly for
+// the hardware prefetchers to ramp up, and decode waits on memory. Kernels walk columns in order,
+// so loading columns about kPrefetchBytes ahead (their codes, scales and mins) hides the latency
+// (default-model decode forward: about 11 ms -> 6 ms).
+constexpr int64_t kPrefetchBytes = 4096;
+inline int64_t PrefetchAhead(const Layout& l) { return (kPrefetchBytes + l.row_bytes() - 1) / l.row_bytes(); }
+
+inline void PrefetchRange(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+
+// Columns [c0, c0 + count) clipped to the weight.
+inline void PrefetchColumns(const Weights& w, int64_t c0, int64_t count) {
+  const int64_t c1 = std::min(w.l.n, c0 + count);
+  if (c0 >= c1) return;
+  const int64_t scale_bytes = w.l.f->f16_scales ? 2 : 4;
+  PrefetchRange(w.row(c0), (c1 - c0) * w.l.row_bytes());
+  PrefetchRange(static_cast<const char*>(w.scales) + c0 * w.l.groups() * scale_bytes, (c1 - c0) * w.l.groups() * scale_bytes);
+  if (w.l.f->has_min) PrefetchRange(w.mins + c0 * w.l.groups(), (c1 - c0) * w.l.groups() * 2);
+}
+
 // ---- quantize / dequantize (scalar, exact) ------------------------------------------------------
 
 void StoreScale(const Layout& l, void* scales, int64_t i, float d) {
@@ -927,7 +949,12 @@ void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, const f
   const int64_t k = w.l.k, n = w.l.n;
   if (m <= kGemvRows) {  // too few rows to pay for panels: dequantize a column, dot it with each row
     std::vector<float> column(k);
-    for (int64_t c = c_begin; c < c_end; ++c) g.column_dots(w, c, x, m, column.data(), y, n);
+    const int64_t ahead = PrefetchAhead(w.l);
+    PrefetchColumns(w, c_begin, ahead);
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      PrefetchColumns(w, c + ahead, 1);
+      g.column_dots(w, c, x, m, column.data(), y, n);
+    }
     return;
   }
   const int64_t row_tiles = (m + kMR - 1) / kMR;
@@ -1285,12 +1312,16 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
   const bool out_bf16 = y->element_type() == ffi::DataType::BF16;
   const int64_t col_tiles = (l.n + tile_cols - 1) / tile_cols;
   const int64_t work_per_tile = std::max<int64_t>(1, m * l.k * tile_cols);
-  const int64_t chunks = NumChunks(pool, col_tiles, std::max<int64_t>(1, (1 << 18) / work_per_tile));
+  // ~16K multiply-adds per chunk: even a 576 x 576 GEMV splits over both threads, which keeps
+  // twice the weight loads in flight (decode is memory-bound; the pool's workers are awake).
+  const int64_t chunks = NumChunks(pool, col_tiles, std::max<int64_t>(1, (int64_t{1} << 14) / work_per_tile));
   return ParallelFor(pool, col_tiles, chunks, [=](int64_t, int64_t begin, int64_t end) {
     float tile[kTileRows * kMaxTileCols];
+    PrefetchColumns(w, begin * tile_cols, PrefetchAhead(w.l));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t c0 = t * tile_cols;
       const int cols = static_cast<int>(std::min<int64_t>(tile_cols, l.n - c0));
+      PrefetchColumns(w, c0 + PrefetchAhead(w.l), cols);
       for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
         tile_fn(w, *act, c0, r0, rows, cols, tile);

@@ -113,8 +113,9 @@ inline void PrefetchColumns(const Weights& w, int64_t c0, int64_t count) {
   if (c0 >= c1) return;
   const int64_t scale_bytes = w.l.f->f16_scales ? 2 : 4;
   PrefetchRange(w.row(c0), (c1 - c0) * w.l.row_bytes());
-  PrefetchRange(static_cast<const char*>(w.scales) + c0 * w.l.groups() * scale_bytes, (c1 - c0) * w.l.groups() * scale_bytes);
-  if (w.l.f->has_min) PrefetchRange(w.mins + c0 * w.l.groups(), (c1 - c0) * w.l.groups() * 2);
+  const int64_t g0 = c0 * w.l.groups(), groups = (c1 - c0) * w.l.groups();
+  PrefetchRange(static_cast<const char*>(w.scales) + g0 * scale_bytes, groups * scale_bytes);
+  if (w.l.f->has_min) PrefetchRange(w.mins + g0, groups * 2);
 }
 
 // ---- quantize / dequantize (scalar, exact) ------------------------------------------------------
@@ -525,12 +526,15 @@ VNNI_FN void TileQuadsVnni(const Weights& w, const QuantizedActivations& a, int6
       hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
       const int64_t s0 = (col + c) * groups;
       __m128 d4;
-      if (shift == 0) {
-        d4 = kF16 ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w.scales) + s0 + 4 * p)))
-                  : _mm_loadu_ps(static_cast<const float*>(w.scales) + s0 + 4 * p);
+      if (shift == 0 && kF16) {
+        const uint16_t* d = static_cast<const uint16_t*>(w.scales) + s0 + 4 * p;
+        d4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d)));
+      } else if (shift == 0) {
+        d4 = _mm_loadu_ps(static_cast<const float*>(w.scales) + s0 + 4 * p);
       } else {
-        d4 = _mm_setr_ps(ScaleAt<kF16>(w.scales, s0 + ((4 * p) >> shift)), ScaleAt<kF16>(w.scales, s0 + ((4 * p + 1) >> shift)),
-                         ScaleAt<kF16>(w.scales, s0 + ((4 * p + 2) >> shift)), ScaleAt<kF16>(w.scales, s0 + ((4 * p + 3) >> shift)));
+        float d[4];
+        for (int j = 0; j < 4; ++j) d[j] = ScaleAt<kF16>(w.scales, s0 + ((4 * p + j) >> shift));
+        d4 = _mm_loadu_ps(d);
       }
       dw[c] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(d4));
     }
@@ -538,7 +542,8 @@ VNNI_FN void TileQuadsVnni(const Weights& w, const QuantizedActivations& a, int6
       const int8_t* xq = a.q.data() + (r0 + r) * a.k + p * 4 * kSub;
       const __m512i xlo = _mm512_loadu_si512(xq), xhi = _mm512_loadu_si512(xq + 2 * kSub);
       __m512i init = _mm512_setzero_si512();
-      if constexpr (kOffset8) init = _mm512_sub_epi32(init, _mm512_loadu_si512(a.pc.data() + ((r0 + r) * nb + 4 * p) * 4));
+      if constexpr (kOffset8)
+        init = _mm512_sub_epi32(init, _mm512_loadu_si512(a.pc.data() + ((r0 + r) * nb + 4 * p) * 4));
       const __m512 xd = _mm512_loadu_ps(a.pd.data() + ((r0 + r) * nb + 4 * p) * 4);
       for (int c = 0; c < C; ++c) {
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, lo[c], xlo), hi[c], xhi);
@@ -1148,7 +1153,8 @@ ffi::Future VnniGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuff
   void* out = y.untyped_data();
   const bool out_bf16 = y.element_type() == ffi::DataType::BF16;
   const int64_t tiles = (n + kernel.cols - 1) / kernel.cols;
-  const int64_t chunks = NumChunks(pool, tiles, std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, ld * w.l.k * kernel.cols)));
+  const int64_t work_per_tile = std::max<int64_t>(1, ld * w.l.k * kernel.cols);
+  const int64_t chunks = NumChunks(pool, tiles, std::max<int64_t>(1, (1 << 18) / work_per_tile));
   return ParallelFor(pool, tiles, chunks, [=](int64_t, int64_t begin, int64_t end) {
     const int64_t c_begin = begin * kernel.cols, c_end = std::min(n, end * kernel.cols);
     std::vector<float> acc((end - begin) * kernel.cols * ld, 0.0f);
@@ -1156,7 +1162,8 @@ ffi::Future VnniGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuff
     for (int64_t p0 = 0; p0 < nb; p0 += kVnniPanelBlocks) {
       const int64_t p1 = std::min(nb, p0 + kVnniPanelBlocks);
       for (int64_t t = begin; t < end; ++t) {
-        for (int c = 0; c < kernel.cols; ++c) cols[c] = std::min(n - 1, t * kernel.cols + c);  // a short last tile repeats its last column
+        // a short last tile repeats its last column (into scratch columns nobody reads)
+        for (int c = 0; c < kernel.cols; ++c) cols[c] = std::min(n - 1, t * kernel.cols + c);
         float* tile = acc.data() + (t - begin) * kernel.cols * ld;
         int64_t g = 0;
         for (; g + 2 <= a->groups; g += 2) kernel.pair(w, *a, g, cols, p0, p1, tile, ld);

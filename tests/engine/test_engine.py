@@ -418,7 +418,8 @@ def test_quantized_model_decodes_with_int8_program():
     assert [runner.int8_decode(t, True) for t in (4, 8, 32)] == [False, True, False]  # 32 > fit(8 seqs)
     assert not runner.int8_decode(8, False)
     compiled = engine.warmup()
-    assert {("forward", 4, False), ("forward", 8, False), ("forward", 8, True), ("forward", 32, False)} <= runner.compiled
+    forwards = {("forward", 4, False), ("forward", 8, False), ("forward", 8, True), ("forward", 32, False)}
+    assert forwards <= runner.compiled
     prompts = _prompts(21, [3, 9, 14, 5, 7, 2, 11, 6])
     params = SamplingParams(max_tokens=10, **GREEDY)
     with _backend_compiles() as events:

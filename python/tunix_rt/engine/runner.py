@@ -136,7 +136,8 @@ class ModelRunner:
         """Whether a step of token bucket t_b runs the int8-activation program: decode-only steps of
         5..64 rows (quantized weights take integer dots there, as in single-stream decode). Steps
         that prefill keep exact products: the prompt's last logits pick the first token."""
-        return self.quantized and decode_only and GEMV_ROWS < t_b <= MAX_INT8_ROWS and t_b <= _fit(self.max_num_seqs, self.token_buckets)
+        largest_decode = next((t for t in self.token_buckets if t >= self.max_num_seqs), self.token_buckets[-1])
+        return self.quantized and decode_only and GEMV_ROWS < t_b <= min(MAX_INT8_ROWS, largest_decode)
 
     def reachable_shapes(self) -> list[tuple[int, int]]:
         """(token bucket, sequence bucket) pairs a step can land in: s sequences bring at least s tokens."""

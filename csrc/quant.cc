@@ -1124,7 +1124,7 @@ VNNI_FN void VnniColumns(const Weights& w, const RowPackedActivations& a, int64_
 using VnniColumnsFn = void (*)(const Weights&, const RowPackedActivations&, int64_t, const int64_t*, int64_t, int64_t,
                                float*, int64_t);
 // One call covers `cols` columns and two row groups (`pair`), or one (`single`, for an odd last
-// group): 16 int32 and 16 f32 accumulators, which the 32 vector registers hold without spills.
+// group): 8 int32 and 8 f32 accumulators plus the broadcast codes fit the 32 vector registers.
 struct VnniKernel {
   VnniColumnsFn pair, single;
   int cols;

@@ -216,7 +216,6 @@ void DequantizeRange(const Weights& w, int64_t col, int64_t k0, int64_t kk, floa
 // natural order.
 struct QuantizedActivations {
   int64_t m, k;
-  int interleave;
   std::vector<int8_t> q;
   std::vector<float> d, s, e, pd;
   std::vector<int32_t> pc;
@@ -1298,7 +1297,6 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
   auto act = std::make_shared<QuantizedActivations>();
   act->m = m;
   act->k = l.k;
-  act->interleave = interleave;
   act->q.resize(m * l.k);
   act->d.resize(m * act->blocks());
   act->s.resize(m * act->blocks());
@@ -1324,11 +1322,12 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
   const int64_t chunks = NumChunks(pool, col_tiles, std::max<int64_t>(1, (int64_t{1} << 14) / work_per_tile));
   return ParallelFor(pool, col_tiles, chunks, [=](int64_t, int64_t begin, int64_t end) {
     float tile[kTileRows * kMaxTileCols];
-    PrefetchColumns(w, begin * tile_cols, PrefetchAhead(w.l));
+    const int64_t ahead = PrefetchAhead(w.l);
+    PrefetchColumns(w, begin * tile_cols, ahead);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t c0 = t * tile_cols;
       const int cols = static_cast<int>(std::min<int64_t>(tile_cols, l.n - c0));
-      PrefetchColumns(w, c0 + PrefetchAhead(w.l), cols);
+      PrefetchColumns(w, c0 + ahead, cols);
       for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
         tile_fn(w, *act, c0, r0, rows, cols, tile);

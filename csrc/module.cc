@@ -14,6 +14,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(DequantizeHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantMatmulHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(WriteKvHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PagedAttentionHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeRouteHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoePermuteHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeUnpermuteHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeUnpermuteBwdHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedMatmulHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedMatmulDwHandler);
 }  // namespace tunix_rt
 
 namespace {
@@ -38,6 +44,12 @@ NB_MODULE(_ext, m) {
     d["tunix_rt_quant_matmul"] = Capsule(tunix_rt::QuantMatmulHandler);
     d["tunix_rt_write_kv"] = Capsule(tunix_rt::WriteKvHandler);
     d["tunix_rt_paged_attention"] = Capsule(tunix_rt::PagedAttentionHandler);
+    d["tunix_rt_moe_route"] = Capsule(tunix_rt::MoeRouteHandler);
+    d["tunix_rt_moe_permute"] = Capsule(tunix_rt::MoePermuteHandler);
+    d["tunix_rt_moe_unpermute"] = Capsule(tunix_rt::MoeUnpermuteHandler);
+    d["tunix_rt_moe_unpermute_bwd"] = Capsule(tunix_rt::MoeUnpermuteBwdHandler);
+    d["tunix_rt_grouped_matmul"] = Capsule(tunix_rt::GroupedMatmulHandler);
+    d["tunix_rt_grouped_matmul_dw"] = Capsule(tunix_rt::GroupedMatmulDwHandler);
     return d;
   });
 

@@ -18,6 +18,7 @@
 
 #include "cpu_features.h"
 #include "ffi_common.h"
+#include "gemm_f32.h"
 #include "parallel.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -635,7 +636,6 @@ constexpr int64_t kPanelK = 256;  // a multiple of every group size
 // Stride of the dequantized-column scratch: not a multiple of 1 KiB, so columns 4 apart do not
 // alias in the low 12 address bits (false store-to-load dependencies).
 constexpr int64_t kColStride = kPanelK + 16;
-constexpr int kMR = 6, kNR = 16, kMaxNR = 32;
 
 using DequantFn = void (*)(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out);
 using TransposeFn = void (*)(const float* colbuf, int64_t kk, float* panel);  // nr columns
@@ -659,52 +659,7 @@ void TransposePanelScalar(const float* colbuf, int64_t kk, float* panel) {
   for (int j = 0; j < kNR; ++j)
     for (int64_t i = 0; i < kk; ++i) panel[i * kNR + j] = colbuf[j * kColStride + i];
 }
-// y[r * ldy + j] += sum_k xp[k * kMR + r] * panel[k * kNR + j], r < rows, j < cols, k < kk.
-using MicroFn = void (*)(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int rows,
-                         int cols);
-
-void MicroScalar(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int rows, int cols) {
-  for (int r = 0; r < rows; ++r)
-    for (int j = 0; j < cols; ++j) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < kk; ++k) acc += xp[k * kMR + r] * panel[k * kNR + j];
-      y[r * ldy + j] += acc;
-    }
-}
-
 #ifdef TUNIX_RT_X86
-template <int R>
-AVX2_FN void MicroAvx2(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int cols) {
-  // Named accumulators: GCC keeps a 2-D array of them on the stack, storing 12 per step.
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  for (int64_t k = 0; k < kk; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(panel + k * kNR), b1 = _mm256_loadu_ps(panel + k * kNR + 8);
-    const float* a = xp + k * kMR;
-#define TUNIX_RT_ROW(r, lo, hi)                       \
-  if constexpr (R > r) {                              \
-    const __m256 ar = _mm256_broadcast_ss(a + r);     \
-    lo = _mm256_fmadd_ps(ar, b0, lo);                 \
-    hi = _mm256_fmadd_ps(ar, b1, hi);                 \
-  }
-    TUNIX_RT_ROW(0, c00, c01)
-    TUNIX_RT_ROW(1, c10, c11)
-    TUNIX_RT_ROW(2, c20, c21)
-    TUNIX_RT_ROW(3, c30, c31)
-    TUNIX_RT_ROW(4, c40, c41)
-    TUNIX_RT_ROW(5, c50, c51)
-#undef TUNIX_RT_ROW
-  }
-  alignas(32) float tile[kMR][kNR];
-  const __m256 acc[kMR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(tile[r], acc[r][0]);
-    _mm256_store_ps(tile[r] + 8, acc[r][1]);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < cols; ++j) y[r * ldy + j] += tile[r][j];
-}
-
 // The panel (k-major, kNRt wide) from kNRt dequantized columns (colbuf[j * kColStride + i]), by
 // 8 x 8 register transposes: strided scalar stores cost more than the multiply-adds they feed.
 template <int kNRt>
@@ -731,61 +686,7 @@ AVX2_FN void TransposePanelAvx2(const float* colbuf, int64_t kk, float* panel) {
   }
 }
 
-void MicroAvx2Any(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int rows, int cols) {
-  using F = void (*)(const float*, const float*, int64_t, float*, int64_t, int);
-  static constexpr F kTable[kMR] = {MicroAvx2<1>, MicroAvx2<2>, MicroAvx2<3>,
-                                    MicroAvx2<4>, MicroAvx2<5>, MicroAvx2<6>};
-  kTable[rows - 1](xp, panel, kk, y, ldy, cols);
-}
-
 #define AVX512_FN __attribute__((target("avx512f,avx2,fma,f16c")))
-
-// The AVX-512 micro-kernel: R rows x 32 columns (two zmm per row) of a 32-wide panel.
-template <int R>
-AVX512_FN void MicroAvx512(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int cols) {
-  __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  for (int64_t k = 0; k < kk; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(panel + k * kMaxNR), b1 = _mm512_loadu_ps(panel + k * kMaxNR + 16);
-    const float* a = xp + k * kMR;
-#define TUNIX_RT_ROW(r, lo, hi)                       \
-  if constexpr (R > r) {                              \
-    const __m512 ar = _mm512_set1_ps(a[r]);           \
-    lo = _mm512_fmadd_ps(ar, b0, lo);                 \
-    hi = _mm512_fmadd_ps(ar, b1, hi);                 \
-  }
-    TUNIX_RT_ROW(0, c00, c01)
-    TUNIX_RT_ROW(1, c10, c11)
-    TUNIX_RT_ROW(2, c20, c21)
-    TUNIX_RT_ROW(3, c30, c31)
-    TUNIX_RT_ROW(4, c40, c41)
-    TUNIX_RT_ROW(5, c50, c51)
-#undef TUNIX_RT_ROW
-  }
-  const __m512 acc[kMR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-  if (cols == kMaxNR) {
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) {
-        float* out = y + r * ldy + 16 * h;
-        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), acc[r][h]));
-      }
-    return;
-  }
-  alignas(64) float tile[kMR][kMaxNR];
-  for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(tile[r], acc[r][0]);
-    _mm512_store_ps(tile[r] + 16, acc[r][1]);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < cols; ++j) y[r * ldy + j] += tile[r][j];
-}
-
-void MicroAvx512Any(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int rows, int cols) {
-  using F = void (*)(const float*, const float*, int64_t, float*, int64_t, int);
-  static constexpr F kTable[kMR] = {MicroAvx512<1>, MicroAvx512<2>, MicroAvx512<3>,
-                                    MicroAvx512<4>, MicroAvx512<5>, MicroAvx512<6>};
-  kTable[rows - 1](xp, panel, kk, y, ldy, cols);
-}
 
 // Codes of 8 elements as f32: 4-bit codes come as bytes already unpacked.
 AVX2_FN inline __m256 BytesToF32(__m128i bytes8, bool is_signed) {
@@ -903,7 +804,7 @@ struct GemmKernels {
 };
 
 GemmKernels SelectGemm(int32_t fmt) {
-  GemmKernels g{DequantizeRange, TransposePanelScalar, MicroScalar, ColumnDotsScalar, kNR};
+  GemmKernels g{DequantizeRange, TransposePanelScalar, MicroKernelFor(IsaLevel::kScalar).fn, ColumnDotsScalar, kNR};
 #ifdef TUNIX_RT_X86
   if (isa_level() >= IsaLevel::kAvx2 && cpu_features().f16c) {
     static constexpr DequantFn kDeq[kNumFormats] = {
@@ -921,9 +822,9 @@ GemmKernels SelectGemm(int32_t fmt) {
         ColumnDotsAvx512<4, false, true, true>,  ColumnDotsAvx512<8, false, false, false>,
         ColumnDotsAvx512<4, true, false, false>,
     };
-    g = isa_level() >= IsaLevel::kAvx512
-            ? GemmKernels{kDeq[fmt], TransposePanelAvx2<kMaxNR>, MicroAvx512Any, kDots512[fmt], kMaxNR}
-            : GemmKernels{kDeq[fmt], TransposePanelAvx2<kNR>, MicroAvx2Any, kDots[fmt], kNR};
+    const MicroKernel micro = MicroKernelFor(isa_level());
+    g = micro.nr == kMaxNR ? GemmKernels{kDeq[fmt], TransposePanelAvx2<kMaxNR>, micro.fn, kDots512[fmt], kMaxNR}
+                           : GemmKernels{kDeq[fmt], TransposePanelAvx2<kNR>, micro.fn, kDots[fmt], kNR};
   }
 #endif
   return g;

@@ -143,27 +143,86 @@ void PackB(StridedMatrix b, int64_t k0, int64_t kk, int64_t j0, int64_t cols, in
   }
 }
 
-// Few rows: packing B would cost as much as the product. Each output row is built from b's
-// rows (axpy form) or as dots with b's columns, whichever b stores contiguously.
-void SmallRows(StridedMatrix a, StridedMatrix b, int64_t m, int64_t n, int64_t k, float* c, int64_t ldc) {
-  for (int64_t i = 0; i < m; ++i) {
-    float* ci = c + i * ldc;
-    const float* ai = a.data + i * a.row_stride;
-    if (b.col_stride == 1) {
-      for (int64_t p = 0; p < k; ++p) {
-        const float s = ai[p * a.col_stride];
+// Few rows of a row-major b: packing b would cost more than the product, so rows of b are read in
+// place. Each output element sees the micro-kernels' exact arithmetic (a chain from zero over each
+// kPackK slab, fused on the SIMD tiers, then added to c), so a row's result never depends on how
+// many rows share its product: MoE tokens come out the same whatever else was routed with them.
+void SmallRowsScalar(StridedMatrix a, StridedMatrix b, int64_t m, int64_t n, int64_t k, float* c, int64_t ldc) {
+  std::vector<float> acc(n);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t k0 = 0; k0 < k; k0 += kPackK) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t p = k0; p < std::min(k, k0 + kPackK); ++p) {
+        const float s = a.data[i * a.row_stride + p * a.col_stride];
         const float* bp = b.data + p * b.row_stride;
-        for (int64_t j = 0; j < n; ++j) ci[j] += s * bp[j];
+        for (int64_t j = 0; j < n; ++j) acc[j] += s * bp[j];
       }
-    } else {
-      for (int64_t j = 0; j < n; ++j) {
-        const float* bj = b.data + j * b.col_stride;
-        float acc = 0.0f;
-        for (int64_t p = 0; p < k; ++p) acc += ai[p * a.col_stride] * bj[p * b.row_stride];
-        ci[j] += acc;
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] += acc[j];
+    }
+}
+
+#ifdef TUNIX_RT_X86
+constexpr int kSmallVectors = 8;  // accumulators per pass over a slab
+
+AVX512_FN void SmallRowsAvx512(StridedMatrix a, StridedMatrix b, int64_t m, int64_t n, int64_t k, float* c,
+                               int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j0 = 0; j0 < n; j0 += 16 * kSmallVectors) {
+      __mmask16 mask[kSmallVectors];
+      for (int v = 0; v < kSmallVectors; ++v) {
+        const int64_t left = std::clamp<int64_t>(n - j0 - 16 * v, 0, 16);
+        mask[v] = static_cast<__mmask16>((1u << left) - 1u);
+      }
+      for (int64_t k0 = 0; k0 < k; k0 += kPackK) {
+        __m512 acc[kSmallVectors];
+        for (int v = 0; v < kSmallVectors; ++v) acc[v] = _mm512_setzero_ps();
+        for (int64_t p = k0; p < std::min(k, k0 + kPackK); ++p) {
+          const __m512 s = _mm512_set1_ps(a.data[i * a.row_stride + p * a.col_stride]);
+          const float* bp = b.data + p * b.row_stride + j0;
+          for (int v = 0; v < kSmallVectors; ++v)
+            acc[v] = _mm512_fmadd_ps(s, _mm512_maskz_loadu_ps(mask[v], bp + 16 * v), acc[v]);
+        }
+        float* ci = c + i * ldc + j0;
+        for (int v = 0; v < kSmallVectors; ++v)
+          _mm512_mask_storeu_ps(ci + 16 * v, mask[v],
+                                _mm512_add_ps(_mm512_maskz_loadu_ps(mask[v], ci + 16 * v), acc[v]));
       }
     }
-  }
+}
+
+AVX2_FN void SmallRowsAvx2(StridedMatrix a, StridedMatrix b, int64_t m, int64_t n, int64_t k, float* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j0 = 0; j0 < n; j0 += 8 * kSmallVectors) {
+      __m256i mask[kSmallVectors];
+      for (int v = 0; v < kSmallVectors; ++v) {
+        const int64_t left = std::clamp<int64_t>(n - j0 - 8 * v, 0, 8);
+        mask[v] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      }
+      for (int64_t k0 = 0; k0 < k; k0 += kPackK) {
+        __m256 acc[kSmallVectors];
+        for (int v = 0; v < kSmallVectors; ++v) acc[v] = _mm256_setzero_ps();
+        for (int64_t p = k0; p < std::min(k, k0 + kPackK); ++p) {
+          const __m256 s = _mm256_set1_ps(a.data[i * a.row_stride + p * a.col_stride]);
+          const float* bp = b.data + p * b.row_stride + j0;
+          for (int v = 0; v < kSmallVectors; ++v)
+            acc[v] = _mm256_fmadd_ps(s, _mm256_maskload_ps(bp + 8 * v, mask[v]), acc[v]);
+        }
+        float* ci = c + i * ldc + j0;
+        for (int v = 0; v < kSmallVectors; ++v)
+          _mm256_maskstore_ps(ci + 8 * v, mask[v], _mm256_add_ps(_mm256_maskload_ps(ci + 8 * v, mask[v]), acc[v]));
+      }
+    }
+}
+#endif
+
+using SmallRowsFn = void (*)(StridedMatrix, StridedMatrix, int64_t, int64_t, int64_t, float*, int64_t);
+
+SmallRowsFn SelectSmallRows() {
+#ifdef TUNIX_RT_X86
+  if (isa_level() >= IsaLevel::kAvx512) return SmallRowsAvx512;
+  if (isa_level() >= IsaLevel::kAvx2) return SmallRowsAvx2;
+#endif
+  return SmallRowsScalar;
 }
 
 }  // namespace
@@ -178,7 +237,7 @@ MicroKernel MicroKernelFor(IsaLevel level) {
 
 void GemmAccumulate(StridedMatrix a, StridedMatrix b, int64_t m, int64_t n, int64_t k, float* c, int64_t ldc) {
   if (m <= 0 || n <= 0 || k <= 0) return;
-  if (m <= 2) return SmallRows(a, b, m, n, k, c, ldc);
+  if (m <= 2 && b.col_stride == 1) return SelectSmallRows()(a, b, m, n, k, c, ldc);
   const MicroKernel mk = MicroKernelFor(isa_level());
   const int64_t tiles = (m + kMR - 1) / kMR;
   std::vector<float> ap(tiles * kPackK * kMR), bp(kPackK * (kPackN + mk.nr));

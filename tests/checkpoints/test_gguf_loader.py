@@ -40,7 +40,7 @@ GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "ge
 # - gemma2: llama.cpp has no key for query_pre_attn_scalar; it scales queries by head_dim ** -0.5
 #   (n_embd / n_head for the 27B), so the model must use query_pre_attn_scalar == head_dim.
 GGUF_FAMILIES = {
-    **hf_tiny.FAMILIES,
+    **{family: cfg for family, cfg in hf_tiny.FAMILIES.items() if family in GGUF_ARCH},
     "llama": {**hf_tiny.FAMILIES["llama"], "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
     "gemma2": {**hf_tiny.FAMILIES["gemma2"], "query_pre_attn_scalar": 16},
 }

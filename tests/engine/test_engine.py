@@ -219,6 +219,20 @@ def test_bf16_greedy_matches_reference():
     assert_idle(engine)
 
 
+def test_moe_greedy_matches_reference():
+    """A Qwen3-MoE-style model (8 experts, top-2, renormalised) under chunked prefill: each token's
+    experts do not depend on what else the step batches."""
+    cfg = _llama_config(architecture="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=16, norm_topk_prob=True)
+    model = Decoder(cfg, rngs=nnx.Rngs(4))
+    engine = _engine(model, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+                     num_kv_blocks=64)
+    prompts = _prompts(7, [3, 11, 20, 37])
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
+    assert [o.token_ids for o in outs] == _reference(model, prompts, 8)
+    assert_idle(engine)
+
+
 # -- n > 1 and seeds --------------------------------------------------------------------------
 
 

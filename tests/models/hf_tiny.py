@@ -1,4 +1,4 @@
-"""Tiny random HF transformers models of every dense family, saved as HF directories, and a tiny
+"""Tiny random HF transformers models of every family (dense and MoE), saved as HF directories, and a tiny
 HF-style tokenizer with a chat template to go with them (what loading, export and training need)."""
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ FAMILIES = {
                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh"),
     "gemma3_text": dict(num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
                         rope_theta=100000.0, rope_local_base_freq=1000.0),
+    # MoE: more experts than chosen, so routing matters; Qwen2-MoE mixes a dense layer and a shared expert
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, rope_theta=10000.0),
+    "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      mlp_only_layers=[1], rope_theta=10000.0),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, head_dim=32, norm_topk_prob=True,
+                      rope_theta=10000.0),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def make_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
@@ -30,10 +37,12 @@ def make_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
 
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config,
-               "gemma3_text": transformers.Gemma3TextConfig}[family]
+               "gemma3_text": transformers.Gemma3TextConfig, "mixtral": transformers.MixtralConfig,
+               "qwen2_moe": transformers.Qwen2MoeConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[family]
     model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
                  "qwen3": transformers.Qwen3ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
-                 "gemma3_text": transformers.Gemma3ForCausalLM}[family]
+                 "gemma3_text": transformers.Gemma3ForCausalLM, "mixtral": transformers.MixtralForCausalLM,
+                 "qwen2_moe": transformers.Qwen2MoeForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM}[family]
     config = cfg_cls(**{**COMMON, **FAMILIES[family], **overrides}, attn_implementation="eager")
     torch.manual_seed(seed)
     model = model_cls(config).eval().to(torch.float32)

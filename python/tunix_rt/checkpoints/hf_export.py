@@ -22,7 +22,7 @@ from flax import nnx
 
 from tunix_rt.checkpoints import hf_dir
 from tunix_rt.checkpoints.tokenizer import Tokenizer
-from tunix_rt.checkpoints.weights import _layer_names, hf_to_path
+from tunix_rt.checkpoints.weights import _layer_names, expert_names, hf_to_path
 from tunix_rt.models.config import ModelConfig
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.ops.quant import QuantizedTensor, dequantize
@@ -35,6 +35,9 @@ ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 # Files an earlier checkpoint in out_dir may hold that would shadow or contradict what is written
@@ -43,16 +46,18 @@ _STALE = ("model.safetensors.index.json", "special_tokens_map.json", "added_toke
           "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
 
 
-def inverse_names(cfg: ModelConfig) -> dict[tuple, tuple[str, bool]]:
-    """Decoder parameter path -> (HF tensor name, whether to transpose), for every tensor `cfg` can have."""
+def inverse_names(cfg: ModelConfig) -> dict[tuple, list[tuple[str, bool, int | None]]]:
+    """Decoder parameter path -> [(HF tensor name, whether to transpose, expert slice or None)], for
+    every tensor `cfg` can have: one entry per path, or one per expert of a stacked expert weight."""
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-    names += [f"model.layers.{i}.{rest}" for i in range(cfg.num_layers) for rest in _layer_names(cfg)]
+    # expert names first: Mixtral's router is block_sparse_moe.gate, not the table's mlp.gate
+    layer_rest = [*(expert_names(cfg) if any(cfg.moe_layers) else ()), *_layer_names(cfg)]
+    names += [f"model.layers.{i}.{rest}" for i in range(cfg.num_layers) for rest in dict.fromkeys(layer_rest)]
     inverse = {}
     for name in names:
         target = hf_to_path(name, cfg)
-        if target is not None:
-            path, transpose = target
-            inverse[path] = (name, transpose)
+        if target is not None and not (target.expert is None and target.path in inverse):
+            inverse.setdefault(target.path, []).append((name, target.transpose, target.expert))
     return inverse
 
 
@@ -72,9 +77,10 @@ def hf_tensors(model: Decoder, dtype: str = "float32") -> dict[str, np.ndarray]:
         if key not in inverse or not hasattr(value, "shape"):
             unknown.append(".".join(map(str, path)) + f" ({type(var).__name__})")
             continue
-        name, transpose = inverse[key]
         array = np.asarray(jax.device_get(jnp.asarray(value, jnp.float32)))
-        tensors[name] = np.ascontiguousarray(array.T if transpose else array).astype(_DTYPES[dtype])
+        for name, transpose, expert in inverse[key]:
+            part = array if expert is None else array[expert]
+            tensors[name] = np.ascontiguousarray(part.T if transpose else part).astype(_DTYPES[dtype])
     if unknown:
         raise ValueError(f"cannot export {len(unknown)} model variable(s) with no HF tensor name: {', '.join(unknown[:8])}"
                          f"{', ...' if len(unknown) > 8 else ''} (merge LoRA adapters into the base weights first)")

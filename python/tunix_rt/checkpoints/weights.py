@@ -2,12 +2,17 @@
 
 HF stores linear weights (out, in); the decoder keeps kernels (in, out), so those are transposed.
 GGUF files are first renamed to HF names (gguf_loader.py), so this table is the only mapping.
+MoE experts live stacked in the decoder, (experts, in, out): HF's per-expert tensors
+(`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`) fill one
+slice each; stacked (experts, out, in) tensors (`mlp.experts.gate_proj`, from GGUF) and
+transformers 5's fused `mlp.experts.gate_up_proj` fill them whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +27,40 @@ from tunix_rt.ops.quant import QuantizedTensor
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq)$")
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^mlp\.experts\.(gate_proj|up_proj|down_proj)$")
+_MIXTRAL_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where an HF tensor goes: the decoder parameter path, whether its last two axes swap
+    ((out, in) -> (in, out)), and for a per-expert tensor the expert slice it fills."""
+
+    path: tuple
+    transpose: bool
+    expert: int | None = None
+
+
+def _canonical(rest: str) -> str:
+    """Mixtral's block_sparse_moe / w1 w2 w3 names as the Qwen-MoE names the table holds."""
+    m = _MIXTRAL_EXPERT.match(rest)
+    if m:
+        return f"mlp.experts.{m.group(1)}.{_MIXTRAL_PROJ[m.group(2)]}.weight"
+    return "mlp.gate.weight" if rest == "block_sparse_moe.gate.weight" else rest
+
+
+def expert_names(cfg: ModelConfig) -> list[str]:
+    """The per-expert HF names of one layer (its own convention for Mixtral): what export writes."""
+    if cfg.architecture == "mixtral":
+        return ["block_sparse_moe.gate.weight"] + [f"block_sparse_moe.experts.{e}.{w}.weight"
+                                                   for e in range(cfg.num_experts) for w in _MIXTRAL_PROJ]
+    names = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}.weight" for e in range(cfg.num_experts) for p in _PROJ]
+    if cfg.shared_expert_intermediate_size:
+        names += [f"mlp.shared_expert.{p}.weight" for p in _PROJ] + ["mlp.shared_expert_gate.weight"]
+    return names
 
 
 def _layer_names(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
@@ -33,8 +72,11 @@ def _layer_names(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         names[f"self_attn.{proj}.weight"] = ("attn", proj, "kernel")
         names[f"self_attn.{proj}.bias"] = ("attn", proj, "bias")
-    for proj in ("gate_proj", "up_proj", "down_proj"):
+    for proj in _PROJ:
         names[f"mlp.{proj}.weight"] = ("mlp", proj, "kernel")
+        names[f"mlp.shared_expert.{proj}.weight"] = ("mlp", "shared_expert", proj, "kernel")
+    names["mlp.gate.weight"] = ("mlp", "router", "kernel")
+    names["mlp.shared_expert_gate.weight"] = ("mlp", "shared_expert_gate", "kernel")
     if cfg.sandwich_norms:
         names["post_attention_layernorm.weight"] = ("post_attn_norm", "scale")
         names["pre_feedforward_layernorm.weight"] = ("pre_mlp_norm", "scale")
@@ -44,23 +86,39 @@ def _layer_names(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     return names
 
 
-def hf_to_path(name: str, cfg: ModelConfig) -> tuple[tuple, bool] | None:
-    """HF tensor name -> (decoder parameter path, whether to transpose); None for tensors to skip."""
+def hf_to_path(name: str, cfg: ModelConfig) -> Target | None:
+    """HF tensor name -> its Target; None for tensors to skip."""
     if _IGNORED.search(name):
         return None
     if name == "model.embed_tokens.weight":
-        return ("embed", "embedding"), False
+        return Target(("embed", "embedding"), False)
     if name == "model.norm.weight":
-        return ("final_norm", "scale"), False
+        return Target(("final_norm", "scale"), False)
     if name == "lm_head.weight":
-        return (None if cfg.tie_word_embeddings else (("lm_head", "kernel"), True))
+        return None if cfg.tie_word_embeddings else Target(("lm_head", "kernel"), True)
     m = _LAYER.match(name)
-    if m:
-        layer, rest = int(m.group(1)), m.group(2)
+    if m and int(m.group(1)) < cfg.num_layers:
+        layer, rest = ("layers", int(m.group(1))), _canonical(m.group(2))
+        if (e := _EXPERT.match(rest)) and int(e.group(1)) < cfg.num_experts:
+            return Target((*layer, "mlp", "experts", e.group(2)), True, int(e.group(1)))
+        if s := _STACKED.match(rest):
+            return Target((*layer, "mlp", "experts", s.group(1)), True)
         path = _layer_names(cfg).get(rest)
-        if path is not None and layer < cfg.num_layers:
-            return ("layers", layer, *path), path[-1] == "kernel"
+        if path is not None:
+            return Target((*layer, *path), path[-1] == "kernel")
     raise CheckpointError(f"unexpected tensor {name!r} for a {cfg.architecture} model")
+
+
+def _split_fused(tensors: Iterable[tuple[str, np.ndarray | QuantizedTensor]]) -> Iterator[tuple[str, np.ndarray | QuantizedTensor]]:
+    """transformers 5's fused experts (experts, 2 * inter, hidden) as stacked gate and up tensors."""
+    for name, array in tensors:
+        if name.endswith(".mlp.experts.gate_up_proj") and not isinstance(array, QuantizedTensor):
+            half = array.shape[1] // 2
+            base = name[: -len("gate_up_proj")]
+            yield base + "gate_proj", array[:, :half]
+            yield base + "up_proj", array[:, half:]
+        else:
+            yield name, array
 
 
 def _swap_in_quantized(model: Decoder, path: tuple, qt: QuantizedTensor, dtype) -> None:
@@ -74,7 +132,7 @@ def _swap_in_quantized(model: Decoder, path: tuple, qt: QuantizedTensor, dtype) 
         new = QuantEmbed(qt, dtype)
     else:
         bias = jnp.zeros(old.bias.shape, dtype) if getattr(old, "bias", None) is not None else None
-        new = QuantLinear(qt, bias, exact=path[0] == "lm_head")
+        new = QuantLinear(qt, bias, exact=path[0] == "lm_head" or attr == "router")  # int8 activations flip choices
     setattr(owner, attr, new)
 
 
@@ -87,25 +145,42 @@ def build_decoder(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray | Qu
     """
     model = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     expected = dict(nnx.to_flat_state(nnx.state(model)))
-    loaded = {}
-    for name, array in tensors:
+    loaded, stacks = {}, {}  # stacks: expert path -> (host buffer, experts filled so far)
+    for name, array in _split_fused(tensors):
         target = hf_to_path(name, cfg)
         if target is None:
             continue
-        path, transpose = target
+        path = target.path
         if path not in expected:
             raise CheckpointError(f"tensor {name!r} has no place in a {cfg.architecture} model with this config")
         want = tuple(expected[path].get_value().shape)
         if isinstance(array, QuantizedTensor):
+            if "experts" in path:
+                raise CheckpointError(f"tensor {name!r}: quantized expert weights are not supported; load the "
+                                      "model dequantized")
             value_shape = array.shape if path[-1] == "kernel" else array.shape[::-1]
             if value_shape != want:
                 raise CheckpointError(f"tensor {name!r} has shape {array.shape[::-1]}, the config implies {want[::-1]}")
             _swap_in_quantized(model, path, jax.tree.map(jnp.asarray, array), dtype)  # to device once
             continue
-        value = array.T if transpose else array
+        value = np.swapaxes(array, -1, -2) if target.transpose else array
+        if target.expert is not None:
+            buffer, filled = stacks.setdefault(path, (np.zeros(want, np.float32), set()))
+            if tuple(value.shape) != want[1:]:
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, the config implies "
+                                      f"{want[1:][::-1]}")
+            buffer[target.expert] = value
+            filled.add(target.expert)
+            continue
         if tuple(value.shape) != want:
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, the config implies {want if not transpose else want[::-1]}")
+            shown = want[:-2] + want[-2:][::-1] if target.transpose else want
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, the config implies {shown}")
         loaded[path] = jnp.asarray(value, dtype=dtype)
+    for path, (buffer, filled) in stacks.items():
+        if len(filled) != buffer.shape[0]:
+            absent = sorted(set(range(buffer.shape[0])) - filled)
+            raise CheckpointError(f"checkpoint is missing expert(s) {absent[:8]} of {'.'.join(map(str, path))}")
+        loaded[path] = jnp.asarray(buffer, dtype=dtype)
     graphdef, state = nnx.split(model)
     flat = list(nnx.to_flat_state(state))
     missing = [".".join(map(str, p)) for p, var in flat if p not in loaded and not isinstance(var, QuantWeight)]

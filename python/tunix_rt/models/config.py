@@ -1,8 +1,9 @@
-"""One config for every dense decoder family, parsed from an HF config.json dictionary.
+"""One config for every decoder family, parsed from an HF config.json dictionary.
 
 Each family differs from Llama only in switches held here (biases, q/k norms, sandwich norms,
-soft-capping, sliding-window layers, embedding scaling, rope per layer type), so one decoder
-implementation serves all of them. Both the transformers 4.x keys (rope_theta, rope_scaling,
+soft-capping, sliding-window layers, embedding scaling, rope per layer type, a Mixture-of-Experts
+MLP on some layers), so one decoder implementation serves all of them. The MoE families reuse
+their dense base's switches: Mixtral is Mistral's, Qwen2-MoE Qwen2's, Qwen3-MoE Qwen3's. Both the transformers 4.x keys (rope_theta, rope_scaling,
 rope_local_base_freq) and the 5.x `rope_parameters` layout are read.
 """
 
@@ -14,7 +15,9 @@ from typing import Any
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                           "mixtral", "qwen2_moe", "qwen3_moe")
+_DENSE_BASE = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "gelu_new": "gelu_tanh"}
 
 
@@ -66,6 +69,13 @@ class ModelConfig:
     rope: tuple[tuple[str, RopeConfig], ...] = ()  # (layer type, rope) pairs: hashable, as jit needs
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 8192
+    # Mixture of Experts: layers whose moe_layers entry is True replace the MLP by a routed one
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert behind a sigmoid gate
+    moe_layers: tuple[bool, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -89,6 +99,25 @@ class ModelConfig:
             raise ValueError("model config: sliding_attention layers need a positive sliding_window")
         if self.query_scale == 0.0:
             object.__setattr__(self, "query_scale", self.head_dim**-0.5)
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if not self.moe_layers:
+            object.__setattr__(self, "moe_layers", (self.num_experts > 0,) * self.num_layers)
+        if len(self.moe_layers) != self.num_layers:
+            raise ValueError(f"model config: moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
+        if not any(self.moe_layers):
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model config: {name} must be a positive integer for a MoE model, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                             f"({self.num_experts})")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe_layers[layer]
 
     def rope_for(self, layer: int) -> RopeConfig:
         return dict(self.rope)[self.layer_types[layer]]
@@ -114,7 +143,25 @@ class ModelConfig:
             raise ValueError(f"config.json for {arch} is missing the key {e.args[0]!r}") from None
 
 
-def _parse(arch: str, d: dict[str, Any]) -> ModelConfig:
+def _moe_fields(arch: str, d: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The MoE switches of a Mixtral / Qwen2-MoE / Qwen3-MoE config (empty for dense families)."""
+    if arch not in _DENSE_BASE:
+        return {}
+    experts = d.get("num_experts") or d.get("num_local_experts")  # transformers 5 writes the latter for Qwen3-MoE
+    if arch == "mixtral":
+        return dict(num_experts=experts, num_experts_per_tok=d["num_experts_per_tok"],
+                    moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True)
+    step = d.get("decoder_sparse_step", 1) or 1
+    dense = set(d.get("mlp_only_layers") or ())
+    layers = tuple(bool(experts) and i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return dict(num_experts=experts or 0, num_experts_per_tok=d.get("num_experts_per_tok", 0),
+                moe_intermediate_size=d.get("moe_intermediate_size", 0), norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0,
+                moe_layers=layers)
+
+
+def _parse(model_type: str, d: dict[str, Any]) -> ModelConfig:
+    arch = _DENSE_BASE.get(model_type, model_type)  # the dense family whose switches apply
     gemma = arch.startswith("gemma")
     hidden, heads = d["hidden_size"], d["num_attention_heads"]
     head_dim = d.get("head_dim") or hidden // heads
@@ -149,7 +196,7 @@ def _parse(arch: str, d: dict[str, Any]) -> ModelConfig:
 
     query_scale = d["query_pre_attn_scalar"] ** -0.5 if gemma and d.get("query_pre_attn_scalar") else 0.0
     return ModelConfig(
-        architecture=arch,
+        architecture=model_type,
         vocab_size=d["vocab_size"],
         hidden_size=hidden,
         intermediate_size=d["intermediate_size"],
@@ -173,6 +220,7 @@ def _parse(arch: str, d: dict[str, Any]) -> ModelConfig:
         rope=_rope_by_layer_type(arch, d, set(layer_types)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
         max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
+        **_moe_fields(model_type, d, num_layers),
     )
 
 

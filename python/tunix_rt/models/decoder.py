@@ -1,4 +1,5 @@
-"""The one decoder: Llama 3 / SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 1/2/3 text, from a ModelConfig.
+"""The one decoder: Llama 3 / SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 1/2/3 text and the MoE
+families (Mixtral, Qwen2-MoE, Qwen3-MoE), from a ModelConfig.
 
 Kernels are stored (in, out) so a layer is x @ W; checkpoints/ maps HF's (out, in) tensors onto
 these paths. RMSNorm runs through the FFI op (tunix_rt.ops.rms_norm).
@@ -14,7 +15,7 @@ from tunix_rt.models.attention import attention_mask, dot_product_attention
 from tunix_rt.models.config import ModelConfig
 from tunix_rt.models.kv_cache import DenseKVCache, PagedKVCache
 from tunix_rt.models.rope import apply_rope, inverse_frequencies
-from tunix_rt.ops import rms_norm
+from tunix_rt.ops import grouped_matmul, permute, rms_norm, router_topk, unpermute
 
 _ACT = {
     "silu": jax.nn.silu,
@@ -74,14 +75,58 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = _linear(dtype, rngs, cfg.hidden_size, cfg.intermediate_size, False)
-        self.up_proj = _linear(dtype, rngs, cfg.hidden_size, cfg.intermediate_size, False)
-        self.down_proj = _linear(dtype, rngs, cfg.intermediate_size, cfg.hidden_size, False)
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, intermediate_size: int | None = None):
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_proj = _linear(dtype, rngs, cfg.hidden_size, inter, False)
+        self.up_proj = _linear(dtype, rngs, cfg.hidden_size, inter, False)
+        self.down_proj = _linear(dtype, rngs, inter, cfg.hidden_size, False)
         self.act = _ACT[cfg.activation]
 
     def __call__(self, x):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nnx.Module):
+    """The experts' gated MLP weights stacked on a leading expert axis, kernels (in, out)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        init = nnx.initializers.normal(0.02)
+        self.gate_proj = nnx.Param(init(rngs.params(), (e, h, i), dtype))
+        self.up_proj = nnx.Param(init(rngs.params(), (e, h, i), dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (e, i, h), dtype))
+
+
+class MoEMLP(nnx.Module):
+    """Routed MLP: each token runs through its top-k experts, combined by the router's weights.
+
+    Tokens are permuted into expert-sorted rows so each expert multiplies only its own rows
+    (tunix_rt.ops' grouped matmul): a decode step reads just the routed experts' weights.
+    Qwen2-MoE adds a shared expert every token takes, scaled by sigmoid(shared_expert_gate(x)).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.router = _linear(dtype, rngs, cfg.hidden_size, cfg.num_experts, False)
+        self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
+        self.shared = cfg.shared_expert_intermediate_size > 0
+        if self.shared:
+            self.shared_expert = MLP(cfg, dtype=dtype, rngs=rngs, intermediate_size=cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = _linear(dtype, rngs, cfg.hidden_size, 1, False)
+        self.act = _ACT[cfg.activation]
+        self.num_experts, self.top_k, self.renormalize = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def __call__(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, ids = router_topk(self.router(flat), self.top_k, renormalize=self.renormalize)
+        rows, row_of, group_sizes = permute(flat, ids, self.num_experts)
+        ex = self.experts
+        gate = grouped_matmul(rows, ex.gate_proj[...], group_sizes)
+        up = grouped_matmul(rows, ex.up_proj[...], group_sizes)
+        out = unpermute(grouped_matmul(self.act(gate) * up, ex.down_proj[...], group_sizes), row_of, weights)
+        if self.shared:
+            out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(shape)
 
 
 class DecoderLayer(nnx.Module):
@@ -90,7 +135,7 @@ class DecoderLayer(nnx.Module):
         self.input_norm = norm()
         self.attn = Attention(cfg, layer, dtype=dtype, rngs=rngs)
         self.pre_mlp_norm = norm()
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = MoEMLP(cfg, dtype=dtype, rngs=rngs) if cfg.is_moe_layer(layer) else MLP(cfg, dtype=dtype, rngs=rngs)
         self.sandwich = cfg.sandwich_norms
         if cfg.sandwich_norms:
             self.post_attn_norm = norm()

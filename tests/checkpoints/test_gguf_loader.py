@@ -33,6 +33,9 @@ gguf = pytest.importorskip("gguf")
 SEQ = 40  # longer than the Gemma sliding window (8)
 TOL = 1e-4
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+# MoE families: transformers' GGUF loader reads no expert sizes from these files, so they are checked
+# against the original HF model instead.
+MOE_GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 # hf_tiny's configs, adjusted only where a GGUF file cannot say what the HF config says:
 # - llama: rope_type llama3 becomes a `rope_freqs.weight` tensor in llama.cpp, which we reject (tested
@@ -66,11 +69,28 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _gguf_source_tensors(hf):
+    """(HF name, float32 array) as llama.cpp's converter sees them: experts stacked per projection
+    (transformers 5 holds gate and up fused), the shared-expert gate as llama.cpp's 1-D (hidden,)."""
+    for hf_name, tensor in hf.state_dict().items():
+        data = tensor.detach().float().numpy().copy()
+        if hf_name.endswith("mlp.experts.gate_up_proj"):
+            half = data.shape[1] // 2
+            yield hf_name.replace("gate_up_proj", "gate_proj.weight"), data[:, :half]
+            yield hf_name.replace("gate_up_proj", "up_proj.weight"), data[:, half:]
+        elif hf_name.endswith("mlp.experts.down_proj"):
+            yield hf_name + ".weight", data
+        elif hf_name.endswith("shared_expert_gate.weight"):
+            yield hf_name, data[0]
+        else:
+            yield hf_name, data
+
+
 def write_gguf(hf, path, qtype=None):
     """Write `hf` as llama.cpp would; 2-D weights quantized to `qtype` (a GGMLQuantizationType) if given."""
     cfg = hf.config
     family = cfg.model_type
-    arch = GGUF_ARCH[family]
+    arch = {**GGUF_ARCH, **MOE_GGUF_ARCH}[family]
     rope = cfg.rope_parameters
     full_rope = rope.get("full_attention", rope)
     w = gguf.GGUFWriter(str(path), arch)
@@ -96,6 +116,13 @@ def write_gguf(hf, path, qtype=None):
         w.add_rope_scaling_factor(full_rope["factor"])
     elif full_rope.get("rope_type", "default") != "default":
         raise NotImplementedError(full_rope)
+    if family in MOE_GGUF_ARCH:
+        w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if "sliding_attention" in rope:  # TextModel.set_gguf_parameters: the sliding layers' own base
         w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
     if arch == "gemma2":
@@ -121,19 +148,18 @@ def write_gguf(hf, path, qtype=None):
 
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
-    for hf_name, tensor in hf.state_dict().items():
+    for hf_name, data in _gguf_source_tensors(hf):
         if hf_name == "lm_head.weight" and (cfg.tie_word_embeddings or arch.startswith("gemma")):
             continue  # tied: the safetensors file has no lm_head (and llama.cpp skips Gemma's anyway)
         base, suffix = hf_name.rsplit(".", 1)
         name = f"{names.get_name(base)}.{suffix}"
-        data = tensor.detach().float().numpy().copy()
         if arch == "llama" and hf_name.endswith("q_proj.weight"):
             data = _permute(data, cfg.num_attention_heads)
         if arch == "llama" and hf_name.endswith("k_proj.weight"):
             data = _permute(data, cfg.num_key_value_heads)
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             data = data + np.float32(1.0)
-        if qtype is not None and data.ndim == 2:
+        if qtype is not None and data.ndim in (2, 3) and data.shape[-1] % 32 == 0:  # else F32, as llama.cpp falls back
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
@@ -256,6 +282,55 @@ def _our_tensors(case, keep_quantized=False):
 
 
 # --- tests ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_GGUF_ARCH))
+def moe_gguf(request, tmp_path_factory):
+    family = request.param
+    out = tmp_path_factory.mktemp(f"gguf-{family}")
+    # llama.cpp's qwen2moe has no dense-layer tensors (mlp_only_layers): every layer routed here
+    hf = hf_tiny.make_hf_model(family, out / "hf", **({"mlp_only_layers": []} if family == "qwen2_moe" else {}))
+    write_gguf(hf, out / f"{family}.gguf")
+    write_gguf(hf, out / f"{family}-q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    return family, hf, out
+
+
+def test_moe_gguf_reproduces_the_hf_model(moe_gguf):
+    """Stacked ffn_*_exps, the router (ffn_gate_inp), Qwen2-MoE's shared expert with its 1-D gate,
+    Mixtral as a llama file with experts."""
+    family, hf, out = moe_gguf
+    case = Case.__new__(Case)
+    case.ours = load_model(out / f"{family}.gguf")
+    cfg = case.ours.model.config
+    assert cfg.architecture == family and cfg.num_experts == (getattr(hf.config, "num_experts", None)
+                                                             or hf.config.num_local_experts)
+    assert all(cfg.moe_layers) and cfg.norm_topk_prob == (family != "qwen2_moe")
+    tokens = _tokens(3)
+    delta = np.abs(_ours_logprobs(case, tokens) - _torch_logprobs(hf, tokens)).max()
+    print(f"\n{family} F32 GGUF: max |delta log p| vs original HF model = {delta:.2e}")
+    assert delta <= TOL, f"{family}: max |delta log p| = {delta:.2e}"
+
+
+def test_moe_gguf_quantized_experts_dequantize_as_ggml(moe_gguf):
+    """Q8_0 experts (3-D) are dequantized on load with gguf.quants, bit for bit."""
+    family, hf, out = moe_gguf
+    reader = gguf_loader.open_gguf(out / f"{family}-q8.gguf")
+    ours = dict(gguf_loader.iter_tensors(reader, gguf_loader.hf_config(reader)))
+    checked = 0
+    for t in reader.tensors:
+        if t.name.endswith("_exps.weight"):
+            base = f"model.layers.{t.name.split('.')[1]}.mlp.experts.{t.name.split('.')[2][4:-5]}_proj.weight"
+            want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
+            np.testing.assert_array_equal(ours[base], want)
+            checked += 1
+    assert checked == 3 * sum(1 for name in ours if name.endswith("mlp.gate.weight"))
+    # the 2-D weights kept quantized (router included) compute what the dequantized file does
+    tokens = _tokens(4)
+    positions = jnp.asarray(np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape))
+    kept, flat = (load_model(out / f"{family}-q8.gguf", dequantize=d).model for d in (False, True))
+    assert isinstance(kept.layers[0].mlp.router, QuantLinear)
+    got, want = (_next_logprobs(m(jnp.asarray(tokens), positions), tokens) for m in (kept, flat))
+    assert np.abs(got - want).max() <= TOL
 
 
 def test_logprobs_match_transformers_gguf_loader(f32):

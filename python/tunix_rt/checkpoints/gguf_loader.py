@@ -4,7 +4,9 @@ Q8_0 / Q4_0 / Q4_1 weights stay quantized: their blocks are split into a Quantiz
 touching a value. Other types (F16, BF16, K-quants, ...) are dequantized with the gguf package's
 own quants module, so values are exactly ggml's; `keep_quantized=False` dequantizes all. Two
 conversions of llama.cpp's converter are undone: Llama-family Q/K weights are permuted back to
-HF's rotate-half layout, and Gemma norm weights lose the +1 it folded in.
+HF's rotate-half layout, and Gemma norm weights lose the +1 it folded in. MoE files (qwen2moe,
+qwen3moe, and llama files with experts: Mixtral) hold each layer's experts stacked in
+ffn_{gate,up,down}_exps (experts, out, in), always dequantized; layers without ffn_gate_inp are dense.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ from tunix_rt.ops.quant import FORMATS, QuantizedTensor
 _KEPT = {f.ggml_type: f for f in FORMATS.values() if f.ggml_type}
 
 # GGUF architecture -> HF model_type
-_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}
+_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text",
+         "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# Whether llama.cpp renormalises the chosen experts' weights, per architecture, when the file has no
+# expert_weights_norm key (its qwen3moe graph always does; qwen2moe never; Mixtral always).
+_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "llama": True}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -36,6 +42,14 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
@@ -104,7 +118,26 @@ def hf_config(reader) -> dict:
             config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
     if arch == "qwen2":
         config["attention_bias"] = True
+    config.update(_moe_config(reader, arch, get, names, config["num_hidden_layers"]))
     return {k: v for k, v in config.items() if v is not None}
+
+
+def _moe_config(reader, arch: str, get, names: set[str], num_layers: int) -> dict:
+    """The HF MoE keys of a file with experts (none for a dense one)."""
+    experts = get("expert_count") or 0
+    if not experts:
+        if arch in ("qwen2moe", "qwen3moe"):
+            raise CheckpointError(f"GGUF {arch} file lacks {arch}.expert_count")
+        return {}
+    moe = {"num_experts_per_tok": get("expert_used_count"),
+           "norm_topk_prob": bool(get("expert_weights_norm", _NORM_TOPK.get(arch, False)))}
+    if arch == "llama":  # Mixtral: feed_forward_length is the experts' size, every layer routed
+        return {**moe, "model_type": "mixtral", "num_local_experts": experts}
+    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    moe.update(num_experts=experts, moe_intermediate_size=get("expert_feed_forward_length"), mlp_only_layers=dense)
+    if arch == "qwen2moe":
+        moe["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length")
+    return moe
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -162,7 +195,7 @@ def iter_tensors(reader, config: dict, *, keep_quantized: bool = True) -> Iterat
             raise CheckpointError(f"unexpected GGUF tensor {t.name!r} for architecture {arch}")
         name = name.replace("{ffn_norm}", ffn_norm)
         rope_heads = None
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("llama", "mixtral") and name.endswith(("q_proj.weight", "k_proj.weight")):
             rope_heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
         if keep_quantized and t.tensor_type.name in _KEPT and len(t.shape) == 2:
             qt = _quantized(t)
@@ -179,6 +212,8 @@ def iter_tensors(reader, config: dict, *, keep_quantized: bool = True) -> Iterat
             raise CheckpointError(f"GGUF tensor {t.name} ({t.tensor_type.name}) holds non-finite values: the file is corrupt")
         if rope_heads:
             array = _unpermute_rope(array, rope_heads)
+        if name.endswith("shared_expert_gate.weight") and array.ndim == 1:  # stored as (hidden,)
+            array = array[None, :]
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             array = array - np.float32(1.0)
         yield name, array

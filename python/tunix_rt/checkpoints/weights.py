@@ -30,7 +30,7 @@ _IGNORED = re.compile(r"(rotary_emb\.inv_freq)$")
 _PROJ = ("gate_proj", "up_proj", "down_proj")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_STACKED = re.compile(r"^mlp\.experts\.(gate_proj|up_proj|down_proj)$")
+_STACKED = re.compile(r"^mlp\.experts\.(gate_proj|up_proj|down_proj)(?:\.weight)?$")
 _MIXTRAL_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 
 

@@ -118,28 +118,39 @@ constexpr int64_t kPackK = 256, kPackN = 256;
 
 void PackA(StridedMatrix a, int64_t m, int64_t k0, int64_t kk, float* out) {
   const int64_t tiles = (m + kMR - 1) / kMR;
-  std::fill(out, out + tiles * kk * kMR, 0.0f);
-  for (int64_t i = 0; i < m; ++i) {
-    float* dst = out + (i / kMR) * kk * kMR + i % kMR;
-    const float* src = a.data + i * a.row_stride + k0 * a.col_stride;
-    for (int64_t p = 0; p < kk; ++p) dst[p * kMR] = src[p * a.col_stride];
+  for (int64_t t = 0; t < tiles; ++t) {
+    float* tile = out + t * kk * kMR;
+    const int rows = static_cast<int>(std::min<int64_t>(kMR, m - t * kMR));
+    if (rows < kMR) std::fill(tile, tile + kk * kMR, 0.0f);
+    for (int r = 0; r < rows; ++r) {
+      const float* src = a.data + (t * kMR + r) * a.row_stride + k0 * a.col_stride;
+      if (a.col_stride == 1) {
+        for (int64_t p = 0; p < kk; ++p) tile[p * kMR + r] = src[p];
+      } else {
+        for (int64_t p = 0; p < kk; ++p) tile[p * kMR + r] = src[p * a.col_stride];
+      }
+    }
   }
 }
 
 void PackB(StridedMatrix b, int64_t k0, int64_t kk, int64_t j0, int64_t cols, int nr, float* out) {
-  const int64_t panels = (cols + nr - 1) / nr;
-  std::fill(out, out + panels * kk * nr, 0.0f);
-  if (b.col_stride == 1) {  // rows of b are contiguous: copy runs of nr
-    for (int64_t p = 0; p < kk; ++p) {
-      const float* src = b.data + (k0 + p) * b.row_stride + j0;
-      for (int64_t j = 0; j < cols; ++j) out[(j / nr) * kk * nr + p * nr + j % nr] = src[j];
+  for (int64_t jp = 0; jp < cols; jp += nr) {
+    float* panel = out + (jp / nr) * kk * nr;
+    const int64_t w = std::min<int64_t>(nr, cols - jp);
+    if (b.col_stride == 1) {  // rows of b are contiguous: copy runs of nr
+      for (int64_t p = 0; p < kk; ++p) {
+        const float* src = b.data + (k0 + p) * b.row_stride + j0 + jp;
+        float* dst = panel + p * nr;
+        std::copy(src, src + w, dst);
+        std::fill(dst + w, dst + nr, 0.0f);
+      }
+      continue;
     }
-    return;
-  }
-  for (int64_t j = 0; j < cols; ++j) {  // columns of b are contiguous (a transposed weight)
-    const float* src = b.data + (j0 + j) * b.col_stride + k0 * b.row_stride;
-    float* dst = out + (j / nr) * kk * nr + j % nr;
-    for (int64_t p = 0; p < kk; ++p) dst[p * nr] = src[p * b.row_stride];
+    if (w < nr) std::fill(panel, panel + kk * nr, 0.0f);
+    for (int64_t j = 0; j < w; ++j) {  // columns of b are contiguous (a transposed weight)
+      const float* src = b.data + (j0 + jp + j) * b.col_stride + k0 * b.row_stride;
+      for (int64_t p = 0; p < kk; ++p) panel[p * nr + j] = src[p * b.row_stride];
+    }
   }
 }
 

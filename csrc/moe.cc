@@ -171,7 +171,9 @@ ffi::Future Permute(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
   const size_t item = x.element_type() == ffi::DataType::F32 ? 4 : 2;
   const char* src = static_cast<const char*>(x.untyped_data());
   char* dst = static_cast<char*>(xs->untyped_data());
-  std::fill(dst, dst + assignments * h * item, 0);  // dropped rows leave zeros at the end
+  int64_t kept = 0;
+  for (int64_t g = 0; g < e; ++g) kept += group_sizes->typed_data()[g];
+  std::fill(dst + kept * h * item, dst + assignments * h * item, 0);  // dropped rows leave zeros at the end
   const int64_t chunks = NumChunks(pool, assignments, std::max<int64_t>(1, 8192 / std::max<int64_t>(h, 1)));
   return ParallelFor(pool, assignments, chunks, [=](int64_t, int64_t begin, int64_t end) {
     for (int64_t a = begin; a < end; ++a)

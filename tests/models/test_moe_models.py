@@ -138,3 +138,23 @@ def test_moe_training_gradients_reach_router_and_routed_experts_only(qwen3_moe):
     routed = np.zeros(cfg.num_experts, bool)
     routed[np.asarray(ids).ravel()] = True
     assert (per_expert[routed] > 0).all() and (per_expert[~routed] == 0).all()
+
+
+def test_lora_on_a_moe_model_adapts_attention_and_the_shared_expert():
+    from tunix_rt.train.lora import LoRALinear, apply_lora, merge_lora
+
+    cfg = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": 8, "shared_expert_intermediate_size": 12,
+                                    "mlp_only_layers": [0]})
+    model = apply_lora(Decoder(cfg, rngs=nnx.Rngs(0)), rank=2, alpha=4.0)
+    moe_layer, dense_layer = model.layers[1].mlp, model.layers[0].mlp
+    assert isinstance(moe_layer.shared_expert.up_proj, LoRALinear) and isinstance(dense_layer.up_proj, LoRALinear)
+    assert not isinstance(moe_layer.router, LoRALinear)
+    for _, module in nnx.iter_modules(model):  # a nonzero adapter, so merging has something to fold in
+        if isinstance(module, LoRALinear):
+            module.lora_b.set_value(jnp.full(module.lora_b.shape, 0.05, module.lora_b.dtype))
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (1, 9)))
+    positions = jnp.arange(9)[None]
+    merged = merge_lora(model)
+    np.testing.assert_allclose(np.asarray(merged(tokens, positions)), np.asarray(model(tokens, positions)),
+                               rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.decoder import MLP, Decoder
 from tunix_rt.models.quant_layers import QuantLinear
 from tunix_rt.ops.quant import dequantize
 
@@ -66,11 +66,15 @@ class LoRALinear(nnx.Module):
 
 
 def _targets(model: Decoder, names: tuple[str, ...]):
-    """(owner module, attribute) for every targeted projection of every layer."""
+    """(owner module, attribute) for every targeted projection of every layer. A MoE layer's routed
+    experts (stacked weights, no Linear) take no adapter; its shared expert, if any, does."""
     for layer in model.layers:
+        mlp = layer.mlp if isinstance(layer.mlp, MLP) else getattr(layer.mlp, "shared_expert", None)
         for name in names:
-            owner = layer.attn if name in ATTENTION_TARGETS else layer.mlp
-            yield owner, name
+            if name in ATTENTION_TARGETS:
+                yield layer.attn, name
+            elif mlp is not None:
+                yield mlp, name
 
 
 def apply_lora(model: Decoder, *, rank: int, alpha: float, dropout: float = 0.0,

@@ -114,11 +114,15 @@ class MoEMLP(nnx.Module):
             self.shared_expert_gate = _linear(dtype, rngs, cfg.hidden_size, 1, False)
         self.act = _ACT[cfg.activation]
         self.num_experts, self.top_k, self.renormalize = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.record_router_logits = False  # training's auxiliary losses turn it on (record_router_logits)
 
     def __call__(self, x):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, ids = router_topk(self.router(flat), self.top_k, renormalize=self.renormalize)
+        logits = self.router(flat)
+        if self.record_router_logits:
+            self.sow(nnx.Intermediate, "router_logits", logits)
+        weights, ids = router_topk(logits, self.top_k, renormalize=self.renormalize)
         rows, row_of, group_sizes = permute(flat, ids, self.num_experts)
         ex = self.experts
         gate = grouped_matmul(rows, ex.gate_proj[...], group_sizes)
@@ -194,6 +198,14 @@ class Decoder(nnx.Module):
     def new_cache(self, batch: int, max_len: int) -> DenseKVCache:
         c = self.config
         return DenseKVCache.create(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, self.dtype)
+
+
+def record_router_logits(model: nnx.Module, on: bool = True) -> None:
+    """Make every MoE layer sow its router logits (tokens, experts) as nnx.Intermediate on each call,
+    for an nnx.capture around the forward to collect."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, MoEMLP):
+            module.record_router_logits = on
 
 
 def head_logits(cfg: ModelConfig, head: nnx.Module, h: jax.Array) -> jax.Array:

@@ -6,6 +6,8 @@ max_length, packing, assistant_only_loss, beta, loss_type, ...), so a TRL user r
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import os
 import types
@@ -58,6 +60,8 @@ class TrainConfig:
     save_total_limit: int = 2
     resume: bool = True  # continue from the newest checkpoint in output/checkpoints
     export_dtype: str = "float32"
+    router_aux_loss_coef: float = 0.0  # MoE models: Switch/Mixtral load-balancing loss weight (HF's name)
+    router_z_loss_coef: float = 0.0  # MoE models: ST-MoE router z-loss weight
     progress: bool = True
     coordinator_address: str | None = None  # multi-process (jax.distributed): host:port of process 0
     num_processes: int = 1
@@ -84,6 +88,10 @@ class TrainConfig:
             raise ValueError("warmup_steps and weight_decay must be >= 0")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive (or null to disable clipping), got {self.max_grad_norm}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
         if self.fsdp == 0 or self.fsdp < -1 or self.tp < 1:

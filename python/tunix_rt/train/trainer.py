@@ -26,7 +26,8 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.decoder import Decoder, record_router_logits
+from tunix_rt.ops.moe import load_balancing_loss, router_z_loss
 from tunix_rt.models.quant_layers import QuantEmbed
 from tunix_rt.parallel.mesh import batch_sharding, make_mesh, put_global, state_shardings
 from tunix_rt.train.checkpointing import Checkpointer
@@ -107,6 +108,8 @@ class Trainer:
                        targets=cfg.lora_targets, seed=cfg.seed)
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         set_compute_dtype(model, self.compute_dtype)
+        self.model_config = model.config
+        self.router_losses = any(model.config.moe_layers) and (cfg.router_aux_loss_coef > 0 or cfg.router_z_loss_coef > 0)
         model.train()
         trainable = nnx.Any(nnx.LoRAParam, HeadParam) if self.lora else nnx.Param
         self.graphdef, params, rngs, frozen, rest = nnx.split(model, trainable, nnx.RngState, nnx.Param, ...)
@@ -169,9 +172,25 @@ class Trainer:
         # gradient trace (nnx refuses to mutate state created at an outer trace level).
         rngs = jax.tree.map(lambda x: x, rngs)
         model = self._model(graphdef, params, rngs, frozen, rest)
-        ctx = LossContext(model, aux, self._reference(graphdef, params, rngs, frozen, rest, aux))
-        loss_sum, weight, metrics = self.objective.loss(ctx, batch)
+        reference = self._reference(graphdef, params, rngs, frozen, rest, aux)
+        run = lambda m: self.objective.loss(LossContext(m, aux, reference), batch)
+        if self.router_losses:
+            record_router_logits(model)
+            (loss_sum, weight, metrics), recorded = nnx.capture(run, nnx.Intermediate)(model)
+            loss_sum, metrics = self._add_router_losses(jax.tree.leaves(recorded), loss_sum, weight, metrics)
+        else:
+            loss_sum, weight, metrics = run(model)
         return loss_sum, (weight, metrics, nnx.state(model, nnx.RngState))
+
+    def _add_router_losses(self, calls, loss_sum, weight, metrics):
+        """MoE auxiliary losses (means over every router call the policy made), weighted like the
+        objective's per-unit loss: added as coef * value * weight to a sum the step divides by the weight."""
+        k = self.model_config.num_experts_per_tok
+        aux = sum(load_balancing_loss(lg, jax.lax.top_k(lg, k)[1], lg.shape[-1]) for lg in calls) / len(calls)
+        z = sum(router_z_loss(lg) for lg in calls) / len(calls)
+        cfg = self.cfg
+        loss_sum = loss_sum + (cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z) * weight
+        return loss_sum, {**metrics, "router_aux_loss": aux * weight, "router_z_loss": z * weight}
 
     def _step(self, params, opt_state, rngs, frozen, rest, aux, batches):
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)

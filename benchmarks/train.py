@@ -10,7 +10,8 @@ framework. Each runs in its own subprocess, one after the other (never concurren
 the median step time after warm-up steps (compilation excluded); the table gives tokens/s
 (8 x 128 / median step time) and ratios against TRL f32 and Tunix.
 
-  ours   tunix-rt's Trainer (this interpreter)
+  ours   tunix-rt's Trainer (this interpreter); dtype bfloat16+ffi: bf16 compute with bf16_matmul=true
+         (the linear layers on tunix-rt's bf16 FFI matmul instead of XLA's dot)
   trl    TRL SFTTrainer, torch CPU (--peer-python: an interpreter with trl + torch==2.13.0)
   tunix  google-tunix 0.1.7 PeftTrainer (same --peer-python, with jax 0.10 and google-tunix)
 """
@@ -61,8 +62,8 @@ def run_ours(mode: str, dtype: str, steps: int) -> list[float]:
     with tempfile.TemporaryDirectory() as out:
         cfg = SFTConfig(data="-", output=out, steps=steps, batch_size=BATCH, max_length=SEQ_LEN,
                         lora_rank=RANK if mode == "lora" else 0, lora_alpha=ALPHA, lora_targets=TARGETS,
-                        dequantize=True, compute_dtype=dtype, learning_rate=1e-5, shuffle=False, progress=False,
-                        save_steps=10_000)
+                        dequantize=True, compute_dtype=dtype.removesuffix("+ffi"), bf16_matmul=dtype.endswith("+ffi"),
+                        learning_rate=1e-5, shuffle=False, progress=False, save_steps=10_000)
         trainer = Trainer(cfg, loaded.model, SFTObjective(items, seq_len=SEQ_LEN, pad_id=0))
         times = []
         for step in range(steps):
@@ -148,6 +149,7 @@ def main() -> None:
     names = args.only.split(",")
     plan = [(n, m, "float32") for m in args.modes.split(",") for n in names]
     plan += [("ours", m, "bfloat16") for m in args.modes.split(",") if "ours" in names]
+    plan += [("ours", m, "bfloat16+ffi") for m in args.modes.split(",") if "ours" in names]
     plan += [("trl", m, "bfloat16") for m in args.modes.split(",") if "trl" in names]
     rates = {}
     print(f"SFT throughput, SmolLM2-135M f32 weights, batch {BATCH} x {SEQ_LEN} tokens, {THREADS} threads, "
@@ -157,11 +159,11 @@ def main() -> None:
         result = run_contender(python, __file__, ["--run", name, mode, dtype, str(args.steps)], THREADS,
                                TUNIX_RT_BENCH_HF_DIR=hf_dir, XLA_FLAGS=os.environ.get("XLA_FLAGS", ""))
         if "error" in result:
-            print(f"  {name:6} {mode:5} {dtype:9} failed: {result['error']}", flush=True)
+            print(f"  {name:6} {mode:5} {dtype:12} failed: {result['error']}", flush=True)
             continue
         step = median_step(result["times"], warmup)
         rates[name, mode, dtype] = BATCH * SEQ_LEN / step
-        print(f"  {name:6} {mode:5} {dtype:9} {step:7.2f} s/step {rates[name, mode, dtype]:8.1f} tok/s", flush=True)
+        print(f"  {name:6} {mode:5} {dtype:12} {step:7.2f} s/step {rates[name, mode, dtype]:8.1f} tok/s", flush=True)
     print()
     print(f"{'run':24} {'tok/s':>8} {'vs TRL f32':>11} {'vs Tunix':>9}")
     for (name, mode, dtype), rate in rates.items():

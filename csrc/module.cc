@@ -20,6 +20,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeUnpermuteHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeUnpermuteBwdHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedMatmulHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedMatmulDwHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Bf16MatmulHandler);
 }  // namespace tunix_rt
 
 namespace {
@@ -50,6 +51,7 @@ NB_MODULE(_ext, m) {
     d["tunix_rt_moe_unpermute_bwd"] = Capsule(tunix_rt::MoeUnpermuteBwdHandler);
     d["tunix_rt_grouped_matmul"] = Capsule(tunix_rt::GroupedMatmulHandler);
     d["tunix_rt_grouped_matmul_dw"] = Capsule(tunix_rt::GroupedMatmulDwHandler);
+    d["tunix_rt_bf16_matmul"] = Capsule(tunix_rt::Bf16MatmulHandler);
     return d;
   });
 

@@ -117,6 +117,9 @@ ffi::Future Route(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffe
     return ReadyFuture(InvalidArgument("router: bad expert grouping"));
   const float* lg = logits.typed_data();
   const float* b = bias.typed_data();
+  for (int64_t i = 0; i < e; ++i)
+    if (!std::isfinite(b[i]))
+      return ReadyFuture(InvalidArgument("router bias[" + std::to_string(i) + "] is not finite"));
   float* w = weights->typed_data();
   int32_t* id = ids->typed_data();
   const int64_t chunks = NumChunks(pool, t, std::max<int64_t>(1, 4096 / e));
@@ -165,6 +168,10 @@ ffi::Future Permute(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
   const int64_t t = x.dimensions()[0], h = LastDim(x.dimensions());
   const int64_t k = LastDim(expert_ids.dimensions()), e = group_sizes->element_count();
   const int64_t assignments = t * k;
+  if (x.dimensions().size() != 2 || expert_ids.dimensions().size() != 2 || expert_ids.dimensions()[0] != t)
+    return ReadyFuture(InvalidArgument("permute: need x (tokens, hidden) and expert_ids (tokens, k)"));
+  if (assignments > std::numeric_limits<int32_t>::max())
+    return ReadyFuture(InvalidArgument("permute: tokens * k exceeds the int32 row index range"));
   int32_t* rows = row_of->typed_data();
   ffi::Error err = SortAssignments(expert_ids.typed_data(), assignments, e, k, capacity, rows, group_sizes->typed_data());
   if (!err.success()) return ReadyFuture(err);
@@ -197,6 +204,8 @@ ffi::Future Unpermute(ffi::ThreadPool pool, ffi::AnyBuffer ys, ffi::Buffer<ffi::
   const int64_t r = ys.dimensions()[0], h = LastDim(ys.dimensions());
   const int64_t t = row_of.dimensions()[0], k = LastDim(row_of.dimensions());
   const int32_t* rows = row_of.typed_data();
+  if (weights.element_count() != static_cast<size_t>(t * k))
+    return ReadyFuture(InvalidArgument("unpermute: weights must be (tokens, k)"));
   ffi::Error err = CheckRows(rows, t * k, k, r);
   if (!err.success()) return ReadyFuture(err);
   std::shared_ptr<std::vector<float>> keep;
@@ -230,6 +239,8 @@ ffi::Future UnpermuteBwd(ffi::ThreadPool pool, ffi::AnyBuffer ys, ffi::Buffer<ff
   const int64_t r = ys.dimensions()[0], h = LastDim(ys.dimensions());
   const int64_t t = row_of.dimensions()[0], k = LastDim(row_of.dimensions());
   const int32_t* rows = row_of.typed_data();
+  if (dout.element_count() != static_cast<size_t>(t * h) || weights.element_count() != static_cast<size_t>(t * k))
+    return ReadyFuture(InvalidArgument("unpermute backward: dout must be (tokens, hidden), weights (tokens, k)"));
   ffi::Error err = CheckRows(rows, t * k, k, r);
   if (!err.success()) return ReadyFuture(err);
   std::vector<char> seen(r, 0);  // each row must belong to one assignment, as permute makes them
@@ -311,12 +322,19 @@ ffi::Future GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
                           ffi::Result<ffi::AnyBuffer> y, bool transpose_w) {
   const int64_t m = x.dimensions()[0], k = LastDim(x.dimensions()), e = w.dimensions()[0];
   const int64_t n = LastDim(y->dimensions());
+  const auto wd = w.dimensions();
+  if (x.dimensions().size() != 2 || wd.size() != 3 || group_sizes.element_count() != static_cast<size_t>(e) ||
+      wd[transpose_w ? 2 : 1] != k || wd[transpose_w ? 1 : 2] != n || y->dimensions()[0] != m)
+    return ReadyFuture(InvalidArgument("grouped_matmul: shapes of x, w, group_sizes and y do not agree"));
   std::vector<int64_t> offsets;
   ffi::Error err = GroupOffsets(group_sizes.typed_data(), e, m, &offsets);
   if (!err.success()) return ReadyFuture(err);
-  auto keep_x = std::make_shared<std::vector<float>>(), keep_w = std::make_shared<std::vector<float>>();
+  auto keep_x = std::make_shared<std::vector<float>>();
   const float* xf = AsF32(x, &keep_x);
-  const float* wf = AsF32(w, &keep_w);
+  // bf16 weights are widened tile by tile: experts without rows are never read.
+  const bool w_f32 = w.element_type() == ffi::DataType::F32;
+  const float* wf = static_cast<const float*>(w.untyped_data());
+  const uint16_t* w16 = static_cast<const uint16_t*>(w.untyped_data());
   const bool out_f32 = y->element_type() == ffi::DataType::F32;
   auto y_scratch = std::make_shared<std::vector<float>>(out_f32 ? 0 : m * n);
   float* yf = out_f32 ? static_cast<float*>(y->untyped_data()) : y_scratch->data();
@@ -334,15 +352,23 @@ ffi::Future GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
       const int64_t row = (*offs)[tl.g] + tl.r0;
       float* c = yf + row * n + tl.c0;
       for (int64_t r = 0; r < tl.rows; ++r) std::fill(c + r * n, c + r * n + tl.cols, 0.0f);
-      const float* wg = wf + tl.g * k * n;
       const StridedMatrix a{xf + row * k, k, 1};
-      const StridedMatrix b = transpose_w ? StridedMatrix{wg + tl.c0 * k, 1, k} : StridedMatrix{wg + tl.c0, n, 1};
+      StridedMatrix b = transpose_w ? StridedMatrix{wf + tl.g * k * n + tl.c0 * k, 1, k}
+                                    : StridedMatrix{wf + tl.g * k * n + tl.c0, n, 1};
+      std::vector<float> w_tile;
+      if (!w_f32) {  // this tile's k x cols slice of w[g], widened to f32 (row-major, cols wide)
+        w_tile.resize(k * tl.cols);
+        const uint16_t* wg = w16 + tl.g * k * n;
+        for (int64_t p = 0; p < k; ++p)
+          for (int64_t j = 0; j < tl.cols; ++j)
+            w_tile[p * tl.cols + j] = Bf16ToF32(transpose_w ? wg[(tl.c0 + j) * k + p] : wg[p * n + tl.c0 + j]);
+        b = StridedMatrix{w_tile.data(), tl.cols, 1};
+      }
       GemmAccumulate(a, b, tl.rows, tl.cols, k, c, n);
       if (!out_f32)
         for (int64_t r = 0; r < tl.rows; ++r) Store(out, (row + r) * n + tl.c0, c + r * n, tl.cols);
     }
     (void)keep_x;
-    (void)keep_w;
     (void)y_scratch;
     return ffi::Error::Success();
   });
@@ -353,6 +379,8 @@ ffi::Future GroupedMatmulDw(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
                             ffi::Result<ffi::AnyBuffer> dw) {
   const int64_t m = x.dimensions()[0], k = LastDim(x.dimensions()), n = LastDim(dy.dimensions());
   const int64_t e = dw->dimensions()[0];
+  if (dy.dimensions()[0] != m || group_sizes.element_count() != static_cast<size_t>(e))
+    return ReadyFuture(InvalidArgument("grouped_matmul weight gradient: shapes of x, dy and group_sizes do not agree"));
   std::vector<int64_t> offsets;
   ffi::Error err = GroupOffsets(group_sizes.typed_data(), e, m, &offsets);
   if (!err.success()) return ReadyFuture(err);

@@ -158,3 +158,11 @@ def test_lora_on_a_moe_model_adapts_attention_and_the_shared_expert():
     merged = merge_lora(model)
     np.testing.assert_allclose(np.asarray(merged(tokens, positions)), np.asarray(model(tokens, positions)),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_expert_given_twice_is_refused(qwen3_moe):
+    cfg, tensors, _ = qwen3_moe
+    stacked = np.stack([tensors[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] for e in range(cfg.num_experts)])
+    both = list(tensors.items()) + [("model.layers.0.mlp.experts.up_proj", stacked)]
+    with pytest.raises(CheckpointError, match="given already|given twice"):
+        build_decoder(cfg, both)

@@ -380,3 +380,18 @@ def test_router_z_loss_matches_numpy():
     mask[0] = 1
     np.testing.assert_allclose(float(moe.router_z_loss(jnp.asarray(logits), jnp.asarray(mask))), np.mean(lse[0] ** 2),
                                rtol=1e-5)
+
+
+def test_ops_under_vmap_equal_a_loop():
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((3, 10, 6)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 4, (3, 10, 2)), jnp.int32)
+    w = jnp.asarray(rng.standard_normal((4, 6, 5)), jnp.float32)
+
+    def layer(x, ids):
+        rows, row_of, sizes = moe.permute(x, ids, 4)
+        return moe.unpermute(moe.grouped_matmul(rows, w, sizes), row_of, jnp.ones(ids.shape))
+
+    batched = jax.vmap(layer)(x, ids)
+    for b in range(3):
+        np.testing.assert_allclose(np.asarray(batched[b]), np.asarray(layer(x[b], ids[b])), rtol=1e-6, atol=1e-6)

@@ -32,7 +32,7 @@ def test_router_losses_add_to_the_objective(tmp_path):
     plain = _first_step(tmp_path / "plain")
     assert "router_aux_loss" not in plain
     both = _first_step(tmp_path / "both", router_aux_loss_coef=0.5, router_z_loss_coef=0.25)
-    assert both["router_aux_loss"] >= 1.0 - 1e-6  # 1 exactly when routing is uniform, more otherwise
+    assert both["router_aux_loss"] > 0
     assert both["router_z_loss"] > 0
     expected = plain["loss"] + 0.5 * both["router_aux_loss"] + 0.25 * both["router_z_loss"]
     np.testing.assert_allclose(both["loss"], expected, rtol=1e-5)

@@ -165,22 +165,30 @@ def build_decoder(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray | Qu
             continue
         value = np.swapaxes(array, -1, -2) if target.transpose else array
         if target.expert is not None:
-            buffer, filled = stacks.setdefault(path, (np.zeros(want, np.float32), set()))
             if tuple(value.shape) != want[1:]:
                 raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, the config implies "
                                       f"{want[1:][::-1]}")
+            if path in loaded:
+                raise CheckpointError(f"tensor {name!r}: the experts of {'.'.join(map(str, path))} were given already")
+            if path not in stacks:
+                stacks[path] = (np.zeros(want, np.float32), set())
+            buffer, filled = stacks[path]
+            if target.expert in filled:
+                raise CheckpointError(f"tensor {name!r} is given twice")
             buffer[target.expert] = value
             filled.add(target.expert)
+            if len(filled) == want[0]:  # complete: to the device in the target dtype, host copy freed
+                loaded[path] = jnp.asarray(stacks.pop(path)[0], dtype=dtype)
             continue
+        if path in loaded or path in stacks:
+            raise CheckpointError(f"tensor {name!r} is given twice (or with per-expert tensors of the same weight)")
         if tuple(value.shape) != want:
             shown = want[:-2] + want[-2:][::-1] if target.transpose else want
             raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, the config implies {shown}")
         loaded[path] = jnp.asarray(value, dtype=dtype)
-    for path, (buffer, filled) in stacks.items():
-        if len(filled) != buffer.shape[0]:
-            absent = sorted(set(range(buffer.shape[0])) - filled)
-            raise CheckpointError(f"checkpoint is missing expert(s) {absent[:8]} of {'.'.join(map(str, path))}")
-        loaded[path] = jnp.asarray(buffer, dtype=dtype)
+    for path, (buffer, filled) in stacks.items():  # only incomplete stacks are left
+        absent = sorted(set(range(buffer.shape[0])) - filled)
+        raise CheckpointError(f"checkpoint is missing expert(s) {absent[:8]} of {'.'.join(map(str, path))}")
     graphdef, state = nnx.split(model)
     flat = list(nnx.to_flat_state(state))
     missing = [".".join(map(str, p)) for p, var in flat if p not in loaded and not isinstance(var, QuantWeight)]

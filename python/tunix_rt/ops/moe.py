@@ -111,7 +111,7 @@ def _route_call(logits, bias, k, static):
     scoring, renormalize, n_groups, topk_groups, group_top, scale = static
     t, e = logits.shape
     out = (jax.ShapeDtypeStruct((t, k), jnp.float32), jax.ShapeDtypeStruct((t, k), jnp.int32))
-    call = jax.ffi.ffi_call(_ROUTE, out, vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(_ROUTE, out, vmap_method="sequential")
     return call(logits.astype(jnp.float32), bias, scoring=np.int32(SCORINGS.index(scoring)), renormalize=renormalize,
                 n_groups=np.int64(n_groups), topk_groups=np.int64(topk_groups), group_top=np.int64(group_top),
                 scale=np.float32(scale))
@@ -226,7 +226,7 @@ def unpermute_reference(ys, row_of, weights):
 
 def _unpermute_call(ys, row_of, weights):
     t = row_of.shape[0]
-    call = jax.ffi.ffi_call(_UNPERMUTE, jax.ShapeDtypeStruct((t, ys.shape[1]), ys.dtype), vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(_UNPERMUTE, jax.ShapeDtypeStruct((t, ys.shape[1]), ys.dtype), vmap_method="sequential")
     return call(ys, row_of, weights)
 
 
@@ -242,7 +242,7 @@ def _unpermute_fwd(ys, row_of, weights):
 def _unpermute_bwd(residuals, dout):
     ys, row_of, weights = residuals
     out = (jax.ShapeDtypeStruct(ys.shape, ys.dtype), jax.ShapeDtypeStruct(weights.shape, jnp.float32))
-    call = jax.ffi.ffi_call(_UNPERMUTE_BWD, out, vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(_UNPERMUTE_BWD, out, vmap_method="sequential")
     dys, dw = call(ys, row_of, weights, dout.astype(ys.dtype))
     return dys, np.zeros(row_of.shape, jax.dtypes.float0), dw
 
@@ -265,7 +265,7 @@ def _permute_call(x, expert_ids, num_experts, capacity):
     t, k = expert_ids.shape
     out = (jax.ShapeDtypeStruct((t * k, x.shape[1]), x.dtype), jax.ShapeDtypeStruct((t, k), jnp.int32),
            jax.ShapeDtypeStruct((num_experts,), jnp.int32))
-    call = jax.ffi.ffi_call(_PERMUTE, out, vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(_PERMUTE, out, vmap_method="sequential")
     return call(x, expert_ids, capacity=np.int64(capacity or 0))
 
 
@@ -335,14 +335,14 @@ def grouped_matmul_reference(x, w, group_sizes, *, transpose_w=False):
 
 def _gmm_call(x, w, group_sizes, transpose_w):
     n = w.shape[1] if transpose_w else w.shape[2]
-    call = jax.ffi.ffi_call(_GMM, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype), vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(_GMM, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype), vmap_method="sequential")
     return call(x, w, group_sizes, transpose_w=bool(transpose_w))
 
 
 def _gmm_dw_call(a, b, group_sizes, num_experts):
     """dw[g] = a[rows of g]^T @ b[rows of g], (experts, a's K, b's N)."""
     out = jax.ShapeDtypeStruct((num_experts, a.shape[1], b.shape[1]), a.dtype)
-    return jax.ffi.ffi_call(_GMM_DW, out, vmap_method="broadcast_all")(a, b, group_sizes)
+    return jax.ffi.ffi_call(_GMM_DW, out, vmap_method="sequential")(a, b, group_sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -392,7 +392,7 @@ def grouped_matmul(x, w, group_sizes, *, transpose_w=False):
 def load_balancing_loss(router_logits, expert_ids, num_experts: int, mask=None):
     """Switch/Mixtral auxiliary loss, as HF transformers computes it: experts * sum over choices j
     and experts e of (fraction of tokens whose j-th choice is e) * (mean router probability of e).
-    1.0 when routing is uniform. `mask` (tokens,) leaves padding out of both means."""
+    k (the choices per token) when routing is uniform. `mask` (tokens,) leaves padding out of both means."""
     probs = jax.nn.softmax(router_logits.reshape(-1, num_experts).astype(jnp.float32), axis=-1)
     chosen = jax.nn.one_hot(expert_ids.reshape(probs.shape[0], -1), num_experts, dtype=jnp.float32)
     m = jnp.ones((probs.shape[0],), jnp.float32) if mask is None else mask.reshape(-1).astype(jnp.float32)

@@ -26,6 +26,8 @@ PARTITION_RULES: tuple[tuple[str, tuple], ...] = (
     (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/lora_b$", (None, TP)),
     (r"(o_proj|down_proj)/lora_a$", (TP, None)),
     (r"(o_proj|down_proj)/lora_b$", (None, FSDP)),
+    (r"experts/(gate_proj|up_proj)$", (None, FSDP, TP)),  # stacked MoE experts (E, in, out)
+    (r"experts/down_proj$", (None, TP, FSDP)),
     (r"^embed/embedding$", (TP, FSDP)),
     (r"^lm_head/kernel$", (FSDP, TP)),
 )

@@ -27,6 +27,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from tunix_rt.models.decoder import Decoder, record_router_logits
+from tunix_rt.ops.bf16_matmul import linear_dot_general
 from tunix_rt.ops.moe import load_balancing_loss, router_z_loss
 from tunix_rt.models.quant_layers import QuantEmbed
 from tunix_rt.parallel.mesh import batch_sharding, make_mesh, put_global, state_shardings
@@ -63,11 +64,14 @@ class Objective(Protocol):
         """Extra state the loss reads (a pytree of arrays), or None."""
 
 
-def set_compute_dtype(model: nnx.Module, dtype) -> None:
-    """Layers compute in `dtype` (their params are cast on the way in; the masters stay f32)."""
+def set_compute_dtype(model: nnx.Module, dtype, *, bf16_matmul: bool = False) -> None:
+    """Layers compute in `dtype` (their params are cast on the way in; the masters stay f32);
+    with `bf16_matmul`, Linear layers run their bf16 products on tunix-rt's FFI op."""
     for _, module in nnx.iter_modules(model):
         if isinstance(module, (nnx.Linear, nnx.Embed, Decoder, QuantEmbed)):
             module.dtype = jnp.dtype(dtype)
+        if bf16_matmul and isinstance(module, nnx.Linear):
+            module.dot_general = linear_dot_general
 
 
 def _cast(tree, dtype):
@@ -107,7 +111,7 @@ class Trainer:
             apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                        targets=cfg.lora_targets, seed=cfg.seed)
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
-        set_compute_dtype(model, self.compute_dtype)
+        set_compute_dtype(model, self.compute_dtype, bf16_matmul=cfg.bf16_matmul)
         self.model_config = model.config
         self.router_losses = any(model.config.moe_layers) and (cfg.router_aux_loss_coef > 0 or cfg.router_z_loss_coef > 0)
         model.train()

@@ -1,0 +1,132 @@
+"""bf16_matmul vs its reference (XLA's bf16 dot with f32 sums): hypothesis shapes (K odd, past one
+256-deep slab, M and N past one work block, empty dimensions), forward and backward, both output
+dtypes, every ISA tier, argument errors and the nnx.Linear dot_general hook."""
+
+from __future__ import annotations
+
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.isa_tiers import expected_tier, run_tiers
+from tunix_rt.ops import _ffi
+from tunix_rt.ops.bf16_matmul import bf16_matmul, bf16_matmul_reference, linear_dot_general
+
+pytestmark = pytest.mark.skipif(not _ffi.has_cpu_target("tunix_rt_bf16_matmul"),
+                                reason="tunix_rt._ext is not built: no FFI op to test")
+HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+BF16 = jnp.bfloat16
+
+
+def _f32(a):
+    return np.asarray(jnp.asarray(a, jnp.float32))
+
+
+def _tol(k):
+    # f32 sums of exact bf16 products, in another order; a bf16 output adds one rounding (2^-8 relative)
+    return dict(rtol=1e-2, atol=1e-2 * np.sqrt(max(k, 1)))
+
+
+@st.composite
+def cases(draw):
+    lead = draw(st.sampled_from([(), (0,), (3,), (2, 5), (197,)]))
+    k = draw(st.sampled_from([1, 2, 7, 64, 257, 300]))
+    n = draw(st.sampled_from([1, 5, 31, 33, 260]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    x = jnp.asarray(rng.standard_normal((*lead, k)), BF16)
+    w = jnp.asarray(rng.standard_normal((k, n)), BF16)
+    return x, w, draw(st.sampled_from([jnp.float32, BF16]))
+
+
+@settings(max_examples=40, **HYP)
+@given(case=cases())
+def test_matches_reference_forward_and_backward(case):
+    x, w, out_dtype = case
+    y = bf16_matmul(x, w, out_dtype=out_dtype)
+    ref = bf16_matmul_reference(x, w, out_dtype=out_dtype)
+    assert y.shape == ref.shape and y.dtype == jnp.dtype(out_dtype)
+    np.testing.assert_allclose(_f32(y), _f32(ref), **_tol(x.shape[-1]))
+    probe = jnp.asarray(np.random.default_rng(1).standard_normal(y.shape), out_dtype)
+    loss = lambda fn: (lambda a, b: jnp.sum((fn(a, b, out_dtype=out_dtype) * probe).astype(jnp.float32)))
+    g = jax.grad(loss(bf16_matmul), argnums=(0, 1))(x, w)
+    gr = jax.grad(loss(bf16_matmul_reference), argnums=(0, 1))(x, w)
+    for a, b, contracted in zip(g, gr, (w.shape[1], int(np.prod(x.shape[:-1])))):
+        assert a.dtype == b.dtype == BF16
+        np.testing.assert_allclose(_f32(a), _f32(b), **_tol(contracted))
+
+
+def test_exact_on_small_integers():
+    """Integers below 2^8 are exact in bf16 and their sums exact in f32: any order gives one answer."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.integers(-8, 8, (13, 301)), BF16)
+    w = jnp.asarray(rng.integers(-8, 8, (301, 70)), BF16)
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    np.testing.assert_array_equal(np.asarray(bf16_matmul(x, w, out_dtype=jnp.float32)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(bf16_matmul, static_argnames="out_dtype")(
+        x, w, out_dtype=jnp.float32)), want)
+
+
+@pytest.mark.parametrize("call, pattern", [
+    (lambda: bf16_matmul(jnp.ones((2, 3), jnp.float32), jnp.ones((3, 4), BF16)), "x must be bfloat16"),
+    (lambda: bf16_matmul(jnp.ones((2, 3), BF16), jnp.ones((4, 4), BF16)), r"x's last dimension \(3\) does not match"),
+    (lambda: bf16_matmul(jnp.ones((2, 3), BF16), jnp.ones((3,), BF16)), r"need x \(..., K\) and w \(K, N\)"),
+    (lambda: bf16_matmul(jnp.ones((2, 3), BF16), jnp.ones((3, 4), BF16), out_dtype=jnp.int32), "out_dtype must be"),
+])
+def test_argument_errors(call, pattern):
+    with pytest.raises(ValueError, match=f"bf16_matmul: {pattern}"):
+        call()
+
+
+def test_linear_hook_sends_bf16_linears_to_the_op_and_leaves_the_rest():
+    layer = nnx.Linear(24, 10, dtype=BF16, rngs=nnx.Rngs(0), dot_general=linear_dot_general)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 24)), jnp.float32)
+    assert "tunix_rt_bf16_matmul" in jax.jit(layer.__call__).lower(x).as_text()
+    plain = nnx.Linear(24, 10, dtype=BF16, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(_f32(layer(x)), _f32(plain(x)), rtol=1e-2, atol=2e-2)
+    f32_layer = nnx.Linear(24, 10, rngs=nnx.Rngs(0), dot_general=linear_dot_general)
+    assert "tunix_rt_bf16_matmul" not in jax.jit(f32_layer.__call__).lower(x).as_text()
+
+
+_TIER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np, jax, jax.numpy as jnp
+    from tunix_rt.ops import _ffi
+    from tunix_rt.ops.bf16_matmul import bf16_matmul
+
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((45, 301)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((301, 70)), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((45, 70)), jnp.float32)
+    y, vjp = jax.vjp(lambda a, b: bf16_matmul(a, b, out_dtype=jnp.float32), x, w)
+    dx, dw = vjp(dy)
+    np.savez(sys.argv[1], y=np.asarray(y), dx=np.asarray(dx, np.float32), dw=np.asarray(dw, np.float32))
+    print(json.dumps({"isa": _ffi.isa_level()}))
+    """
+)
+_TIERS = ("scalar", "avx2", "avx512")
+
+
+@pytest.fixture(scope="module")
+def tier_runs(tmp_path_factory):
+    return run_tiers(_TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("bf16_isa"))
+
+
+@pytest.mark.parametrize("tier", _TIERS)
+def test_every_isa_tier_matches_reference(tier_runs, tier):
+    report, res = tier_runs[tier]
+    assert report["isa"] == expected_tier(tier)
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((45, 301)), BF16)
+    w = jnp.asarray(rng.standard_normal((301, 70)), BF16)
+    dy = jnp.asarray(rng.standard_normal((45, 70)), jnp.float32)
+    y, vjp = jax.vjp(lambda a, b: bf16_matmul_reference(a, b, out_dtype=jnp.float32), x, w)
+    np.testing.assert_allclose(res["y"], np.asarray(y), rtol=1e-5, atol=1e-4)
+    for name, ref, k in zip(("dx", "dw"), vjp(dy), (70, 45)):
+        np.testing.assert_allclose(res[name], _f32(ref), **_tol(k), err_msg=f"{tier} {name}")

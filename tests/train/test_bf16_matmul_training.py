@@ -1,0 +1,33 @@
+"""bf16_matmul=true: the linear layers of a bf16-compute step run on tunix-rt's bf16 FFI matmul and
+train as XLA's bf16 dot does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.train import sharded_worker as W
+from tunix_rt.train.sft import SFTObjective
+from tunix_rt.train.trainer import Trainer
+
+
+def _steps(tmp_path, **overrides) -> list[dict[str, float]]:
+    objective = SFTObjective(W.make_items(16), seq_len=W.SEQ, pad_id=0)
+    trainer = Trainer(W.config(tmp_path, steps=2, compute_dtype="bfloat16", **overrides), W.new_model(), objective)
+    if overrides.get("bf16_matmul"):
+        assert "tunix_rt_bf16_matmul" in trainer._train_step.lower(
+            trainer.params, trainer.opt_state, trainer.rngs, trainer.frozen, trainer.rest, trainer._aux(),
+            trainer.train_batch(0)).as_text()
+    return [trainer.run_step(step) for step in range(2)]
+
+
+def test_ffi_bf16_matmul_trains_like_xla(tmp_path):
+    xla, ffi = _steps(tmp_path / "xla"), _steps(tmp_path / "ffi", bf16_matmul=True)
+    for a, b in zip(xla, ffi):  # bf16 roundings of the same products, summed in another order
+        np.testing.assert_allclose(b["loss"], a["loss"], rtol=2e-2)
+        np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=5e-2)
+
+
+def test_bf16_matmul_needs_bf16_compute(tmp_path):
+    with pytest.raises(ValueError, match="bf16_matmul=true needs compute_dtype=bfloat16"):
+        W.config(tmp_path, bf16_matmul=True)

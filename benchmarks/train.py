@@ -10,8 +10,8 @@ framework. Each runs in its own subprocess, one after the other (never concurren
 the median step time after warm-up steps (compilation excluded); the table gives tokens/s
 (8 x 128 / median step time) and ratios against TRL f32 and Tunix.
 
-  ours   tunix-rt's Trainer (this interpreter); dtype bfloat16+ffi: bf16 compute with bf16_matmul=true
-         (the linear layers on tunix-rt's bf16 FFI matmul instead of XLA's dot)
+  ours   tunix-rt's Trainer (this interpreter); bf16 compute runs the linear layers on tunix-rt's bf16
+         FFI matmul (the default), "bfloat16-xla" on XLA's bf16 dot (bf16_matmul=false)
   trl    TRL SFTTrainer, torch CPU (--peer-python: an interpreter with trl + torch==2.13.0)
   tunix  google-tunix 0.1.7 PeftTrainer (same --peer-python, with jax 0.10 and google-tunix)
 """
@@ -62,7 +62,7 @@ def run_ours(mode: str, dtype: str, steps: int) -> list[float]:
     with tempfile.TemporaryDirectory() as out:
         cfg = SFTConfig(data="-", output=out, steps=steps, batch_size=BATCH, max_length=SEQ_LEN,
                         lora_rank=RANK if mode == "lora" else 0, lora_alpha=ALPHA, lora_targets=TARGETS,
-                        dequantize=True, compute_dtype=dtype.removesuffix("+ffi"), bf16_matmul=dtype.endswith("+ffi"),
+                        dequantize=True, compute_dtype=dtype.removesuffix("-xla"), bf16_matmul=not dtype.endswith("-xla"),
                         learning_rate=1e-5, shuffle=False, progress=False, save_steps=10_000)
         trainer = Trainer(cfg, loaded.model, SFTObjective(items, seq_len=SEQ_LEN, pad_id=0))
         times = []
@@ -149,7 +149,7 @@ def main() -> None:
     names = args.only.split(",")
     plan = [(n, m, "float32") for m in args.modes.split(",") for n in names]
     plan += [("ours", m, "bfloat16") for m in args.modes.split(",") if "ours" in names]
-    plan += [("ours", m, "bfloat16+ffi") for m in args.modes.split(",") if "ours" in names]
+    plan += [("ours", m, "bfloat16-xla") for m in args.modes.split(",") if "ours" in names]
     plan += [("trl", m, "bfloat16") for m in args.modes.split(",") if "trl" in names]
     rates = {}
     print(f"SFT throughput, SmolLM2-135M f32 weights, batch {BATCH} x {SEQ_LEN} tokens, {THREADS} threads, "

@@ -14,15 +14,14 @@ from tunix_rt.train.trainer import Trainer
 def _steps(tmp_path, **overrides) -> list[dict[str, float]]:
     objective = SFTObjective(W.make_items(16), seq_len=W.SEQ, pad_id=0)
     trainer = Trainer(W.config(tmp_path, steps=2, compute_dtype="bfloat16", **overrides), W.new_model(), objective)
-    if overrides.get("bf16_matmul"):
-        assert "tunix_rt_bf16_matmul" in trainer._train_step.lower(
-            trainer.params, trainer.opt_state, trainer.rngs, trainer.frozen, trainer.rest, trainer._aux(),
-            trainer.train_batch(0)).as_text()
+    hlo = trainer._train_step.lower(trainer.params, trainer.opt_state, trainer.rngs, trainer.frozen, trainer.rest,
+                                    trainer._aux(), trainer.train_batch(0)).as_text()
+    assert ("tunix_rt_bf16_matmul" in hlo) == overrides.get("bf16_matmul", True)
     return [trainer.run_step(step) for step in range(2)]
 
 
 def test_ffi_bf16_matmul_trains_like_xla(tmp_path):
-    xla, ffi = _steps(tmp_path / "xla"), _steps(tmp_path / "ffi", bf16_matmul=True)
+    xla, ffi = _steps(tmp_path / "xla", bf16_matmul=False), _steps(tmp_path / "ffi")  # on by default with bf16
     for a, b in zip(xla, ffi):  # bf16 roundings of the same products, summed in another order
         np.testing.assert_allclose(b["loss"], a["loss"], rtol=2e-2)
         np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=5e-2)

@@ -45,7 +45,7 @@ class TrainConfig:
     adam_epsilon: float = 1e-8
     max_grad_norm: float | None = 1.0
     compute_dtype: str = "float32"  # bf16 compute keeps f32 master weights
-    bf16_matmul: bool = False  # bf16 compute: linear layers on tunix-rt's bf16 FFI matmul instead of XLA's dot
+    bf16_matmul: bool | None = None  # linear layers' bf16 products on tunix-rt's FFI op (None: with bf16 compute)
     seed: int = 42
     shuffle: bool = True
     lora_rank: int = 0  # 0: full fine-tuning
@@ -95,6 +95,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.bf16_matmul and self.compute_dtype != "bfloat16":
             raise ValueError("bf16_matmul=true needs compute_dtype=bfloat16")
+        if self.bf16_matmul is None:  # measured faster than XLA's bf16 dot in training (benchmarks/train.py)
+            self.bf16_matmul = self.compute_dtype == "bfloat16"
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
         if self.fsdp == 0 or self.fsdp < -1 or self.tp < 1:

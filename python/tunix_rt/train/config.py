@@ -6,9 +6,8 @@ max_length, packing, assistant_only_loss, beta, loss_type, ...), so a TRL user r
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
+import math
 import os
 import types
 import typing

@@ -4,8 +4,8 @@
 // With AVX-512 BF16, vdpbf16ps adds two bf16 products into each f32 lane: B is packed into 32-column
 // panels whose consecutive k pairs sit side by side (one 64-byte load = 16 columns x 2 k), A into
 // 6-row tiles of k pairs (one 32-bit broadcast per row and pair), and a 6 x 32 tile of f32 sums lives
-// in 12 registers across a 256-deep K slab. Without it the operands are widened to f32 and run through
-// the shared f32 GEMM (gemm_f32.h). Products of bf16 values are exact in f32, so both tiers differ
+// in 12 registers across a 256-deep K slab. Without it the operands are widened to f32 once and run
+// through the shared f32 GEMM (gemm_f32.h). Products of bf16 values are exact in f32, so both tiers differ
 // only in summation order. The output is f32 or bf16 (rounded to nearest even once, at the end).
 #include <algorithm>
 #include <memory>
@@ -28,24 +28,11 @@ namespace {
 struct Bf16Matrix {
   const uint16_t* data;
   int64_t row_stride, col_stride;
-  uint16_t at(int64_t i, int64_t j) const { return data[i * row_stride + j * col_stride]; }
 };
 
 constexpr int64_t kSlabK = 256;       // k per packed slab (even)
 constexpr int64_t kBlockRows = 192;   // rows per work item (a multiple of kMR)
 constexpr int64_t kBlockCols = 256;   // columns per work item (a multiple of kMaxNR)
-
-// Columns [c0, c0 + cols) x rows [r0, r0 + rows) of c (f32, row stride n) = a @ b, on the f32 path.
-void BlockF32(Bf16Matrix a, Bf16Matrix b, int64_t r0, int64_t rows, int64_t c0, int64_t cols, int64_t k, float* c,
-              int64_t n) {
-  std::vector<float> af(rows * k), bf(k * cols);
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t p = 0; p < k; ++p) af[i * k + p] = Bf16ToF32(a.at(r0 + i, p));
-  for (int64_t p = 0; p < k; ++p)
-    for (int64_t j = 0; j < cols; ++j) bf[p * cols + j] = Bf16ToF32(b.at(p, c0 + j));
-  for (int64_t i = 0; i < rows; ++i) std::fill(c + (r0 + i) * n + c0, c + (r0 + i) * n + c0 + cols, 0.0f);
-  GemmAccumulate({af.data(), k, 1}, {bf.data(), cols, 1}, rows, cols, k, c + r0 * n + c0, n);
-}
 
 #ifdef TUNIX_RT_X86
 #define BF16_FN __attribute__((target("avx512f,avx512bw,avx512bf16")))
@@ -137,13 +124,12 @@ void BlockBf16(Bf16Matrix a, Bf16Matrix b, int64_t r0, int64_t rows, int64_t c0,
 }
 #endif
 
-using BlockFn = void (*)(Bf16Matrix, Bf16Matrix, int64_t, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
-
-BlockFn SelectBlock() {
+bool HasBf16Kernels() {
 #ifdef TUNIX_RT_X86
-  if (isa_level() >= IsaLevel::kAvx512 && cpu_features().avx512bf16) return BlockBf16;
+  return isa_level() >= IsaLevel::kAvx512 && cpu_features().avx512bf16;
+#else
+  return false;
 #endif
-  return BlockF32;
 }
 
 // a (M, K) or, with transpose_a, (K, M); b (K, N) or, with transpose_b, (N, K); c (M, N) f32 or bf16.
@@ -163,7 +149,13 @@ ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buff
   auto scratch = std::make_shared<std::vector<float>>(out_f32 ? 0 : m * n);
   float* cf = out_f32 ? static_cast<float*>(c->untyped_data()) : scratch->data();
   uint16_t* c16 = out_f32 ? nullptr : static_cast<uint16_t*>(c->untyped_data());
-  const BlockFn block = SelectBlock();
+  // Without BF16 kernels both operands are widened once and every block runs the f32 GEMM on them.
+  const bool bf16_kernels = HasBf16Kernels();
+  std::shared_ptr<std::vector<float>> af, bf;
+  if (!bf16_kernels) {
+    af = WidenBf16(ap, a.element_count());
+    bf = WidenBf16(bp, b.element_count());
+  }
   if (k == 0) {
     std::fill(cf, cf + m * n, 0.0f);
     if (c16) std::fill(c16, c16 + m * n, 0);
@@ -175,12 +167,22 @@ ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buff
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r0 = (i / col_blocks) * kBlockRows, c0 = (i % col_blocks) * kBlockCols;
       const int64_t rows = std::min(kBlockRows, m - r0), cols = std::min(kBlockCols, n - c0);
-      block(am, bm, r0, rows, c0, cols, k, cf, n);
+      if (bf16_kernels) {
+#ifdef TUNIX_RT_X86
+        BlockBf16(am, bm, r0, rows, c0, cols, k, cf, n);
+#endif
+      } else {
+        for (int64_t r = r0; r < r0 + rows; ++r) std::fill(cf + r * n + c0, cf + r * n + c0 + cols, 0.0f);
+        GemmAccumulate({af->data() + r0 * am.row_stride, am.row_stride, am.col_stride},
+                       {bf->data() + c0 * bm.col_stride, bm.row_stride, bm.col_stride}, rows, cols, k, cf + r0 * n + c0, n);
+      }
       if (c16)
         for (int64_t r = r0; r < r0 + rows; ++r)
           for (int64_t j = c0; j < c0 + cols; ++j) c16[r * n + j] = F32ToBf16(cf[r * n + j]);
     }
     (void)scratch;
+    (void)af;
+    (void)bf;
     return ffi::Error::Success();
   });
 }

@@ -3,7 +3,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -66,6 +68,20 @@ inline const float* RowAsF32(const void* data, bool bf16, int64_t r, int64_t c, 
   const uint16_t* src = static_cast<const uint16_t*>(data) + r * c;
   for (int64_t i = 0; i < c; ++i) scratch[i] = Bf16ToF32(src[i]);
   return scratch;
+}
+
+// `count` bf16 values widened to f32, in a shared vector asynchronous work can keep alive.
+inline std::shared_ptr<std::vector<float>> WidenBf16(const uint16_t* src, size_t count) {
+  auto out = std::make_shared<std::vector<float>>(count);
+  for (size_t i = 0; i < count; ++i) (*out)[i] = Bf16ToF32(src[i]);
+  return out;
+}
+
+// An f32 view of a whole f32 or bf16 buffer: the buffer itself, or a widened copy that `keep` owns.
+inline const float* AsF32(const ffi::AnyBuffer& b, std::shared_ptr<std::vector<float>>* keep) {
+  if (b.element_type() == ffi::DataType::F32) return static_cast<const float*>(b.untyped_data());
+  *keep = WidenBf16(static_cast<const uint16_t*>(b.untyped_data()), b.element_count());
+  return (*keep)->data();
 }
 
 inline ffi::Error InvalidArgument(const std::string& msg) {

@@ -22,15 +22,6 @@ namespace {
 
 std::string At(int64_t t, int64_t j) { return "[" + std::to_string(t) + ", " + std::to_string(j) + "]"; }
 
-// An f32 view of an f32 or bf16 buffer: the buffer itself, or a converted copy that `keep` owns.
-const float* AsF32(const ffi::AnyBuffer& b, std::shared_ptr<std::vector<float>>* keep) {
-  if (b.element_type() == ffi::DataType::F32) return static_cast<const float*>(b.untyped_data());
-  const uint16_t* src = static_cast<const uint16_t*>(b.untyped_data());
-  *keep = std::make_shared<std::vector<float>>(b.element_count());
-  for (size_t i = 0; i < b.element_count(); ++i) (**keep)[i] = Bf16ToF32(src[i]);
-  return (*keep)->data();
-}
-
 // Writes f32 values into an f32 or bf16 output buffer at element offset `at`.
 void Store(const ffi::AnyBuffer& out, int64_t at, const float* values, int64_t count) {
   if (out.element_type() == ffi::DataType::F32) {
@@ -165,11 +156,12 @@ ffi::Error SortAssignments(const int32_t* ids, int64_t assignments, int64_t e, i
 ffi::Future Permute(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids, ffi::Result<ffi::AnyBuffer> xs,
                     ffi::Result<ffi::Buffer<ffi::S32>> row_of, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                     int64_t capacity) {
-  const int64_t t = x.dimensions()[0], h = LastDim(x.dimensions());
-  const int64_t k = LastDim(expert_ids.dimensions()), e = group_sizes->element_count();
-  const int64_t assignments = t * k;
-  if (x.dimensions().size() != 2 || expert_ids.dimensions().size() != 2 || expert_ids.dimensions()[0] != t)
+  if (x.dimensions().size() != 2 || expert_ids.dimensions().size() != 2 ||
+      expert_ids.dimensions()[0] != x.dimensions()[0])
     return ReadyFuture(InvalidArgument("permute: need x (tokens, hidden) and expert_ids (tokens, k)"));
+  const int64_t t = x.dimensions()[0], h = x.dimensions()[1];
+  const int64_t k = expert_ids.dimensions()[1], e = group_sizes->element_count();
+  const int64_t assignments = t * k;
   if (assignments > std::numeric_limits<int32_t>::max())
     return ReadyFuture(InvalidArgument("permute: tokens * k exceeds the int32 row index range"));
   int32_t* rows = row_of->typed_data();
@@ -320,11 +312,12 @@ std::vector<Tile> Tiles(const std::vector<int64_t>& extent_rows, int64_t cols) {
 // (w (E, N, K)): the forward product and the input gradient.
 ffi::Future GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> group_sizes,
                           ffi::Result<ffi::AnyBuffer> y, bool transpose_w) {
-  const int64_t m = x.dimensions()[0], k = LastDim(x.dimensions()), e = w.dimensions()[0];
-  const int64_t n = LastDim(y->dimensions());
-  const auto wd = w.dimensions();
-  if (x.dimensions().size() != 2 || wd.size() != 3 || group_sizes.element_count() != static_cast<size_t>(e) ||
-      wd[transpose_w ? 2 : 1] != k || wd[transpose_w ? 1 : 2] != n || y->dimensions()[0] != m)
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
+    return ReadyFuture(InvalidArgument("grouped_matmul: need x (rows, K), w (experts, K, N) and y (rows, N)"));
+  const int64_t m = xd[0], k = xd[1], e = wd[0], n = yd[1];
+  if (group_sizes.element_count() != static_cast<size_t>(e) || wd[transpose_w ? 2 : 1] != k ||
+      wd[transpose_w ? 1 : 2] != n || yd[0] != m)
     return ReadyFuture(InvalidArgument("grouped_matmul: shapes of x, w, group_sizes and y do not agree"));
   std::vector<int64_t> offsets;
   ffi::Error err = GroupOffsets(group_sizes.typed_data(), e, m, &offsets);

@@ -1142,13 +1142,7 @@ ffi::Future QuantGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuf
   const int64_t m = x.dimensions()[0], k = w.l.k, n = w.l.n;
   // f32 views of x and y: the buffers themselves for f32, converted copies for bf16.
   std::shared_ptr<std::vector<float>> x_copy, y_copy;
-  const float* xf = static_cast<const float*>(x.untyped_data());
-  if (x.element_type() == ffi::DataType::BF16) {
-    x_copy = std::make_shared<std::vector<float>>(m * k);
-    const uint16_t* src = static_cast<const uint16_t*>(x.untyped_data());
-    for (int64_t i = 0; i < m * k; ++i) (*x_copy)[i] = Bf16ToF32(src[i]);
-    xf = x_copy->data();
-  }
+  const float* xf = AsF32(x, &x_copy);
   const bool out_bf16 = y.element_type() == ffi::DataType::BF16;
   float* yf = static_cast<float*>(y.untyped_data());
   if (out_bf16) {

@@ -36,6 +36,13 @@ def isa_level() -> str | None:
     return _ext.isa_level() if _ext is not None else None
 
 
+def require_array(op: str, name: str, value):
+    """`value` if it is an array (has shape and dtype), else a ValueError naming the op and argument."""
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        raise ValueError(f"{op}: {name} must be an array, got {type(value).__name__}")
+    return value
+
+
 def platform_dispatch(target: str, compiled, reference, *args):
     """Runs `compiled` where `target` has a CPU handler, and `reference` on every other platform.
 

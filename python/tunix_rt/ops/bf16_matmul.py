@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tunix_rt.ops._ffi import has_cpu_target, platform_dispatch
+from tunix_rt.ops._ffi import has_cpu_target, platform_dispatch, require_array
 
 _TARGET = "tunix_rt_bf16_matmul"
 _BF16 = jnp.dtype(jnp.bfloat16)
@@ -24,9 +24,7 @@ _OUT_DTYPES = (jnp.dtype(jnp.float32), _BF16)
 
 def _check(x, w, out_dtype) -> None:
     for name, arr in (("x", x), ("w", w)):
-        if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
-            raise ValueError(f"bf16_matmul: {name} must be an array, got {type(arr).__name__}")
-        if jnp.dtype(arr.dtype) != _BF16:
+        if jnp.dtype(require_array("bf16_matmul", name, arr).dtype) != _BF16:
             raise ValueError(f"bf16_matmul: {name} must be bfloat16, got {jnp.dtype(arr.dtype)}")
     if x.ndim < 1 or w.ndim != 2:
         raise ValueError(f"bf16_matmul: need x (..., K) and w (K, N), got x {x.shape} and w {w.shape}")

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_rt.ops._ffi import platform_dispatch
+from tunix_rt.ops._ffi import platform_dispatch, require_array
 
 _ROUTE = "tunix_rt_moe_route"
 _PERMUTE = "tunix_rt_moe_permute"
@@ -28,12 +28,6 @@ _GMM = "tunix_rt_grouped_matmul"
 _GMM_DW = "tunix_rt_grouped_matmul_dw"
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 SCORINGS = ("softmax", "sigmoid")
-
-
-def _array(name: str, value, op: str):
-    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-        raise ValueError(f"{op}: {name} must be an array, got {type(value).__name__}")
-    return value
 
 
 def _positive_int(name: str, value, op: str) -> int:
@@ -46,7 +40,7 @@ def _positive_int(name: str, value, op: str) -> int:
 
 
 def _check_route(logits, k, scoring, n_groups, topk_groups, group_top, bias, scale):
-    _array("logits", logits, "router_topk")
+    require_array("router_topk", "logits", logits)
     if jnp.dtype(logits.dtype) not in _FLOATS or logits.ndim < 1:
         raise ValueError(f"router_topk: logits must be float32 or bfloat16 (..., experts), got {logits.dtype} {logits.shape}")
     e = logits.shape[-1]
@@ -65,7 +59,7 @@ def _check_route(logits, k, scoring, n_groups, topk_groups, group_top, bias, sca
                          f"topk_groups={topk_groups}, n_groups={n_groups}, group_top={group_top}")
     if n_groups > 1 and k > topk_groups * (e // n_groups):
         raise ValueError(f"router_topk: k ({k}) exceeds the experts of the {topk_groups} kept groups")
-    if bias is not None and (_array("bias", bias, "router_topk").shape != (e,)):
+    if bias is not None and (require_array("router_topk", "bias", bias).shape != (e,)):
         raise ValueError(f"router_topk: bias must have shape ({e},), got {bias.shape}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not math.isfinite(scale):
         raise ValueError(f"router_topk: scale must be a finite number, got {scale!r}")
@@ -172,8 +166,8 @@ def capacity_for(tokens: int, k: int, num_experts: int, factor: float) -> int:
 
 
 def _check_permute(x, expert_ids, num_experts, capacity):
-    _array("x", x, "permute")
-    _array("expert_ids", expert_ids, "permute")
+    require_array("permute", "x", x)
+    require_array("permute", "expert_ids", expert_ids)
     if x.ndim != 2 or jnp.dtype(x.dtype) not in _FLOATS:
         raise ValueError(f"permute: x must be float32 or bfloat16 (tokens, hidden), got {x.dtype} {x.shape}")
     if expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0] or jnp.dtype(expert_ids.dtype) != jnp.int32:
@@ -203,9 +197,9 @@ def permute_reference(x, expert_ids, num_experts, *, capacity=None):
 
 
 def _check_unpermute(ys, row_of, weights):
-    _array("ys", ys, "unpermute")
-    _array("row_of", row_of, "unpermute")
-    _array("weights", weights, "unpermute")
+    require_array("unpermute", "ys", ys)
+    require_array("unpermute", "row_of", row_of)
+    require_array("unpermute", "weights", weights)
     if ys.ndim != 2 or jnp.dtype(ys.dtype) not in _FLOATS:
         raise ValueError(f"unpermute: ys must be float32 or bfloat16 (rows, hidden), got {ys.dtype} {ys.shape}")
     if row_of.ndim != 2 or jnp.dtype(row_of.dtype) != jnp.int32:
@@ -313,9 +307,9 @@ def permute(x, expert_ids, num_experts, *, capacity=None):
 
 
 def _check_gmm(x, w, group_sizes, transpose_w):
-    _array("x", x, "grouped_matmul")
-    _array("w", w, "grouped_matmul")
-    _array("group_sizes", group_sizes, "grouped_matmul")
+    require_array("grouped_matmul", "x", x)
+    require_array("grouped_matmul", "w", w)
+    require_array("grouped_matmul", "group_sizes", group_sizes)
     if x.ndim != 2 or jnp.dtype(x.dtype) not in _FLOATS:
         raise ValueError(f"grouped_matmul: x must be float32 or bfloat16 (rows, K), got {x.dtype} {x.shape}")
     if w.ndim != 3 or jnp.dtype(w.dtype) != jnp.dtype(x.dtype):

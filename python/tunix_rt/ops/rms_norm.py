@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_rt.ops._ffi import platform_dispatch
+from tunix_rt.ops._ffi import platform_dispatch, require_array
 
 _FWD = "tunix_rt_rms_norm_fwd"
 _BWD = "tunix_rt_rms_norm_bwd"
@@ -23,9 +23,7 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 def _check(x, w, eps: float, offset: float) -> None:
     for name, arr in (("x", x), ("w", w)):
-        if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
-            raise ValueError(f"rms_norm: {name} must be an array, got {type(arr).__name__}")
-        if jnp.dtype(arr.dtype) not in _DTYPES:
+        if jnp.dtype(require_array("rms_norm", name, arr).dtype) not in _DTYPES:
             raise ValueError(f"rms_norm: {name} must be float32 or bfloat16, got {jnp.dtype(arr.dtype)}")
     if x.ndim < 1:
         raise ValueError("rms_norm: x must have at least one dimension (..., D), got a scalar")

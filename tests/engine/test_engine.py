@@ -372,6 +372,11 @@ def test_bad_sampling_params_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+def test_top_k_past_int32_means_off():
+    """The server fuzz found top_k = 2**31 overflowing the sampler's int32 column: no vocabulary is that large."""
+    assert [SamplingParams(top_k=k).top_k for k in (-1, 0, 5, 2**31 - 1, 2**31, 10**30)] == [0, 0, 5, 2**31 - 1, 0, 0]
+
+
 @pytest.mark.parametrize("kw", [dict(max_model_len=-1), dict(max_model_len=2.5), dict(max_num_seqs=0),
                                 dict(max_num_batched_tokens=-1), dict(block_size=0), dict(num_kv_blocks=0)])
 def test_bad_engine_arguments(llama, kw):

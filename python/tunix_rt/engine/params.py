@@ -52,7 +52,8 @@ class SamplingParams:
             fail("top_p", "must be in (0, 1]")
         if not is_int(self.top_k) or self.top_k < -1:
             fail("top_k", "must be an integer >= -1 (0 or -1 = off)")
-        self.top_k = max(self.top_k, 0)
+        # off below 1; past int32 (the sampler's dtype) it keeps every token of any vocabulary, as off does
+        self.top_k = self.top_k if 0 < self.top_k <= 2**31 - 1 else 0
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
             fail("min_p", "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -378,7 +378,8 @@ def test_top_k_past_int32_means_off():
 
 
 @pytest.mark.parametrize("kw", [dict(max_model_len=-1), dict(max_model_len=2.5), dict(max_num_seqs=0),
-                                dict(max_num_batched_tokens=-1), dict(block_size=0), dict(num_kv_blocks=0)])
+                                dict(max_num_batched_tokens=-1), dict(block_size=0), dict(num_kv_blocks=0),
+                                dict(decode_steps=0)])
 def test_bad_engine_arguments(llama, kw):
     model, _ = llama
     with pytest.raises(ValueError, match=next(iter(kw))):
@@ -402,10 +403,11 @@ def test_warmup_compiles_every_plain_program(llama):
                      num_kv_blocks=64, token_buckets=(4, 16))
     assert engine.runner.token_buckets == (4, 16)
     compiled = engine.warmup()
-    assert compiled == 2 + len(engine.runner.reachable_shapes()) == engine.stats().num_compiles
+    # two forwards (4 and 16 tokens), the samplers, and the decode loop of the one decode bucket (4 rows)
+    assert compiled == 2 + len(engine.runner.reachable_shapes()) + 1 == engine.stats().num_compiles
     assert engine.stats().kv_cache_usage == 0
     prompts = _prompts(7, [1, 3, 9, 20])
-    params = SamplingParams(max_tokens=6, temperature=0.8, seed=3)
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
     with _backend_compiles() as events:
         outs = engine.generate(prompts, params)
     assert not events and engine.stats().num_compiles == compiled
@@ -581,9 +583,10 @@ def test_stream_deltas_add_up(llama):
     [prompt] = _prompts(14, [11])
     params = SamplingParams(max_tokens=7, **GREEDY)
     outs = list(engine.stream(prompt, params))
-    assert len(outs) == 7 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
     assert [t for o in outs for t in o.delta_token_ids] == outs[-1].token_ids
-    assert all(len(o.delta_token_ids) == 1 for o in outs)
+    # the prompt's step brings the first token, one decode loop the other six
+    assert [len(o.delta_token_ids) for o in outs] == [1, 6]
     assert outs[-1].token_ids == engine.generate(prompt, params)[0].token_ids
     # n = 2: each sample's deltas add up to its own tokens
     outs = list(engine.stream(prompt, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=5)))
@@ -639,6 +642,86 @@ def test_logprobs_with_a_vocabulary_smaller_than_max_logprobs():
                      block_size=4, num_kv_blocks=4)
     [out] = engine.generate([[1, 2, 3]], SamplingParams(logprobs=2, max_tokens=2, **GREEDY))
     assert [len(top) for top in out.top_logprobs] == [2, 2]
+
+
+# -- multi-step decoding -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _limits(engine: Engine):
+    """Record each step's per-request token limits (all 1 unless the step is a multi-step decode)."""
+    log: list[list[int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        log.append([s.limit for s in out])
+        return out
+
+    engine.scheduler.schedule = recording
+    try:
+        yield log
+    finally:
+        del engine.scheduler.schedule
+
+
+def test_multi_step_decode_equals_one_step_at_a_time(llama):
+    """Decode loops of 8 tokens give what single steps give: greedy and seeded tokens, logprobs, top logprobs,
+    stops inside a loop, max_tokens that do not divide by 8; blocks taken for unused lookahead come back."""
+    model, engine = llama
+    single = _engine(model, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4,
+                     num_kv_blocks=64, decode_steps=1)
+    prompts = _prompts(37, [5, 17, 9, 2, 30])
+    [free] = single.generate(prompts[0], SamplingParams(max_tokens=20, **GREEDY))
+    # a token first seen after the first loop of 8 tokens: the stop lands inside the second loop
+    stop = free.token_ids[next(j for j in range(9, 20) if free.token_ids[j] not in free.token_ids[:j])]
+    params = [SamplingParams(max_tokens=20, stop_token_ids=[stop], **GREEDY),
+              SamplingParams(max_tokens=13, temperature=1.0, top_p=0.9, seed=5, logprobs=3),
+              SamplingParams(max_tokens=27, temperature=0.7, top_k=20, n=2, seed=1),
+              SamplingParams(max_tokens=3, **GREEDY),
+              SamplingParams(max_tokens=17, logprobs=0, **GREEDY)]
+    want = single.generate(prompts, params)
+    with _limits(engine) as limits:
+        got = engine.generate(prompts, params)
+    assert max(max(step) for step in limits) == 8
+    assert sum(max(step) > 1 for step in limits) >= 2
+    for g, w in zip(got, want):
+        for a, b in zip(g if isinstance(g, list) else [g], w if isinstance(w, list) else [w]):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and a.stop_reason == b.stop_reason
+            if b.logprobs is not None:
+                np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
+            if b.top_logprobs is not None:
+                assert [list(t) for t in a.top_logprobs] == [list(t) for t in b.top_logprobs]
+    assert got[0].finish_reason == "stop" and got[0].token_ids == free.token_ids[:free.token_ids.index(stop) + 1]
+    assert len(got[0].token_ids) > 8
+    assert_idle(engine)
+    assert_idle(single)
+
+
+def test_multi_step_only_for_plain_decodes_with_nothing_waiting(llama):
+    """Penalties need the host between tokens, and a waiting request must be admitted at the next step:
+    both keep steps single. Requests near max_tokens get smaller limits, down to a last loop shorter
+    than 8."""
+    _, engine = llama
+    prompts = _prompts(29, [6, 6])
+    with _limits(engine) as limits:
+        engine.generate(prompts, [SamplingParams(max_tokens=12, **GREEDY),
+                                  SamplingParams(max_tokens=12, presence_penalty=0.5, **GREEDY)])
+    assert all(max(step) == 1 for step in limits)
+    with _limits(engine) as limits:
+        engine.generate(prompts, [SamplingParams(max_tokens=12, **GREEDY), SamplingParams(max_tokens=4, **GREEDY)])
+    # the first token comes with the prompt; a loop where the short request may take 3 tokens; the last 3
+    assert limits == [[1, 1], [8, 3], [3]]
+    rid = engine.add_request(prompts[0], SamplingParams(max_tokens=20, **GREEDY))
+    with _limits(engine) as limits:
+        engine.step()
+        engine.step()
+        late = engine.add_request(prompts[1], SamplingParams(max_tokens=20, **GREEDY))
+        engine.step()
+    assert limits == [[1], [8], [1, 1]]
+    for r in (rid, late):
+        engine.abort(r)
+    assert_idle(engine)
 
 
 # -- stop rules ---------------------------------------------------------------------------------------

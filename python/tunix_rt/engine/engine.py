@@ -52,7 +52,7 @@ class Engine:
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int = 1 << 30,
                  enable_prefix_caching: bool = True, dequantize: bool = False, seed: int = 0,
-                 token_buckets: Sequence[int] | None = None):
+                 token_buckets: Sequence[int] | None = None, decode_steps: int = 8):
         if not isinstance(model, Decoder):
             from tunix_rt.checkpoints.loader import load_model
 
@@ -62,7 +62,8 @@ class Engine:
         if max_model_len is None:
             max_model_len = min(cfg.max_position_embeddings, 4096)
         for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size)):
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size),
+                            ("decode_steps", decode_steps)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine: {name} must be a positive integer, got {value!r}")
         if token_buckets is not None:
@@ -82,12 +83,13 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   decode_steps=decode_steps)
         eos = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, eos)
         self.runner = ModelRunner(model, num_blocks=num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                  grammars=self.grammars, token_buckets=token_buckets)
+                                  grammars=self.grammars, token_buckets=token_buckets, decode_steps=decode_steps)
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
@@ -199,12 +201,16 @@ class Engine:
             if not s.completes:
                 continue  # a prefill chunk: its logits are not a next token yet
             req = s.request
-            top = None
-            if req.params.logprobs:
-                k = req.params.logprobs
-                top = dict(zip(result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()))
-            req.append(int(result.tokens[i]), float(result.logprobs[i]), top)
-            self._generation_tokens += 1
+            k = req.params.logprobs
+            for step in range(s.limit):  # a multi-step decode's tokens after a stop are dropped
+                top = None
+                if k:
+                    top = dict(zip(result.top_ids[step, i, :k].tolist(), result.top_logprobs[step, i, :k].tolist()))
+                req.append(int(result.tokens[step, i]), float(result.logprobs[step, i]), top)
+                self._generation_tokens += 1
+                if req.status is Status.FINISHED:
+                    break
+                req.num_computed_tokens += step < s.limit - 1  # the loop computed the token it sampled
             if req.status is Status.FINISHED:
                 self.scheduler.finish(req)
             outputs.append(req.output())

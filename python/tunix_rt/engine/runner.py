@@ -4,6 +4,10 @@
    through the decoder over the paged KV pools, which the program takes donated and gives back.
    Block tables have min(T_b, max_num_seqs) rows and a fixed width (max_model_len / block_size).
 2. sample: the rows' last hidden states -> logits -> SamplerOutput, for B_b rows (sequence buckets).
+3. decode_loop: up to `decode_steps` decode steps of one token per row (T_b rows) in one program,
+   each feeding the tokens it samples to the next, for multi-step scheduling: one dispatch and one
+   host round trip for several tokens. It turns as often as the longest row's limit asks (a
+   dynamic trip count, so one program serves every limit); a row past its limit writes nothing.
 
 So the set of shapes, and of compiled programs, is fixed by the engine's configuration; each new
 program is logged and counted, and weights swap in place (same shapes and dtypes, no recompile).
@@ -45,7 +49,7 @@ def _fit(n: int, sizes: tuple[int, ...]) -> int:
     return next(s for s in sizes if s >= n)
 
 
-def _compile_step(graphdef, treedef, head_def, head_treedef, config):
+def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size):
     """The two jitted programs with the model's structure closed over: a static graphdef argument
     would be hashed on every call, and flat weight leaves skip pytree flattening. The sampler
     takes only the output head's leaves: every leaf passed costs dispatch time on each step."""
@@ -66,28 +70,61 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config):
         return sample_tokens(logits, params, prompt_tokens, output_tokens, num_top_logprobs=num_top_logprobs,
                              bitmask=bitmask)
 
-    return forward, sample
+    @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnums=(9, 10, 11))
+    def decode_loop(leaves, k, v, tokens, positions, token_seq, block_tables, limits, params, max_steps, int8_decode,
+                    num_top_logprobs):
+        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        if int8_decode:
+            set_int8_rows(model, MAX_INT8_ROWS)
+        head = model.output_head()
+        rows = tokens.shape[0]
+        no_history = jnp.full((rows, 1), -1, jnp.int32)
+        table_rows = jnp.maximum(token_seq, 0)
+        last_block = block_tables.shape[1] - 1
+        outs = SamplerOutput(jnp.zeros((max_steps, rows), jnp.int32), jnp.zeros((max_steps, rows), jnp.float32),
+                             jnp.zeros((max_steps, rows, num_top_logprobs), jnp.int32),
+                             jnp.zeros((max_steps, rows, num_top_logprobs), jnp.float32))
+
+        def one_step(i, carry):
+            k, v, tok, pos, outs = carry
+            live = i < limits
+            block = block_tables[table_rows, jnp.minimum(pos // block_size, last_block)]
+            cache = PagedKVCache(k, v, jnp.where(live, block * block_size + pos % block_size, -1),
+                                 jnp.where(live, token_seq, -1), block_tables)
+            h, cache = model.hidden_states(tok[None], pos[None], cache)
+            out = sample_tokens(head_logits(config, head, h[0]), dataclasses.replace(params, step=params.step + i),
+                                no_history, no_history, num_top_logprobs=num_top_logprobs)
+            outs = jax.tree.map(lambda buf, new: buf.at[i].set(new), outs, out)
+            return cache.k, cache.v, out.tokens, pos + live, outs
+
+        # As many turns as the longest limit needs (at most max_steps): no turn runs for nothing.
+        k, v, _, _, outs = jax.lax.fori_loop(0, jnp.max(limits), one_step, (k, v, tokens, positions, outs))
+        return outs, k, v
+
+    return forward, sample, decode_loop
 
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    tokens: np.ndarray  # (B,) one per scheduled request, in order
-    logprobs: np.ndarray
-    top_ids: np.ndarray
+    tokens: np.ndarray  # (steps, B): each step's token for each scheduled request, in order
+    logprobs: np.ndarray  # (steps, B)
+    top_ids: np.ndarray  # (steps, B, K)
     top_logprobs: np.ndarray
 
 
 class ModelRunner:
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, grammars: GrammarCompiler | None = None,
-                 token_buckets: tuple[int, ...] | None = None):
+                 token_buckets: tuple[int, ...] | None = None, decode_steps: int = 1):
         self.graphdef, state = nnx.split(model)
         self.leaves, self.treedef = jax.tree.flatten(state)
         self.quantized = any(isinstance(v, QuantizedTensor)
                              for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, QuantizedTensor)))
         head_def, head_state = nnx.split(model.output_head())
         self.head_leaves, head_treedef = jax.tree.flatten(head_state)
-        self._forward, self._sample = _compile_step(self.graphdef, self.treedef, head_def, head_treedef, model.config)
+        self._forward, self._sample, self._decode_loop = _compile_step(self.graphdef, self.treedef, head_def,
+                                                                       head_treedef, model.config, block_size)
+        self.decode_steps = decode_steps
         cfg = model.config
         self.cache_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.num_layers = cfg.num_layers
@@ -146,9 +183,12 @@ class ModelRunner:
 
     def warmup(self) -> int:
         """Compile the forward of every token bucket and the plain sampler (no penalties, logprobs of the
-        sampled token only, no grammar) of every reachable shape, on all-padding steps that write nothing;
-        returns how many programs that compiled."""
+        sampled token only, no grammar) of every reachable shape, and the decode loop of every bucket a
+        decode-only step can land in, on all-padding steps that write nothing; returns how many
+        programs that compiled."""
         before = len(self.compiled)
+        decode_buckets = {_fit(n, self.token_buckets) for n in range(1, min(self.max_num_seqs,
+                                                                             self.token_buckets[-1]) + 1)}
         for t_b in self.token_buckets:
             pad = np.full(t_b, -1, np.int32)
             tables = np.zeros((min(t_b, self.max_num_seqs), self.max_blocks_per_seq), np.int32)
@@ -164,6 +204,12 @@ class ModelRunner:
                 self._note_compile(("sample", t_b, b_b, 1, 0, False))
                 jax.block_until_ready(self._sample(self.head_leaves, hidden, np.zeros(b_b, np.int32), rows_params,
                                                    hist, hist, 0, None))
+            if self.decode_steps > 1 and t_b in decode_buckets:
+                int8 = self.int8_decode(t_b, True)
+                self._note_compile(("decode_loop", t_b, self.decode_steps, int8, 0))
+                _, self.k, self.v = self._decode_loop(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
+                                                      np.zeros(t_b, np.int32), pad, tables, np.zeros(t_b, np.int32),
+                                                      SamplingTensors.from_rows([], t_b), self.decode_steps, int8, 0)
         return len(self.compiled) - before
 
     def _note_compile(self, key: tuple) -> None:
@@ -196,9 +242,10 @@ class ModelRunner:
             tables[i, :len(blocks)] = blocks
             offset += n
             rows[i] = offset - 1
-        params, prompt_hist, output_hist, num_top = self._sampling_inputs(scheduled, b_b)
-
         int8 = self.int8_decode(t_b, num_tokens == len(scheduled))
+        if max(s.limit for s in scheduled) > 1:
+            return self._run_decode_loop(scheduled, t_b, tokens, positions, token_seq, tables, int8)
+        params, prompt_hist, output_hist, num_top = self._sampling_inputs(scheduled, b_b)
         self._note_compile(("forward", t_b, int8))
         hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, tokens, positions, slots, token_seq, tables,
                                                int8)
@@ -206,27 +253,41 @@ class ModelRunner:
         self._note_compile(("sample", t_b, b_b, prompt_hist.shape[1], num_top, bitmask is not None))
         out: SamplerOutput = self._sample(self.head_leaves, hidden, rows, params, prompt_hist, output_hist, num_top,
                                           bitmask)
-        n = len(scheduled)
-        return StepResult(np.asarray(out.tokens)[:n], np.asarray(out.logprobs)[:n], np.asarray(out.top_ids)[:n],
-                          np.asarray(out.top_logprobs)[:n])
+        return self._result(out, len(scheduled), steps_axis=False)
+
+    def _run_decode_loop(self, scheduled, t_b, tokens, positions, token_seq, tables, int8) -> StepResult:
+        """Each request's `limit` decodes of one token per row in one program (rows are the step's tokens)."""
+        params, num_top = self._sampling_params(scheduled, t_b)
+        limits = np.zeros(t_b, np.int32)
+        limits[:len(scheduled)] = [s.limit for s in scheduled]
+        self._note_compile(("decode_loop", t_b, self.decode_steps, int8, num_top))
+        out, self.k, self.v = self._decode_loop(self.leaves, self.k, self.v, tokens, positions, token_seq, tables,
+                                                limits, params, self.decode_steps, int8, num_top)
+        return self._result(out, len(scheduled), steps_axis=True)
+
+    @staticmethod
+    def _result(out: SamplerOutput, n: int, *, steps_axis: bool) -> StepResult:
+        arrays = [np.asarray(a) for a in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)]
+        return StepResult(*(a[:, :n] if steps_axis else a[None, :n] for a in arrays))
 
     def _grammar_masks(self, scheduled: list[ScheduledRequest], b_b: int) -> np.ndarray | None:
         """Allowed-token bitmasks when a row that samples this step has a grammar, else None."""
         rows = [(s.request.matcher, i) for i, s in enumerate(scheduled) if s.completes and s.request.matcher]
         return self.grammars.fill_masks(rows, b_b) if rows else None
 
+    def _sampling_params(self, scheduled: list[ScheduledRequest], batch: int) -> tuple[SamplingTensors, int]:
+        """The rows' sampling options padded to `batch`, and how many top logprobs the step returns."""
+        rows = [dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                     repetition_penalty=p.repetition_penalty, seed=s.request.seed,
+                     step=len(s.request.output_token_ids))
+                for s in scheduled for p in (s.request.params,)]
+        wants_top = any(s.request.params.logprobs for s in scheduled)
+        return SamplingTensors.from_rows(rows, batch), min(MAX_LOGPROBS, self.vocab_size) if wants_top else 0
+
     def _sampling_inputs(self, scheduled: list[ScheduledRequest], b_b: int):
-        rows = []
-        penalties = False
-        num_top = 0
-        for s in scheduled:
-            p, req = s.request.params, s.request
-            rows.append(dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                             repetition_penalty=p.repetition_penalty, seed=req.seed, step=len(req.output_token_ids)))
-            penalties |= p.uses_penalties
-            num_top = max(num_top, p.logprobs or 0)
-        params = SamplingTensors.from_rows(rows, b_b)
+        params, num_top = self._sampling_params(scheduled, b_b)
+        penalties = any(s.request.params.uses_penalties for s in scheduled)
         width = self.max_model_len if penalties else 1
         prompt_hist = np.full((b_b, width), -1, np.int32)
         output_hist = np.full((b_b, width), -1, np.int32)
@@ -236,5 +297,4 @@ class ModelRunner:
                     p_ids, o_ids = s.request.prompt_token_ids, s.request.output_token_ids
                     prompt_hist[i, :len(p_ids)] = p_ids
                     output_hist[i, :len(o_ids)] = o_ids
-        return params, prompt_hist, output_hist, min(MAX_LOGPROBS, self.vocab_size) if num_top else 0
-
+        return params, prompt_hist, output_hist, num_top

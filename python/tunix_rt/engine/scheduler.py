@@ -7,6 +7,11 @@ budget, blocks and the running-sequence limit allow. There are no separate prefi
 phases: a step is whatever mix of both fits the budget. When the pool runs out of blocks the most
 recently admitted running request is preempted: its blocks are freed and it goes back to the front
 of the queue to be recomputed later (its prefix may still be found in the prefix cache).
+
+Multi-step decoding (vLLM's num_scheduler_steps): when nothing waits and every scheduled request is
+a plain one-token decode, the step may run `decode_steps` decodes in one device program. Each
+request then gets KV room for the tokens it may still sample (its `limit`); the host sees the
+tokens afterwards and drops whatever follows a stop, so the output is the same as one step at a time.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class ScheduledRequest:
     request: Request
     start: int  # num_computed_tokens before this step
     num_new: int
+    limit: int = 1  # tokens this step may sample for it: > 1 in a multi-step decode
 
     @property
     def completes(self) -> bool:
@@ -31,8 +37,9 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, decode_steps: int = 1):
         self.kv = kv
+        self.decode_steps = decode_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -82,9 +89,32 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, num_cached, num_new))
             budget -= num_new
+        if not preempted and not self.waiting:
+            scheduled = self._multi_step(scheduled)
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new
         return scheduled
+
+    def _multi_step(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """Give a pure decode step `decode_steps` tokens per request where the KV pool has room.
+
+        Requests nearer their max_tokens get a smaller limit (the loop turns as often as the largest
+        limit asks). Penalties and grammars need the host between tokens, so a step with either stays
+        single. Blocks taken here and left unused (a stop came first) go back with the request's other
+        blocks.
+        """
+        steps = self.decode_steps
+        if steps < 2 or not all(s.num_new == 1 and s.completes and s.request.matcher is None
+                                and not s.request.params.uses_penalties for s in scheduled):
+            return scheduled
+        limits = [min(steps, s.request.max_tokens - len(s.request.output_token_ids)) for s in scheduled]
+        if max(limits) < 2:
+            return scheduled
+        for s, limit in zip(scheduled, limits):
+            req = s.request
+            if not self.kv.allocate(req.seq_id, req.all_token_ids, s.start + 1, limit - 1, extra=req.extra_keys):
+                return scheduled  # room taken so far stays with its requests and serves their next steps
+        return [dataclasses.replace(s, limit=limit) for s, limit in zip(scheduled, limits)]
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.seq_id)

@@ -35,17 +35,23 @@ def _grouped(rewards: jax.Array, group_size: int) -> jax.Array:
     return rewards.reshape(-1, group_size)
 
 
+def _centred(g: jax.Array) -> jax.Array:
+    """r - group mean, taken about the group's first reward: equal rewards give exactly 0, where an f32
+    mean of equal values can be off by an ulp, which GRPO's division by a ~0 std would blow up."""
+    shifted = g - g[:, :1]
+    return shifted - shifted.mean(axis=1, keepdims=True)
+
+
 def grpo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
     """GRPO: (r - group mean) / (group std + eps), the std unbiased (ddof=1) as TRL computes it."""
-    g = _grouped(rewards, group_size)
-    centred = g - g.mean(axis=1, keepdims=True)
-    return (centred / (g.std(axis=1, ddof=1, keepdims=True) + _STD_EPS)).reshape(-1)
+    centred = _centred(_grouped(rewards, group_size))
+    std = jnp.sqrt((centred**2).sum(axis=1, keepdims=True) / (group_size - 1))
+    return (centred / (std + _STD_EPS)).reshape(-1)
 
 
 def dr_grpo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
     """Dr. GRPO: r - group mean, no std scaling (which favours groups of near-equal rewards)."""
-    g = _grouped(rewards, group_size)
-    return (g - g.mean(axis=1, keepdims=True)).reshape(-1)
+    return _centred(_grouped(rewards, group_size)).reshape(-1)
 
 
 def rloo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:

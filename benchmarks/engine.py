@@ -117,7 +117,8 @@ def shared_prompt_hit_rate(engine: Engine) -> float:
 
 
 def recompiles_after_warmup(engine: Engine, requests: int) -> tuple[int, int]:
-    """Programs compiled by jax while serving `requests` mixed requests, after the same mix once."""
+    """Programs compiled by jax while serving `requests` mixed requests, after engine.warmup() and the same
+    mix once."""
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, *_, **__: compiles.append(name) if "backend_compile" in name else None)
@@ -135,6 +136,7 @@ def recompiles_after_warmup(engine: Engine, requests: int) -> tuple[int, int]:
             engine.step()
 
     # Warm every token bucket the mix can reach, then serve a fresh mix and count.
+    engine.warmup()
     serve(1)
     warm = len(compiles)
     serve(2)

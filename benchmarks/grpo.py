@@ -1,6 +1,6 @@
 """GRPO step time on the default model, side by side with TRL's GRPOTrainer and Tunix's GRPOLearner, in one run.
 
-Usage: python benchmarks/grpo.py [--steps 5] [--peer-python PY] [--only ours,ours-f32,trl,tunix]
+Usage: python benchmarks/grpo.py [--steps 5] [--peer-python PY] [--only ours,ours-f32,ours-bf16,trl,tunix]
 
 Every contender runs the same GRPO step: 4 prompts x 4 completions of up to 64 tokens (sampled at
 temperature 1 from SmolLM2-135M-Instruct), LoRA rank 8 (alpha 16) on all seven projections, AdamW,
@@ -12,6 +12,7 @@ subprocess, one after the other, and reports the median step time after one warm
 
   ours      tunix-rt RLTrainer on the default GGUF (Q4_1 base kept packed: QLoRA), this interpreter
   ours-f32  the same on the f32 weights (the HF directory the peers load)
+  ours-bf16 ours-f32 with bf16 training compute (tunix-rt's bf16 matmul op; the engine samples in f32)
   trl       TRL GRPOTrainer, torch CPU, transformers generate (no vLLM) (--peer-python: an
             interpreter with trl + peft + torch==2.13.0)
   tunix     google-tunix 0.1.7 GRPOLearner with its vanilla sampler (benchmarks/tunix_grpo_peer.py; the
@@ -21,6 +22,7 @@ subprocess, one after the other, and reports the median step time after one warm
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -54,7 +56,7 @@ def prompts_file(directory: str) -> str:
 # --- contenders (each runs in a subprocess: `python grpo.py --run NAME STEPS`) -------------------------------
 
 
-def run_ours(model: str, steps: int) -> dict:
+def run_ours(model: str, steps: int, compute_dtype: str = "float32") -> dict:
     from tunix_rt.checkpoints.loader import load_model
     from tunix_rt.train.config import GRPOConfig
     from tunix_rt.train.rl_trainer import RLTrainer
@@ -65,7 +67,7 @@ def run_ours(model: str, steps: int) -> dict:
                          batch_size=PROMPTS_PER_STEP * GENERATIONS, num_generations=GENERATIONS,
                          max_completion_length=MAX_NEW, lora_rank=RANK, lora_alpha=ALPHA, lora_targets=TARGETS,
                          reward=(f"{os.path.abspath(__file__)}:brevity",), learning_rate=1e-5, save_steps=10_000,
-                         progress=False, shuffle=False)
+                         progress=False, shuffle=False, compute_dtype=compute_dtype)
         loaded = load_model(model, dequantize=False)
         trainer = RLTrainer(cfg, loaded.model, build_objective(cfg, loaded, cfg.data))
         times, splits, lengths = [], [], []
@@ -127,7 +129,8 @@ def run_tunix(model: str, steps: int) -> dict:
                       max_new_tokens=MAX_NEW, rank=RANK, alpha=ALPHA, targets=TARGETS, reward_fn=brevity)
 
 
-RUNS = {"ours": run_ours, "ours-f32": run_ours, "trl": run_trl, "tunix": run_tunix}
+RUNS = {"ours": run_ours, "ours-f32": run_ours, "ours-bf16": functools.partial(run_ours, compute_dtype="bfloat16"),
+        "trl": run_trl, "tunix": run_tunix}
 
 # --- parent ------------------------------------------------------------------------------------------------------
 
@@ -136,7 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="steps per run; the first is warm-up")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter with trl + peft installed")
-    parser.add_argument("--only", default="ours,ours-f32,trl,tunix")
+    parser.add_argument("--only", default="ours,ours-f32,ours-bf16,trl,tunix")
     parser.add_argument("--run", nargs=3, metavar=("NAME", "MODEL", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
@@ -151,7 +154,7 @@ def main() -> None:
     loaded = load_model("default", dequantize=True)
     export_hf(loaded.model, loaded.tokenizer, loaded.hf_config, hf_dir)
     del loaded
-    models = {"ours": "default", "ours-f32": hf_dir, "trl": hf_dir, "tunix": hf_dir}
+    models = {"ours": "default", "ours-f32": hf_dir, "ours-bf16": hf_dir, "trl": hf_dir, "tunix": hf_dir}
     print(f"GRPO step, SmolLM2-135M-Instruct, {PROMPTS_PER_STEP} prompts x {GENERATIONS} completions x up to "
           f"{MAX_NEW} tokens, LoRA r{RANK}, {THREADS} threads; median of steps 2..{args.steps}", flush=True)
     medians = {}

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.models.hf_tiny import make_tiny_model_dir
 from tests.train.test_train_cli import cli, fast_compiles, logits, write_jsonl  # noqa: F401 (an autouse fixture)
@@ -165,6 +166,25 @@ def test_engine_greedy_equals_trainer_greedy_after_a_step(tiny, prompts, root):
     assert [o.token_ids for o in engine_out] == after
     assert after != before  # the steps changed the model, and the engine follows
     assert trainer.engine.stats().num_compiles == compiled  # syncing weights compiled nothing
+
+
+def test_bf16_training_samples_at_the_loaded_dtype(tiny, prompts, root):
+    """bf16 compute trains on the bf16 matmul op, but the engine decodes at the f32 the model was loaded
+    in, on XLA's dot (recasting every weight per decode step is what made bf16 rollouts slow)."""
+    cfg = build_config(GRPOConfig, overrides=[*COMMON, "compute_dtype=bfloat16"], model=str(tiny), data=prompts,
+                       output=str(root / "bf16"), reward=["brevity"], lora_rank=4)
+    loaded = load_model(cfg.model)
+    trainer = RLTrainer(cfg, loaded.model, run_module.build_objective(cfg, loaded, cfg.data))
+    trainer.run_step(0)
+    linears = [m for _, m in nnx.iter_modules(trainer.engine.model) if isinstance(m, nnx.Linear)]
+    assert linears and all(m.dtype == jnp.float32 and m.dot_general is jax.lax.dot_general for m in linears)
+    trained = [m for _, m in nnx.iter_modules(trainer.model()) if isinstance(m, nnx.Linear)]
+    assert all(m.dtype == jnp.bfloat16 and m.dot_general is not jax.lax.dot_general for m in trained)
+    ids = [[1, 80, 81, 82], [1, 70, 71]]
+    trainer._sync_engine()  # the step's weights, as the next rollout takes them
+    engine_out = trainer.engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=8))
+    want = reference_generate(trainer.inference_model(), ids, GenerationConfig(max_tokens=8))
+    assert [o.token_ids for o in engine_out] == [g.token_ids for g in want]
 
 
 def test_resume_reproduces_the_uninterrupted_run(root, tiny, prompts, grpo_run):

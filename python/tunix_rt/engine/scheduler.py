@@ -104,7 +104,7 @@ class Scheduler:
         blocks.
         """
         steps = self.decode_steps
-        if steps < 2 or not all(s.num_new == 1 and s.completes and s.request.matcher is None
+        if steps < 2 or not scheduled or not all(s.num_new == 1 and s.completes and s.request.matcher is None
                                 and not s.request.params.uses_penalties for s in scheduled):
             return scheduled
         limits = [min(steps, s.request.max_tokens - len(s.request.output_token_ids)) for s in scheduled]

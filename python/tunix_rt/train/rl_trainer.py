@@ -121,7 +121,7 @@ class RLTrainer(Trainer):
     def _sync_engine(self) -> None:
         from tunix_rt.engine.engine import Engine
 
-        model = self.model()
+        model = self.inference_model()
         if self.engine is None:
             rows = self.cfg.batch_size * self.cfg.gradient_accumulation_steps
             budget = max(512, rows)

@@ -100,7 +100,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
     trainer = (RLTrainer if isinstance(cfg, RLConfig) else Trainer)(cfg, loaded.model, objective)
     for o in (objective, eval_objective):
         if hasattr(o, "attach"):  # on-policy objectives sample from the model being trained
-            o.attach(trainer.model)
+            o.attach(trainer.inference_model)
     log.info("training %d steps on %d items (%s)", trainer.steps, objective.num_items,
              "LoRA" if trainer.lora else "full")
     trainer.fit(output=output, eval_objective=eval_objective, stop_after=stop_after)

@@ -66,12 +66,12 @@ class Objective(Protocol):
 
 def set_compute_dtype(model: nnx.Module, dtype, *, bf16_matmul: bool = False) -> None:
     """Layers compute in `dtype` (their params are cast on the way in; the masters stay f32);
-    with `bf16_matmul`, Linear layers run their bf16 products on tunix-rt's FFI op."""
+    with `bf16_matmul`, Linear layers run their bf16 products on tunix-rt's FFI op, else on XLA's dot."""
     for _, module in nnx.iter_modules(model):
         if isinstance(module, (nnx.Linear, nnx.Embed, Decoder, QuantEmbed)):
             module.dtype = jnp.dtype(dtype)
-        if bf16_matmul and isinstance(module, nnx.Linear):
-            module.dot_general = linear_dot_general
+        if isinstance(module, nnx.Linear):
+            module.dot_general = linear_dot_general if bf16_matmul else jax.lax.dot_general
 
 
 def _cast(tree, dtype):
@@ -111,6 +111,7 @@ class Trainer:
             apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                        targets=cfg.lora_targets, seed=cfg.seed)
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
+        self.inference_dtype = model.dtype  # what the model was loaded in: the rollout engine runs at it
         set_compute_dtype(model, self.compute_dtype, bf16_matmul=cfg.bf16_matmul)
         self.model_config = model.config
         self.router_losses = any(model.config.moe_layers) and (cfg.router_aux_loss_coef > 0 or cfg.router_z_loss_coef > 0)
@@ -278,6 +279,13 @@ class Trainer:
     def model(self) -> Decoder:
         """The current model (eval mode, params in f32) for export or generation."""
         return nnx.merge(self.eval_graphdef, self.params, self.rngs, self.frozen, self.rest)
+
+    def inference_model(self) -> Decoder:
+        """The current model as a rollout engine runs it: at the dtype it was loaded in, on XLA's dot. bf16
+        training compute would recast every f32 master weight on each decode step of a few rows."""
+        model = self.model()
+        set_compute_dtype(model, self.inference_dtype)
+        return model
 
     def fit(self, *, output: str | Path, eval_objective: Objective | None = None,
             stop_after: int | None = None) -> list[dict]:

@@ -59,6 +59,6 @@ class QuantEmbed(nnx.Module):
 def set_int8_rows(model: nnx.Module, rows: int) -> None:
     """Let every QuantLinear in `model` take int8 activations up to `rows` rows: what the engine
     does to the model it merges inside a decode-only step (that copy lives in one trace only)."""
-    for _, module in model.iter_modules():
+    for _, module in nnx.iter_modules(model):
         if isinstance(module, QuantLinear):
             module.int8_rows = rows

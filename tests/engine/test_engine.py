@@ -99,14 +99,15 @@ def _reference(model, prompts, max_tokens, stop_token_ids=()):
 
 
 @contextlib.contextmanager
-def _scheduled(engine: Engine):
-    """Record each step's schedule as (seq_id, start, num_new, completes) tuples."""
-    log: list[list[tuple]] = []
+def _scheduled(engine: Engine, row=lambda s: (s.request.seq_id, s.start, s.num_new, s.completes)):
+    """Record each step's schedule, a `row(ScheduledRequest)` per request (by default (seq_id, start,
+    num_new, completes) tuples)."""
+    log: list[list] = []
     schedule = engine.scheduler.schedule
 
     def recording():
         out = schedule()
-        log.append([(s.request.seq_id, s.start, s.num_new, s.completes) for s in out])
+        log.append([row(s) for s in out])
         return out
 
     engine.scheduler.schedule = recording
@@ -647,22 +648,9 @@ def test_logprobs_with_a_vocabulary_smaller_than_max_logprobs():
 # -- multi-step decoding -------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
 def _limits(engine: Engine):
     """Record each step's per-request token limits (all 1 unless the step is a multi-step decode)."""
-    log: list[list[int]] = []
-    schedule = engine.scheduler.schedule
-
-    def recording():
-        out = schedule()
-        log.append([s.limit for s in out])
-        return out
-
-    engine.scheduler.schedule = recording
-    try:
-        yield log
-    finally:
-        del engine.scheduler.schedule
+    return _scheduled(engine, lambda s: s.limit)
 
 
 def test_multi_step_decode_equals_one_step_at_a_time(llama):

@@ -50,7 +50,7 @@ def _fit(n: int, sizes: tuple[int, ...]) -> int:
 
 
 def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size):
-    """The two jitted programs with the model's structure closed over: a static graphdef argument
+    """The three jitted programs with the model's structure closed over: a static graphdef argument
     would be hashed on every call, and flat weight leaves skip pytree flattening. The sampler
     takes only the output head's leaves: every leaf passed costs dispatch time on each step."""
 

@@ -2,10 +2,11 @@
 //
 // ParallelFor cuts [0, n) into chunks that the calling thread and up to (pool threads - 1) pool
 // tasks claim from a shared counter, so a participant the OS delays leaves its share to the
-// others. An ffi::Future is completed by a countdown over participants: the last one to finish
+// others. An ffi::Future is completed by a countdown over chunks: whoever finishes the last one
 // runs the optional `finish` step (e.g. a deterministic cross-chunk reduction: chunk c always
-// covers the same range, whoever ran it) and then resolves the future. The pool may also run
-// tasks inline, so nothing here assumes a task runs elsewhere.
+// covers the same range, whoever ran it) and then resolves the future, so a pool task that wakes
+// after every chunk is claimed delays nothing (it finds no chunk and touches no buffer). The pool
+// may also run tasks inline, so nothing here assumes a task runs elsewhere.
 #pragma once
 
 #include <algorithm>
@@ -56,12 +57,12 @@ ffi::Future ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t num_chunks, Bo
     Body body;
     Finish finish;
     int64_t n, chunks;
-    std::atomic<int64_t> next{0}, participants;
+    std::atomic<int64_t> next{0}, unfinished;
     std::mutex mu;
     ffi::Error error = ffi::Error::Success();
     ffi::Promise promise;
-    State(Body b, Finish f, int64_t n_, int64_t c, int64_t p)
-        : body(std::move(b)), finish(std::move(f)), n(n_), chunks(c), participants(p) {}
+    State(Body b, Finish f, int64_t n_, int64_t c)
+        : body(std::move(b)), finish(std::move(f)), n(n_), chunks(c), unfinished(c) {}
     void Run() {
       for (int64_t chunk = next.fetch_add(1); chunk < chunks; chunk = next.fetch_add(1)) {
         ffi::Error err = body(chunk, n * chunk / chunks, n * (chunk + 1) / chunks);
@@ -69,8 +70,10 @@ ffi::Future ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t num_chunks, Bo
           std::lock_guard<std::mutex> lock(mu);
           if (error.success()) error = std::move(err);
         }
+        if (unfinished.fetch_sub(1, std::memory_order_acq_rel) == 1) Complete();
       }
-      if (participants.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    }
+    void Complete() {
       ffi::Error final_error = ffi::Error::Success();
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -85,7 +88,7 @@ ffi::Future ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t num_chunks, Bo
     }
   };
   const int64_t participants = std::min(num_chunks, Workers(pool));
-  auto state = std::make_shared<State>(std::move(body), std::move(finish), n, num_chunks, participants);
+  auto state = std::make_shared<State>(std::move(body), std::move(finish), n, num_chunks);
   ffi::Future future(state->promise);
   for (int64_t p = 1; p < participants; ++p) pool.Schedule([state] { state->Run(); });
   state->Run();

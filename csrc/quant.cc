@@ -208,49 +208,56 @@ void DequantizeRange(const Weights& w, int64_t col, int64_t k0, int64_t kk, floa
 // d * sum(q) for offset formats, whose -8 * sum must cancel against the quantized dot exactly.
 // e[b] (formats with mins) is exact - d * sum(q): q4_1 codes are 0..15, all of one sign, so the
 // kernels take the dot on q - 8 (centred, as accurate as q4_0) by adding 8 * d_w * e.
+// qsum[b] is sum(q) itself, from which the SIMD kernels' integer corrections come.
 // With `interleave` P (2 for AVX2, 4 for AVX-512), each run of P blocks is stored as
 // [x0[0:16] .. xP-1[0:16] x0[16:32] .. xP-1[16:32]]: the order in which one load of P 4-bit weight
-// blocks unpacks (low nibbles, then high ones), so P blocks take one unpack; pd holds the run's
-// scales as [d0 x4, d1 x4, ...], and pc (for offset formats) its 8 * sum(q) as int32 lanes
-// [8 s0, 0, 0, 0, 8 s1, 0, 0, 0, ...], which the kernels subtract from the integer dot:
-// sum((code - 8) * q) exactly, with no scalar correction. Blocks past the last full run stay in
-// natural order.
+// blocks unpacks (low nibbles, then high ones), so P blocks take one unpack. Blocks past the last
+// full run stay in natural order. pd and pc are per-kernel lanes of scales and integer corrections
+// (the kernel's prep function fills them; see each kernel).
 struct QuantizedActivations {
   int64_t m, k;
   std::vector<int8_t> q;
   std::vector<float> d, s, e, pd;
-  std::vector<int32_t> pc;
+  std::vector<int32_t> qsum, pc;
   int64_t blocks() const { return k / kSub; }
 };
 
-void QuantizeActivationRow(const float* x, int64_t k, int interleave, bool exact_sums, int8_t* q, float* d, float* s,
-                           float* e, float* pd, int32_t* pc) {
+// One 32-block of x quantized to int8 codes with scale d = amax / 127 (returned): elements 0..15 go
+// to lo, 16..31 to hi; *qsum gets the sum of the codes and *sum_x, when given, the f32 sum of x.
+using BlockQuantizer = float (*)(const float* xb, int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x);
+
+float QuantizeBlock(const float* xb, int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < kSub; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  int sum = 0;
+  float exact = 0.0f;
+  for (int64_t i = 0; i < kSub; ++i) {
+    exact += xb[i];
+    const int v = static_cast<int>(std::nearbyint(xb[i] * id));
+    (i < 16 ? lo : hi - 16)[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *qsum = sum;
+  if (sum_x != nullptr) *sum_x = exact;
+  return d;
+}
+
+// x (M, K) rows quantized per 32-block by quantize_block, in the layout above.
+void QuantizeActivationRow(const float* x, int64_t k, int interleave, bool exact_sums, BlockQuantizer quantize_block,
+                           int8_t* q, float* d, float* s, float* e, int32_t* qsum) {
   const int64_t nb = k / kSub;
   for (int64_t b = 0; b < nb; ++b) {
-    const float* xb = x + b * kSub;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < kSub; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float db = amax / 127.0f;
-    const float id = db != 0.0f ? 1.0f / db : 0.0f;
     const int64_t run = b - b % interleave;  // first block of b's run
     const bool in_run = interleave > 1 && run + interleave <= nb;
-    int sum = 0;
+    // in a run, the j-th block's halves go to run * 32 + j * 16 and 16 P further
+    int8_t* lo = q + (in_run ? run * kSub + (b - run) * 16 : b * kSub);
+    int8_t* hi = in_run ? lo + 16 * interleave : lo + 16;
     float exact = 0.0f;
-    for (int64_t i = 0; i < kSub; ++i) {
-      exact += xb[i];
-      const int v = static_cast<int>(std::nearbyint(xb[i] * id));
-      // in a run: element i of its j-th block goes to (i / 16) * 16 P + j * 16 + i % 16
-      const int64_t at = in_run ? run * kSub + (i / 16) * 16 * interleave + (b - run) * 16 + (i % 16) : b * kSub + i;
-      q[at] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    d[b] = db;
-    s[b] = exact_sums ? exact : db * static_cast<float>(sum);
-    if (exact_sums) e[b] = exact - db * static_cast<float>(sum);
-    if (in_run)
-      for (int j = 0; j < 4; ++j) pd[b * 4 + j] = db;
-    if (in_run && pc != nullptr)
-      for (int j = 0; j < 4; ++j) pc[b * 4 + j] = j == 0 ? 8 * sum : 0;
+    d[b] = quantize_block(x + b * kSub, lo, hi, &qsum[b], exact_sums ? &exact : nullptr);
+    s[b] = exact_sums ? exact : d[b] * static_cast<float>(qsum[b]);
+    if (exact_sums) e[b] = exact - d[b] * static_cast<float>(qsum[b]);
   }
 }
 
@@ -258,7 +265,7 @@ void QuantizeActivationRow(const float* x, int64_t k, int interleave, bool exact
 // written to y[r * cols + c].
 using TileFn = void (*)(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows,
                         int cols, float* y);
-constexpr int kTileRows = 4, kTileCols = 1, kMaxTileCols = 4;  // kernels may take more columns (SelectTile)
+constexpr int kTileRows = 4, kTileCols = 1, kMaxTileCols = 4;  // kernels may take more columns (SelectGemv)
 
 // Every kernel computes, per weight group g and activation block b in g:
 //   d_w[g] * d_x[b] * sum(code * xq)  +  correction,
@@ -294,6 +301,20 @@ void TileScalar(const Weights& w, const QuantizedActivations& a, int64_t col, in
 
 // AVX-512 VNNI (vpdpbusd: four u8 x s8 products into each int32 lane) with F16C.
 bool HasVnni() { return isa_level() >= IsaLevel::kAvx512 && cpu_features().avx512vnni && cpu_features().f16c; }
+
+// QuantizeBlock with AVX-512: the same codes and scale (amax, the multiply and the
+// round-to-nearest-even convert are exact); sum_x adds in another order.
+VNNI_FN float QuantizeBlockAvx512(const float* xb, int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x) {
+  const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1))) / 127.0f;
+  const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtepi32_epi8(q1));
+  *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  if (sum_x != nullptr) *sum_x = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+  return d;
+}
 
 AVX2_FN inline float HSum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -477,7 +498,22 @@ AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int6
     for (int c = 0; c < C; ++c) y[r * C + c] = HSum(acc[r][c]) + (kOffset8 ? -8.0f * corr[r][c] : corr[r][c]);
 }
 
-// The R x C instantiations of one format, dispatched at run time by the tile's shape.
+// TilePairsAvx2's lanes: pd[b * 4 + j] = d[b] (j < 4), the scales as its 8 lanes hold a pair's
+// blocks; pc (offset formats) [8 qsum[b], 0, 0, 0] per block, subtracted from the integer dot:
+// sum((code - 8) * q) exactly, with no scalar correction.
+void PrepPairsAvx2(QuantizedActivations& a, bool offset8) {
+  const int64_t nb = a.blocks(), paired = nb / 2 * 2;
+  a.pd.assign(a.m * nb * 4, 0.0f);
+  a.pc.assign(offset8 ? a.m * nb * 4 : 0, 0);
+  for (int64_t r = 0; r < a.m; ++r)
+    for (int64_t b = 0; b < paired; ++b) {
+      const int64_t i = r * nb + b;
+      std::fill_n(a.pd.data() + i * 4, 4, a.d[i]);
+      if (offset8) a.pc[i * 4] = 8 * a.qsum[i];
+    }
+}
+
+// The AVX2 kernel of a format for R rows by C columns.
 template <int kBits, bool kOffset8, bool kHasMin, bool kF16, int R, int C>
 constexpr TileFn Tile() {
   if constexpr (kBits == 8) {
@@ -487,140 +523,223 @@ constexpr TileFn Tile() {
   }
 }
 
-template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
-void TileAvx2Any(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols,
-                 float* y) {
-  static constexpr TileFn kTable[kTileRows] = {
-      Tile<kBits, kOffset8, kHasMin, kF16, 1, kTileCols>(), Tile<kBits, kOffset8, kHasMin, kF16, 2, kTileCols>(),
-      Tile<kBits, kOffset8, kHasMin, kF16, 3, kTileCols>(), Tile<kBits, kOffset8, kHasMin, kF16, 4, kTileCols>(),
-  };
+// One kernel per row count (1..kTileRows), dispatched at run time by the tile's shape.
+template <TileFn... kRows>
+void ByRows(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols, float* y) {
+  static constexpr TileFn kTable[] = {kRows...};
   kTable[rows - 1](w, a, col, r0, rows, cols, y);
 }
 
-// 4-bit formats with AVX-512 VNNI over activations interleaved by 4: one 64-byte load holds four
-// weight blocks, whose low and high nibbles meet the activations in two vpdpbusd; lane j then
-// holds a partial dot of block j / 4, scaled by [d_w d_x] spread the same way.
-template <bool kOffset8, bool kHasMin, bool kF16, int R, int C>
-VNNI_FN void TileQuadsVnni(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int,
-                           float* y) {
-  const int64_t nb = a.blocks(), groups = w.l.groups();
-  const int shift = GroupShift(w.l.group);
-  const __m512i mask = _mm512_set1_epi8(0x0f);
-  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  __m512 acc[R][C];
-  __m256 tail[R][C];
-  float corr[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      acc[r][c] = _mm512_setzero_ps();
-      tail[r][c] = _mm256_setzero_ps();
-      corr[r][c] = 0.0f;
-    }
-  const int64_t quads = nb / 4;
-  for (int64_t p = 0; p < quads; ++p) {
-    __m512i lo[C], hi[C];
-    __m512 dw[C];
-    for (int c = 0; c < C; ++c) {
-      const __m512i raw = _mm512_loadu_si512(w.row(col + c) + p * 2 * kSub);
-      lo[c] = _mm512_and_si512(raw, mask);
-      hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-      const int64_t s0 = (col + c) * groups;
-      __m128 d4;
-      if (shift == 0 && kF16) {
-        const uint16_t* d = static_cast<const uint16_t*>(w.scales) + s0 + 4 * p;
-        d4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d)));
-      } else if (shift == 0) {
-        d4 = _mm_loadu_ps(static_cast<const float*>(w.scales) + s0 + 4 * p);
-      } else {
-        float d[4];
-        for (int j = 0; j < 4; ++j) d[j] = ScaleAt<kF16>(w.scales, s0 + ((4 * p + j) >> shift));
-        d4 = _mm_loadu_ps(d);
-      }
-      dw[c] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(d4));
-    }
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xq = a.q.data() + (r0 + r) * a.k + p * 4 * kSub;
-      const __m512i xlo = _mm512_loadu_si512(xq), xhi = _mm512_loadu_si512(xq + 2 * kSub);
-      __m512i init = _mm512_setzero_si512();
-      if constexpr (kOffset8)
-        init = _mm512_sub_epi32(init, _mm512_loadu_si512(a.pc.data() + ((r0 + r) * nb + 4 * p) * 4));
-      const __m512 xd = _mm512_loadu_ps(a.pd.data() + ((r0 + r) * nb + 4 * p) * 4);
-      for (int c = 0; c < C; ++c) {
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, lo[c], xlo), hi[c], xhi);
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[c], xd), acc[r][c]);
-      }
+template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
+constexpr TileFn kAvx2Tiles =
+    ByRows<Tile<kBits, kOffset8, kHasMin, kF16, 1, kTileCols>(), Tile<kBits, kOffset8, kHasMin, kF16, 2, kTileCols>(),
+           Tile<kBits, kOffset8, kHasMin, kF16, 3, kTileCols>(), Tile<kBits, kOffset8, kHasMin, kF16, 4, kTileCols>()>;
+
+// ---- AVX-512 VNNI GEMV tiles --------------------------------------------------------------------
+// Both walk K in stripes of 16 blocks, so that one f32 vector holds a stripe's scale products
+// d_w * d_x and the float work (convert, scale, accumulate) is shared by 16 lanes of block dots.
+// Columns run one after another; the rows (R <= 4) share each column's codes.
+
+constexpr int64_t kStripe = 16;  // blocks
+
+VNNI_FN inline __mmask16 FirstLanes(int64_t count) { return static_cast<__mmask16>((1u << count) - 1); }
+
+VNNI_FN inline int32_t HSum32(__m256i v) { return _mm512_reduce_add_epi32(_mm512_zextsi256_si512(v)); }
+
+// Scales of blocks [b0, b0 + count) of column col (count <= 16), natural order, zero past count.
+template <bool kF16>
+VNNI_FN inline __m512 StripeScales(const Weights& w, int64_t col, int64_t b0, int64_t count, int shift) {
+  const int64_t g0 = col * w.l.groups();
+  if (shift == 0) {
+    if constexpr (kF16) {
+      return _mm512_cvtph_ps(
+          _mm256_maskz_loadu_epi16(FirstLanes(count), static_cast<const uint16_t*>(w.scales) + g0 + b0));
+    } else {
+      return _mm512_maskz_loadu_ps(FirstLanes(count), static_cast<const float*>(w.scales) + g0 + b0);
     }
   }
-  for (int64_t b = quads * 4; b < nb; ++b) {  // blocks past the last run of 4 (natural order)
-    for (int c = 0; c < C; ++c) {
-      const __m256i codes = LoadCodes<4>(w.row(col + c), b);
-      const float d = ScaleAt<kF16>(w.scales, (col + c) * groups + (b >> shift));
-      for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (r0 + r) * a.k + b * kSub));
-        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, xv);
-        tail[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a.d[(r0 + r) * nb + b]), tail[r][c]);
-        if constexpr (kOffset8) corr[r][c] -= 8.0f * d * a.s[(r0 + r) * nb + b];
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      if constexpr (kHasMin) corr[r][c] = MinCorrectionAvx2(w, a, col + c, r0 + r);
-      y[r * C + c] = _mm512_reduce_add_ps(acc[r][c]) + HSum(tail[r][c]) + corr[r][c];
-    }
+  alignas(64) float d[kStripe] = {};
+  for (int64_t i = 0; i < count; ++i) d[i] = ScaleAt<kF16>(w.scales, g0 + ((b0 + i) >> shift));
+  return _mm512_load_ps(d);
 }
 
-constexpr int kVnniTileCols = kMaxTileCols;
+// 4-bit formats over activations interleaved by 4. One 64-byte load holds a quad of four weight
+// blocks (128-bit lane j: block j), whose low and high nibbles meet x in two vpdpbusd. A lane's
+// dot is at most 8 * 15 * 127 in magnitude, so a stripe's four quads reduce by int16 packs and
+// pairwise madds to one vector of whole-block dots, lane 4 j + q holding block 4 q + j. pd holds
+// the activation scales in that order and pc (offset formats) 8 * qsum, subtracted from the
+// integer dots: sum((code - 8) * q) exactly. The weights' scales take one permute per stripe.
+alignas(64) constexpr int32_t kTransposed[kStripe] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+int64_t QuadStripes(int64_t blocks) { return (blocks / 4 + 3) / 4; }
+
+void PrepQuadStripes(QuantizedActivations& a, bool offset8) {
+  const int64_t nb = a.blocks(), quad_blocks = nb / 4 * 4, stripes = QuadStripes(nb);
+  a.pd.assign(a.m * stripes * kStripe, 0.0f);
+  a.pc.assign(offset8 ? a.m * stripes * kStripe : 0, 0);
+  for (int64_t r = 0; r < a.m; ++r)
+    for (int64_t s = 0; s < stripes; ++s)
+      for (int lane = 0; lane < kStripe; ++lane) {
+        const int64_t b = s * kStripe + kTransposed[lane], at = (r * stripes + s) * kStripe + lane;
+        if (b >= quad_blocks) continue;
+        a.pd[at] = a.d[r * nb + b];
+        if (offset8) a.pc[at] = 8 * a.qsum[r * nb + b];
+      }
+}
 
 template <bool kOffset8, bool kHasMin, bool kF16, int R>
-constexpr TileFn kVnniRow[kVnniTileCols] = {
-    TileQuadsVnni<kOffset8, kHasMin, kF16, R, 1>, TileQuadsVnni<kOffset8, kHasMin, kF16, R, 2>,
-    TileQuadsVnni<kOffset8, kHasMin, kF16, R, 3>, TileQuadsVnni<kOffset8, kHasMin, kF16, R, 4>};
+VNNI_FN void TileQuadStripes(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int,
+                             int cols, float* y) {
+  const int64_t nb = a.blocks(), quads = nb / 4, stripes = QuadStripes(nb), groups = w.l.groups();
+  const int shift = GroupShift(w.l.group);
+  const __m512i mask = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi16(1), zero = _mm512_setzero_si512();
+  const __m512i transpose = _mm512_load_si512(kTransposed);
+  for (int c = 0; c < cols; ++c) {
+    const uint8_t* wrow = w.row(col + c);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < stripes; ++s) {
+      const int64_t q0 = s * 4, nq = std::min<int64_t>(4, quads - q0);
+      __m512i lo[4], hi[4];
+      for (int q = 0; q < 4; ++q) {
+        const __m512i raw = q < nq ? _mm512_loadu_si512(wrow + (q0 + q) * 2 * kSub) : zero;
+        lo[q] = _mm512_and_si512(raw, mask);
+        hi[q] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+      }
+      const __m512 dw = _mm512_permutexvar_ps(transpose, StripeScales<kF16>(w, col + c, q0 * 4, nq * 4, shift));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = a.q.data() + (r0 + r) * a.k + q0 * 4 * kSub;
+        __m512i dot[4];
+        for (int q = 0; q < 4; ++q)
+          dot[q] = q < nq ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo[q], _mm512_loadu_si512(xq + q * 4 * kSub)),
+                                                hi[q], _mm512_loadu_si512(xq + q * 4 * kSub + 2 * kSub))
+                          : zero;
+        const __m512i d01 = _mm512_madd_epi16(_mm512_packs_epi32(dot[0], dot[1]), ones);
+        const __m512i d23 = _mm512_madd_epi16(_mm512_packs_epi32(dot[2], dot[3]), ones);
+        __m512i blocks = _mm512_madd_epi16(_mm512_packs_epi32(d01, d23), ones);
+        const int64_t lanes = ((r0 + r) * stripes + s) * kStripe;
+        if constexpr (kOffset8) blocks = _mm512_sub_epi32(blocks, _mm512_loadu_si512(a.pc.data() + lanes));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blocks), _mm512_mul_ps(dw, _mm512_loadu_ps(a.pd.data() + lanes)),
+                                 acc[r]);
+      }
+    }
+    float tail[R] = {};
+    for (int64_t b = quads * 4; b < nb; ++b) {  // blocks past the last quad (natural order)
+      const __m256i codes = LoadCodes<4>(wrow, b);
+      const float d = ScaleAt<kF16>(w.scales, (col + c) * groups + (b >> shift));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * nb + b;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (r0 + r) * a.k + b * kSub));
+        const int32_t dot = HSum32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, xv)) - (kOffset8 ? 8 * a.qsum[i] : 0);
+        tail[r] += d * a.d[i] * static_cast<float>(dot);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float corr = kHasMin ? MinCorrectionAvx2(w, a, col + c, r0 + r) : 0.0f;
+      y[r * cols + c] = _mm512_reduce_add_ps(acc[r]) + tail[r] + corr;
+    }
+  }
+}
+
+// 8-bit formats over activations in natural order. A 64-byte load holds two weight blocks;
+// vpdpbusd takes the codes as unsigned (c ^ 0x80 = c + 128), starting from pc's -128 * qsum in
+// lane 0 of each block's eight, which leaves sum(c * q) exactly. One permute per pair spreads
+// the stripe's scale products over the pair's lanes.
+void PrepPairs8(QuantizedActivations& a, bool) {
+  a.pc.assign(a.m * a.blocks() * 8, 0);
+  for (int64_t i = 0; i < a.m * a.blocks(); ++i) a.pc[i * 8] = -128 * a.qsum[i];
+}
+
+template <bool kF16, int R>
+VNNI_FN void TilePairStripes8(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int,
+                              int cols, float* y) {
+  const int64_t nb = a.blocks(), pairs = nb / 2, groups = w.l.groups();
+  const int shift = GroupShift(w.l.group);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), two = _mm512_set1_epi32(2);
+  const __m512i first_pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int c = 0; c < cols; ++c) {
+    const uint8_t* wrow = w.row(col + c);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < pairs; p0 += kStripe / 2) {
+      const int64_t np = std::min<int64_t>(kStripe / 2, pairs - p0);
+      const __m512 dw = StripeScales<kF16>(w, col + c, 2 * p0, 2 * np, shift);
+      __m512 dwx[R];
+      for (int r = 0; r < R; ++r)
+        dwx[r] = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(FirstLanes(2 * np), a.d.data() + (r0 + r) * nb + 2 * p0));
+      __m512i spread = first_pair;
+      for (int64_t p = p0; p < p0 + np; ++p, spread = _mm512_add_epi32(spread, two)) {
+        const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(wrow + p * 2 * kSub), flip);
+        for (int r = 0; r < R; ++r) {
+          const __m512i init = _mm512_loadu_si512(a.pc.data() + ((r0 + r) * nb + 2 * p) * 8);
+          const __m512i dot = _mm512_dpbusd_epi32(init, u, _mm512_loadu_si512(a.q.data() + (r0 + r) * a.k + p * 2 * kSub));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, dwx[r]), acc[r]);
+        }
+      }
+    }
+    float tail[R] = {};
+    if (nb % 2) {  // the last, unpaired block
+      const int64_t b = nb - 1;
+      const __m256i u = _mm256_xor_si256(LoadCodes<8>(wrow, b), _mm256_set1_epi8(static_cast<char>(0x80)));
+      const float d = ScaleAt<kF16>(w.scales, (col + c) * groups + (b >> shift));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * nb + b;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (r0 + r) * a.k + b * kSub));
+        const int32_t dot = HSum32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xv)) - 128 * a.qsum[i];
+        tail[r] = d * a.d[i] * static_cast<float>(dot);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * cols + c] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+  }
+}
 
 template <bool kOffset8, bool kHasMin, bool kF16>
-void TileQuadsVnniAny(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols,
-                      float* y) {
-  static constexpr const TileFn* kTable[kTileRows] = {
-      kVnniRow<kOffset8, kHasMin, kF16, 1>, kVnniRow<kOffset8, kHasMin, kF16, 2>,
-      kVnniRow<kOffset8, kHasMin, kF16, 3>, kVnniRow<kOffset8, kHasMin, kF16, 4>,
-  };
-  kTable[rows - 1][cols - 1](w, a, col, r0, rows, cols, y);
-}
+constexpr TileFn kQuadStripes =
+    ByRows<TileQuadStripes<kOffset8, kHasMin, kF16, 1>, TileQuadStripes<kOffset8, kHasMin, kF16, 2>,
+           TileQuadStripes<kOffset8, kHasMin, kF16, 3>, TileQuadStripes<kOffset8, kHasMin, kF16, 4>>;
+
+template <bool kF16>
+constexpr TileFn kPairStripes8 = ByRows<TilePairStripes8<kF16, 1>, TilePairStripes8<kF16, 2>,
+                                        TilePairStripes8<kF16, 3>, TilePairStripes8<kF16, 4>>;
 #endif
 
-// Kernel per format id (rows of kFormats) for the detected ISA tier; `interleave` tells the
-// activation layout it expects.
-TileFn SelectTile(int32_t fmt, int* interleave, int* tile_cols) {
-  *interleave = 1;
-  *tile_cols = kTileCols;
+// The GEMV kernel of a format for the detected ISA tier, with the activation layout it reads:
+// `interleave` for QuantizeActivationRow, and `prep` (or none) to fill its pd / pc lanes.
+struct GemvKernel {
+  TileFn tile;
+  int interleave;
+  int tile_cols;
+  void (*prep)(QuantizedActivations& a, bool offset8);
+  BlockQuantizer quantize_block = QuantizeBlock;
+};
+
+GemvKernel SelectGemv(int32_t fmt) {
 #ifdef TUNIX_RT_X86
-  if (HasVnni() && kFormats[fmt].bits == 4) {
+  if (HasVnni()) {
     static constexpr TileFn kVnni[kNumFormats] = {
-        nullptr,
-        TileQuadsVnniAny<true, false, true>,    // q4_0
-        TileQuadsVnniAny<false, true, true>,    // q4_1
-        nullptr,
-        TileQuadsVnniAny<true, false, false>,   // int4
+        kPairStripes8<true>,                   // q8_0
+        kQuadStripes<true, false, true>,       // q4_0
+        kQuadStripes<false, true, true>,       // q4_1
+        kPairStripes8<false>,                  // int8
+        kQuadStripes<true, false, false>,      // int4
     };
-    *interleave = 4;
-    *tile_cols = kVnniTileCols;
-    return kVnni[fmt];
+    return kFormats[fmt].bits == 4 ? GemvKernel{kVnni[fmt], 4, kMaxTileCols, PrepQuadStripes, QuantizeBlockAvx512}
+                                   : GemvKernel{kVnni[fmt], 1, kMaxTileCols, PrepPairs8, QuantizeBlockAvx512};
   }
   if (isa_level() >= IsaLevel::kAvx2 && cpu_features().f16c) {
     static constexpr TileFn kAvx2[kNumFormats] = {
-        TileAvx2Any<8, false, false, true>,  // q8_0
-        TileAvx2Any<4, true, false, true>,   // q4_0
-        TileAvx2Any<4, false, true, true>,   // q4_1
-        TileAvx2Any<8, false, false, false>, // int8
-        TileAvx2Any<4, true, false, false>,  // int4
+        kAvx2Tiles<8, false, false, true>,  // q8_0
+        kAvx2Tiles<4, true, false, true>,   // q4_0
+        kAvx2Tiles<4, false, true, true>,   // q4_1
+        kAvx2Tiles<8, false, false, false>, // int8
+        kAvx2Tiles<4, true, false, false>,  // int4
     };
-    *interleave = kFormats[fmt].bits == 4 ? 2 : 1;
-    return kAvx2[fmt];
+    return kFormats[fmt].bits == 4 ? GemvKernel{kAvx2[fmt], 2, kTileCols, PrepPairsAvx2}
+                                   : GemvKernel{kAvx2[fmt], 1, kTileCols, nullptr};
   }
 #endif
-  return TileScalar;
+  return GemvKernel{TileScalar, 1, kTileCols, nullptr};
 }
-
 
 // ---- GEMM: exact f32 products over dequantized weight panels ------------------------------------
 //
@@ -911,8 +1030,7 @@ struct RowPackedActivations {
 
 #ifdef TUNIX_RT_X86
 
-// x (M, K) quantized per 32-block as QuantizeActivationRow does (same scales, same codes: the
-// vector amax, multiply and round-to-nearest-even convert are exact), in the row-packed layout.
+// x (M, K) quantized per 32-block by QuantizeBlockAvx512, in the row-packed layout.
 VNNI_FN std::shared_ptr<RowPackedActivations> PackRows(const ffi::AnyBuffer& x, const Layout& l) {
   auto a = std::make_shared<RowPackedActivations>();
   const int64_t m = x.dimensions()[0], k = l.k, nb = k / kSub;
@@ -930,20 +1048,16 @@ VNNI_FN std::shared_ptr<RowPackedActivations> PackRows(const ffi::AnyBuffer& x, 
     const int64_t g = r / kLanes, lane = r % kLanes;
     const float* row = RowAsF32(x.untyped_data(), bf16, r, k, scratch.data());
     for (int64_t b = 0; b < nb; ++b) {
-      const __m512 x0 = _mm512_loadu_ps(row + b * kSub), x1 = _mm512_loadu_ps(row + b * kSub + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-      const float d = amax / 127.0f;
-      const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
       alignas(32) int8_t q[kSub];
-      _mm_store_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
-      _mm_store_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+      int32_t qsum;
+      float sum_x;
+      const float d = QuantizeBlockAvx512(row + b * kSub, q, q + 16, &qsum, l.f->has_min ? &sum_x : nullptr);
       int8_t* dst = a->x.data() + a->at(g, b) * kSub * kLanes + lane * 4;
       for (int quad = 0; quad < kSub / 4; ++quad) std::memcpy(dst + quad * kLanes * 4, q + 4 * quad, 4);
       const int64_t v = a->at(g, b) * kLanes + lane;
-      a->off[v] = -off * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      a->off[v] = -off * qsum;
       a->d[v] = d;
-      if (l.f->has_min) a->s[v] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+      if (l.f->has_min) a->s[v] = sum_x;
     }
   }
   return a;
@@ -1186,9 +1300,9 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
   if (m > kGemvRows && HasVnni()) return VnniGemm(pool, w, x, *y);
 #endif
 
-  int interleave, tile_cols;
-  const TileFn tile_fn = SelectTile(fmt, &interleave, &tile_cols);
-  const bool paired = interleave > 1;
+  const GemvKernel kernel = SelectGemv(fmt);
+  const TileFn tile_fn = kernel.tile;
+  const int tile_cols = kernel.tile_cols;
   auto act = std::make_shared<QuantizedActivations>();
   act->m = m;
   act->k = l.k;
@@ -1196,18 +1310,18 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
   act->d.resize(m * act->blocks());
   act->s.resize(m * act->blocks());
   act->e.resize(l.f->has_min ? m * act->blocks() : 0);
-  act->pd.resize(paired ? m * act->blocks() * 4 : 0);
-  act->pc.resize(paired && l.f->offset8 ? m * act->blocks() * 4 : 0);
+  act->qsum.resize(m * act->blocks());
   {
     const bool bf16 = x.element_type() == ffi::DataType::BF16;
     std::vector<float> scratch(l.k);
-    for (int64_t r = 0; r < m; ++r)
-      QuantizeActivationRow(RowAsF32(x.untyped_data(), bf16, r, l.k, scratch.data()), l.k, interleave, l.f->has_min,
-                            act->q.data() + r * l.k, act->d.data() + r * act->blocks(),
-                            act->s.data() + r * act->blocks(), l.f->has_min ? act->e.data() + r * act->blocks() : nullptr,
-                            paired ? act->pd.data() + r * act->blocks() * 4 : nullptr,
-                            act->pc.empty() ? nullptr : act->pc.data() + r * act->blocks() * 4);
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t b0 = r * act->blocks();
+      QuantizeActivationRow(RowAsF32(x.untyped_data(), bf16, r, l.k, scratch.data()), l.k, kernel.interleave,
+                            l.f->has_min, kernel.quantize_block, act->q.data() + r * l.k, act->d.data() + b0, act->s.data() + b0,
+                            l.f->has_min ? act->e.data() + b0 : nullptr, act->qsum.data() + b0);
+    }
   }
+  if (kernel.prep != nullptr) kernel.prep(*act, l.f->offset8);
   void* out = y->untyped_data();
   const bool out_bf16 = y->element_type() == ffi::DataType::BF16;
   const int64_t col_tiles = (l.n + tile_cols - 1) / tile_cols;

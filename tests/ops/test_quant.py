@@ -920,6 +920,13 @@ _TIER_SCRIPT = textwrap.dedent(
             out[f"{fmt}_y{m}"] = np.asarray(quant_matmul(x[:m], qt, int8_rows=64))
         out[f"{fmt}_yexact3"] = np.asarray(quant_matmul(x[:3], qt, exact=True))  # column dots
         out[f"{fmt}_ybf16"] = np.asarray(quant_matmul(x[:33].astype(jnp.bfloat16), qt, int8_rows=64).astype(jnp.float32))
+    # K = 39 blocks: the VNNI GEMVs' whole 16-block stripes, a partial one and blocks past it
+    wl = jnp.asarray(rng.standard_normal((1248, 24)), jnp.float32)
+    xl = jnp.asarray(rng.standard_normal((4, 1248)), jnp.float32)
+    for fmt, group in (("q8_0", 32), ("q4_0", 32), ("q4_1", 32), ("int8", 32), ("int4", 32)):
+        qt = quantize(wl, fmt, group)
+        for m in (1, 2, 3, 4):
+            out[f"{fmt}_long_y{m}"] = np.asarray(quant_matmul(xl[:m], qt))
     np.savez(sys.argv[1], **out)
     print(json.dumps({"isa": _ffi.isa_level()}))
     """
@@ -955,6 +962,14 @@ def test_isa_tier_matches_reference(tier_runs, tier):
         assert np.linalg.norm(res[f"{fmt}_ybf16"] - y_ref) / np.linalg.norm(y_ref) <= 1e-2
         ref, bound = exact_matmul_bound(_np(x[:3]), qt_ref, F32)
         assert np.all(np.abs(res[f"{fmt}_yexact3"] - ref) <= bound), (tier, fmt)
+    wl = jnp.asarray(rng.standard_normal((1248, 24)), jnp.float32)
+    xl = jnp.asarray(rng.standard_normal((4, 1248)), jnp.float32)
+    for fmt in ("q8_0", "q4_0", "q4_1", "int8", "int4"):
+        qt_ref = quantize_reference(wl, fmt, 32)
+        for m in (1, 2, 3, 4):
+            y_ref = _np(quant_matmul_reference(xl[:m], qt_ref))
+            _, bound = matmul_error_bound(_np(xl[:m]), qt_ref, F32)
+            assert np.all(np.abs(res[f"{fmt}_long_y{m}"] - y_ref) <= bound), (tier, fmt, m)
 
 
 @pytest.mark.skipif(hardware_tier() == "scalar", reason="needs a SIMD tier to compare with scalar")
@@ -980,11 +995,11 @@ def test_isa_tiers_agree(tier_runs, tier):
 @pytest.mark.skipif(not _ffi.cpu_features().get("avx512_vnni") or hardware_tier() != "avx512",
                     reason="needs AVX-512 VNNI to run the VNNI kernels")
 def test_vnni_tier_runs_its_own_kernels(tier_runs):
-    """The avx512 cap takes the VNNI GEMV (4-bit formats) and int8 GEMM (5..64 rows), not AVX2's."""
+    """The avx512 cap takes the VNNI GEMVs (1..4 rows) and int8 GEMM (5..64 rows), not AVX2's."""
     _, avx2 = tier_runs["avx2"]
     _, vnni = tier_runs["avx512"]
-    for fmt in ("q4_0", "q4_1", "int4"):
-        assert not np.array_equal(vnni[f"{fmt}_y1"], avx2[f"{fmt}_y1"]), fmt
+    for fmt in ("q8_0", "q4_0", "q4_1", "int8", "int4"):
+        assert not np.array_equal(vnni[f"{fmt}_long_y1"], avx2[f"{fmt}_long_y1"]), fmt
     for fmt in ("q8_0", "q4_0", "q4_1", "int8", "int4"):
         assert not np.array_equal(vnni[f"{fmt}_y17"], avx2[f"{fmt}_y17"]), fmt
 

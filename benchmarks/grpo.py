@@ -80,7 +80,7 @@ def run_ours(model: str, steps: int, compute_dtype: str = "float32") -> dict:
         return {"times": times, "splits": splits, "lengths": lengths, "compiles": trainer.num_compiles()}
 
 
-def run_trl(model: str, steps: int) -> dict:
+def run_trl(model: str, steps: int, bf16: bool = False) -> dict:
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
@@ -107,7 +107,7 @@ def run_trl(model: str, steps: int) -> dict:
                             num_generations=GENERATIONS, max_completion_length=MAX_NEW, max_steps=steps,
                             learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
                             beta=0.0, temperature=1.0, use_vllm=False, gradient_checkpointing=False,
-                            dataloader_num_workers=0, shuffle_dataset=False)
+                            dataloader_num_workers=0, shuffle_dataset=False, bf16=bf16)
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         trainer = GRPOTrainer(model=policy, reward_funcs=brevity, args=config, train_dataset=data,
                               peft_config=LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
@@ -130,7 +130,7 @@ def run_tunix(model: str, steps: int) -> dict:
 
 
 RUNS = {"ours": run_ours, "ours-f32": run_ours, "ours-bf16": functools.partial(run_ours, compute_dtype="bfloat16"),
-        "trl": run_trl, "tunix": run_tunix}
+        "trl": run_trl, "trl-bf16": functools.partial(run_trl, bf16=True), "tunix": run_tunix}
 
 # --- parent ------------------------------------------------------------------------------------------------------
 
@@ -154,7 +154,8 @@ def main() -> None:
     loaded = load_model("default", dequantize=True)
     export_hf(loaded.model, loaded.tokenizer, loaded.hf_config, hf_dir)
     del loaded
-    models = {"ours": "default", "ours-f32": hf_dir, "ours-bf16": hf_dir, "trl": hf_dir, "tunix": hf_dir}
+    models = {"ours": "default", "ours-f32": hf_dir, "ours-bf16": hf_dir, "trl": hf_dir, "trl-bf16": hf_dir,
+              "tunix": hf_dir}
     print(f"GRPO step, SmolLM2-135M-Instruct, {PROMPTS_PER_STEP} prompts x {GENERATIONS} completions x up to "
           f"{MAX_NEW} tokens, LoRA r{RANK}, {THREADS} threads; median of steps 2..{args.steps}", flush=True)
     medians = {}

@@ -31,6 +31,7 @@ CpuFeatures detect() {
   const unsigned long long xcr0 = xgetbv0();
   const bool ymm_os = (xcr0 & 0x6) == 0x6;
   const bool zmm_os = (xcr0 & 0xe6) == 0xe6;
+  const bool amx_os = (xcr0 & 0x60000) == 0x60000;  // XTILECFG and XTILEDATA state
   unsigned a7, b7, c7, d7;
   if (!__get_cpuid_count(7, 0, &a7, &b7, &c7, &d7)) return f;
   unsigned a71 = 0, b71, c71, d71;
@@ -44,6 +45,7 @@ CpuFeatures detect() {
   f.avx512vl = f.avx512f && (b7 & (1u << 31));
   f.avx512vnni = f.avx512f && (c7 & (1u << 11));
   f.avx512bf16 = f.avx512f && (a71 & (1u << 5));
+  f.amx_bf16 = amx_os && (d7 & (1u << 24)) && (d7 & (1u << 22));  // AMX-TILE and AMX-BF16
 #endif
   return f;
 }

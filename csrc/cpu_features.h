@@ -15,6 +15,7 @@ struct CpuFeatures {
   bool avx512vnni = false;
   bool avx512bf16 = false;
   bool avxvnni = false;
+  bool amx_bf16 = false;  // AMX tiles with bf16 dot products (XLA's CPU dots use them; our kernels do not)
 };
 
 // Kernel tiers, ordered: a kernel family picks the highest tier it implements that is <= the

@@ -66,6 +66,7 @@ NB_MODULE(_ext, m) {
     d["avx512vl"] = f.avx512vl;
     d["avx512_vnni"] = f.avx512vnni;
     d["avx512_bf16"] = f.avx512bf16;
+    d["amx_bf16"] = f.amx_bf16;
     d["avx_vnni"] = f.avxvnni;
     return d;
   });

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tunix_rt.engine.sampler import (
     NEUTRAL, SamplerOutput, SamplingTensors, apply_penalties, sample_tokens,
 )
-from tunix_rt.engine.sampling import filter_logits
+from tunix_rt.engine.sampling import categorical, filter_logits
 
 HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 B, V, LP, LO, K = 6, 24, 10, 12, 5  # the fixed shapes most tests use: one compile each
@@ -258,6 +258,29 @@ def test_draw_frequencies_match_softmax(temperature, top_k):
     expected = n * p[p > 0]
     chi2 = (((observed[p > 0] - expected) ** 2) / expected).sum()
     assert chi2 < 23.5  # chi-square, 4 degrees of freedom at most: p = 1e-4
+
+
+@pytest.mark.parametrize("vocab", [5, 256, 1000])
+def test_categorical_frequencies_over_blocks(vocab):
+    """The inverse-CDF draw against the softmax: mass spread over several 256-token blocks (and the
+    last, partial one), -inf tokens never drawn, a lone allowed token always drawn."""
+    rng = np.random.default_rng(vocab)
+    logits = np.full(vocab, -np.inf, np.float32)
+    live = rng.choice(vocab, size=min(vocab, 6), replace=False)
+    live[-1] = vocab - 1
+    logits[live] = rng.normal(size=len(live))
+    n = 3000
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(7), i))(jnp.arange(n))
+    draws = np.asarray(jax.jit(categorical)(keys, jnp.asarray(np.tile(logits, (n, 1)))))
+    p = np.exp(logits.astype(np.float64) - logits.max())
+    p /= p.sum()
+    observed = np.bincount(draws, minlength=vocab)
+    assert (observed[p == 0] == 0).all()
+    expected = n * p[p > 0]
+    assert (((observed[p > 0] - expected) ** 2) / expected).sum() < 27.0  # chi-square, 5 dof: p = 1e-4
+    lone = np.full((2, vocab), -np.inf, np.float32)
+    lone[:, vocab // 2] = 3.0
+    assert np.asarray(categorical(keys[:2], jnp.asarray(lone))).tolist() == [vocab // 2] * 2
 
 
 # ----------------------------------------------------------------------------------------------

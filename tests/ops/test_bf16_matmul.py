@@ -1,6 +1,7 @@
-"""bf16_matmul vs its reference (XLA's bf16 dot with f32 sums): hypothesis shapes (K odd, past one
-256-deep slab, M and N past one work block, empty dimensions), forward and backward, both output
-dtypes, every ISA tier, argument errors and the nnx.Linear dot_general hook."""
+"""bf16_matmul vs its reference (XLA's bf16 dot with f32 sums), on both kernels (the FFI op and XLA's
+dot under the op's own custom_vjp): hypothesis shapes (K odd, past one 256-deep slab, M and N past one
+work block, empty dimensions), w plain or transposed, forward and backward, both output dtypes, every
+ISA tier, argument errors and the dot_general hook of nnx.Linear and the decoder's tied head."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from hypothesis import strategies as st
 
 from tests.isa_tiers import expected_tier, run_tiers
 from tunix_rt.ops import _ffi
-from tunix_rt.ops.bf16_matmul import bf16_matmul, bf16_matmul_reference, linear_dot_general
+from tunix_rt.models.decoder import Embed
+from tunix_rt.ops.bf16_matmul import (bf16_dot_general, bf16_matmul, bf16_matmul_reference,
+                                        default_kernel)
 
 pytestmark = pytest.mark.skipif(not _ffi.has_cpu_target("tunix_rt_bf16_matmul"),
                                 reason="tunix_rt._ext is not built: no FFI op to test")
@@ -39,37 +42,51 @@ def cases(draw):
     k = draw(st.sampled_from([1, 2, 7, 64, 257, 300]))
     n = draw(st.sampled_from([1, 5, 31, 33, 260]))
     rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    transpose_w = draw(st.booleans())
     x = jnp.asarray(rng.standard_normal((*lead, k)), BF16)
-    w = jnp.asarray(rng.standard_normal((k, n)), BF16)
-    return x, w, draw(st.sampled_from([jnp.float32, BF16]))
+    w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)), BF16)
+    return x, w, draw(st.sampled_from([jnp.float32, BF16])), transpose_w
 
 
+@pytest.mark.parametrize("kernel", ["ffi", "xla"])
 @settings(max_examples=40, **HYP)
 @given(case=cases())
-def test_matches_reference_forward_and_backward(case):
-    x, w, out_dtype = case
-    y = bf16_matmul(x, w, out_dtype=out_dtype)
-    ref = bf16_matmul_reference(x, w, out_dtype=out_dtype)
+def test_matches_reference_forward_and_backward(kernel, case):
+    x, w, out_dtype, transpose_w = case
+    opts = dict(out_dtype=out_dtype, transpose_w=transpose_w)
+    y = bf16_matmul(x, w, kernel=kernel, **opts)
+    ref = bf16_matmul_reference(x, w, **opts)
     assert y.shape == ref.shape and y.dtype == jnp.dtype(out_dtype)
     np.testing.assert_allclose(_f32(y), _f32(ref), **_tol(x.shape[-1]))
     probe = jnp.asarray(np.random.default_rng(1).standard_normal(y.shape), out_dtype)
-    loss = lambda fn: (lambda a, b: jnp.sum((fn(a, b, out_dtype=out_dtype) * probe).astype(jnp.float32)))
-    g = jax.grad(loss(bf16_matmul), argnums=(0, 1))(x, w)
+    loss = lambda fn: (lambda a, b: jnp.sum((fn(a, b, **opts) * probe).astype(jnp.float32)))
+    g = jax.grad(loss(lambda a, b, **o: bf16_matmul(a, b, kernel=kernel, **o)), argnums=(0, 1))(x, w)
     gr = jax.grad(loss(bf16_matmul_reference), argnums=(0, 1))(x, w)
-    for a, b, contracted in zip(g, gr, (w.shape[1], int(np.prod(x.shape[:-1])))):
+    assert g[1].shape == w.shape
+    # The op rounds dy to bf16 before its products (the reference keeps it f32 through a mixed dot) and
+    # both round the gradient to bf16: each is within 2^-9 of sum |dy| |operand|, so 2^-7 of it bounds
+    # their difference, plus f32 summation noise.
+    dy, xm = np.abs(_f32(probe)).reshape(-1, y.shape[-1]), np.abs(_f32(x)).reshape(-1, x.shape[-1])
+    wm = np.abs(_f32(w)).T if transpose_w else np.abs(_f32(w))
+    scale_dx = (dy @ wm.T).reshape(x.shape)
+    scale_dw = (dy.T @ xm) if transpose_w else (xm.T @ dy)
+    for a, b, scale in zip(g, gr, (scale_dx, scale_dw)):
         assert a.dtype == b.dtype == BF16
-        np.testing.assert_allclose(_f32(a), _f32(b), **_tol(contracted))
+        assert np.all(np.abs(_f32(a) - _f32(b)) <= 2.0**-7 * scale + 1e-5), np.abs(_f32(a) - _f32(b)).max()
 
 
-def test_exact_on_small_integers():
+@pytest.mark.parametrize("kernel", ["ffi", "xla"])
+def test_exact_on_small_integers(kernel):
     """Integers below 2^8 are exact in bf16 and their sums exact in f32: any order gives one answer."""
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.integers(-8, 8, (13, 301)), BF16)
     w = jnp.asarray(rng.integers(-8, 8, (301, 70)), BF16)
     want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
-    np.testing.assert_array_equal(np.asarray(bf16_matmul(x, w, out_dtype=jnp.float32)), want)
-    np.testing.assert_array_equal(np.asarray(jax.jit(bf16_matmul, static_argnames="out_dtype")(
-        x, w, out_dtype=jnp.float32)), want)
+    np.testing.assert_array_equal(np.asarray(bf16_matmul(x, w, out_dtype=jnp.float32, kernel=kernel)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(bf16_matmul, static_argnames=("out_dtype", "kernel"))(
+        x, w, out_dtype=jnp.float32, kernel=kernel)), want)
+    np.testing.assert_array_equal(np.asarray(bf16_matmul(x, w.T, out_dtype=jnp.float32, transpose_w=True,
+                                                         kernel=kernel)), want)
 
 
 @pytest.mark.parametrize("call, pattern", [
@@ -77,6 +94,10 @@ def test_exact_on_small_integers():
     (lambda: bf16_matmul(jnp.ones((2, 3), BF16), jnp.ones((4, 4), BF16)), r"x's last dimension \(3\) does not match"),
     (lambda: bf16_matmul(jnp.ones((2, 3), BF16), jnp.ones((3,), BF16)), r"need x \(..., K\) and w \(K, N\)"),
     (lambda: bf16_matmul(jnp.ones((2, 3), BF16), jnp.ones((3, 4), BF16), out_dtype=jnp.int32), "out_dtype must be"),
+    (lambda: bf16_matmul(jnp.ones((2, 3), BF16), jnp.ones((3, 4), BF16), transpose_w=True),
+     r"x's last dimension \(3\) does not match w's K \(4\)"),
+    (lambda: bf16_matmul(jnp.ones((2, 3), BF16), jnp.ones((3, 4), BF16), kernel="amx"), "kernel must be one of"),
+    (lambda: bf16_dot_general("amx"), "kernel must be one of"),
 ])
 def test_argument_errors(call, pattern):
     with pytest.raises(ValueError, match=f"bf16_matmul: {pattern}"):
@@ -84,13 +105,36 @@ def test_argument_errors(call, pattern):
 
 
 def test_linear_hook_sends_bf16_linears_to_the_op_and_leaves_the_rest():
-    layer = nnx.Linear(24, 10, dtype=BF16, rngs=nnx.Rngs(0), dot_general=linear_dot_general)
+    layer = nnx.Linear(24, 10, dtype=BF16, rngs=nnx.Rngs(0), dot_general=bf16_dot_general("ffi"))
     x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 24)), jnp.float32)
     assert "tunix_rt_bf16_matmul" in jax.jit(layer.__call__).lower(x).as_text()
     plain = nnx.Linear(24, 10, dtype=BF16, rngs=nnx.Rngs(0))
     np.testing.assert_allclose(_f32(layer(x)), _f32(plain(x)), rtol=1e-2, atol=2e-2)
-    f32_layer = nnx.Linear(24, 10, rngs=nnx.Rngs(0), dot_general=linear_dot_general)
+    f32_layer = nnx.Linear(24, 10, rngs=nnx.Rngs(0), dot_general=bf16_dot_general("ffi"))
     assert "tunix_rt_bf16_matmul" not in jax.jit(f32_layer.__call__).lower(x).as_text()
+    assert bf16_dot_general("xla") is bf16_dot_general("xla")  # one function: one graph definition
+
+
+@pytest.mark.parametrize("kernel", ["ffi", "xla"])
+def test_tied_head_hook(kernel):
+    """The decoder's Embed.attend (x @ table^T) goes through the hook, on the kernel's custom_vjp."""
+    head = Embed(50, 24, dtype=BF16, rngs=nnx.Rngs(0))
+    plain = head.attend
+    h = jnp.asarray(np.random.default_rng(5).standard_normal((3, 24)), BF16)
+    want = plain(h)
+    head.dot_general = bf16_dot_general(kernel)
+    np.testing.assert_allclose(_f32(head.attend(h)), _f32(want), rtol=1e-2, atol=2e-2)
+    hlo = jax.jit(lambda h: head.attend(h)).lower(h).as_text()
+    if kernel == "ffi":
+        assert "tunix_rt_bf16_matmul" in hlo
+    else:  # bf16 operands into a dot with an f32 result (XLA widens a bf16-result dot to f32 first)
+        assert "tunix_rt_bf16_matmul" not in hlo and "bf16>) -> tensor<3x50xf32>" in hlo
+    grad = jax.grad(lambda h: jnp.sum(head.attend(h).astype(jnp.float32)))(h)
+    assert grad.dtype == BF16 and grad.shape == h.shape
+
+
+def test_default_kernel_follows_amx():
+    assert default_kernel() == ("xla" if _ffi.cpu_features().get("amx_bf16") else "ffi")
 
 
 _TIER_SCRIPT = textwrap.dedent(

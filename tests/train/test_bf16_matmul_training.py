@@ -1,5 +1,5 @@
-"""bf16_matmul=true: the linear layers of a bf16-compute step run on tunix-rt's bf16 FFI matmul and
-train as XLA's bf16 dot does."""
+"""bf16 compute: the linear layers and the tied head run on bf16_matmul's kernel, tunix-rt's FFI op
+(bf16_matmul=true / ffi) or XLA's dot with f32 sums (false / xla), and both train alike."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tests.train import sharded_worker as W
+from tunix_rt.ops.bf16_matmul import default_kernel
 from tunix_rt.train.sft import SFTObjective
 from tunix_rt.train.trainer import Trainer
 
@@ -16,17 +17,22 @@ def _steps(tmp_path, **overrides) -> list[dict[str, float]]:
     trainer = Trainer(W.config(tmp_path, steps=2, compute_dtype="bfloat16", **overrides), W.new_model(), objective)
     hlo = trainer._train_step.lower(trainer.params, trainer.opt_state, trainer.rngs, trainer.frozen, trainer.rest,
                                     trainer._aux(), trainer.train_batch(0)).as_text()
-    assert ("tunix_rt_bf16_matmul" in hlo) == overrides.get("bf16_matmul", True)
+    assert ("tunix_rt_bf16_matmul" in hlo) == (trainer.cfg.bf16_matmul_kernel == "ffi")
     return [trainer.run_step(step) for step in range(2)]
 
 
 def test_ffi_bf16_matmul_trains_like_xla(tmp_path):
-    xla, ffi = _steps(tmp_path / "xla", bf16_matmul=False), _steps(tmp_path / "ffi")  # on by default with bf16
+    xla, ffi = _steps(tmp_path / "xla", bf16_matmul=False), _steps(tmp_path / "ffi", bf16_matmul=True)
     for a, b in zip(xla, ffi):  # bf16 roundings of the same products, summed in another order
         np.testing.assert_allclose(b["loss"], a["loss"], rtol=2e-2)
         np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=5e-2)
 
 
-def test_bf16_matmul_needs_bf16_compute(tmp_path):
-    with pytest.raises(ValueError, match="bf16_matmul=true needs compute_dtype=bfloat16"):
+def test_kernel_option(tmp_path):
+    assert W.config(tmp_path, compute_dtype="bfloat16", bf16_matmul="xla").bf16_matmul_kernel == "xla"
+    assert W.config(tmp_path, compute_dtype="bfloat16").bf16_matmul_kernel == default_kernel()
+    assert W.config(tmp_path).bf16_matmul_kernel is None  # f32 compute: XLA's f32 dot
+    with pytest.raises(ValueError, match="bf16_matmul=true \\(ffi\\) needs compute_dtype=bfloat16"):
         W.config(tmp_path, bf16_matmul=True)
+    with pytest.raises(ValueError, match="bf16_matmul must be one of ffi, xla"):
+        W.config(tmp_path, compute_dtype="bfloat16", bf16_matmul="amx")

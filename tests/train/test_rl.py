@@ -20,6 +20,7 @@ from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.engine.reference_generator import GenerationConfig
 from tunix_rt.engine.reference_generator import generate as reference_generate
+from tunix_rt.ops.bf16_matmul import bf16_dot_general
 from tunix_rt.train import run as run_module
 from tunix_rt.train.config import GRPOConfig, PPOConfig, build_config
 from tunix_rt.train.metrics import read_metrics
@@ -168,18 +169,26 @@ def test_engine_greedy_equals_trainer_greedy_after_a_step(tiny, prompts, root):
     assert trainer.engine.stats().num_compiles == compiled  # syncing weights compiled nothing
 
 
-def test_bf16_training_samples_at_the_loaded_dtype(tiny, prompts, root):
-    """bf16 compute trains on the bf16 matmul op, but the engine decodes at the f32 the model was loaded
-    in, on XLA's dot (recasting every weight per decode step is what made bf16 rollouts slow)."""
-    cfg = build_config(GRPOConfig, overrides=[*COMMON, "compute_dtype=bfloat16"], model=str(tiny), data=prompts,
-                       output=str(root / "bf16"), reward=["brevity"], lora_rank=4)
+@pytest.mark.parametrize("kernel", ["xla", "ffi"])
+def test_bf16_training_engine_dtype(tiny, prompts, root, kernel):
+    """bf16 compute on XLA's bf16 dots: the engine samples in bf16 on the same kernel (weights cast once
+    per sync). On the FFI op: the engine decodes at the f32 the model was loaded in, on XLA's dot (XLA
+    would widen bf16 weights on every decode step). Either way the engine's greedy tokens are the
+    inference model's own."""
+    cfg = build_config(GRPOConfig, overrides=[*COMMON, "compute_dtype=bfloat16", f"bf16_matmul={kernel}"],
+                       model=str(tiny), data=prompts, output=str(root / f"bf16-{kernel}"), reward=["brevity"],
+                       lora_rank=4)
     loaded = load_model(cfg.model)
     trainer = RLTrainer(cfg, loaded.model, run_module.build_objective(cfg, loaded, cfg.data))
     trainer.run_step(0)
     linears = [m for _, m in nnx.iter_modules(trainer.engine.model) if isinstance(m, nnx.Linear)]
-    assert linears and all(m.dtype == jnp.float32 and m.dot_general is jax.lax.dot_general for m in linears)
+    want_dtype, want_dot = ((jnp.bfloat16, bf16_dot_general("xla")) if kernel == "xla"
+                            else (jnp.float32, jax.lax.dot_general))
+    assert linears and all(m.dtype == want_dtype and m.dot_general is want_dot for m in linears)
+    assert all(leaf.dtype != jnp.float32 for leaf in jax.tree.leaves(nnx.state(trainer.engine.model, nnx.Param))) \
+        == (kernel == "xla")
     trained = [m for _, m in nnx.iter_modules(trainer.model()) if isinstance(m, nnx.Linear)]
-    assert all(m.dtype == jnp.bfloat16 and m.dot_general is not jax.lax.dot_general for m in trained)
+    assert all(m.dtype == jnp.bfloat16 and m.dot_general is bf16_dot_general(kernel) for m in trained)
     ids = [[1, 80, 81, 82], [1, 70, 71]]
     trainer._sync_engine()  # the step's weights, as the next rollout takes them
     engine_out = trainer.engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=8))

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_rt.engine.sampling import filter_logits
+from tunix_rt.engine.sampling import categorical, filter_logits
 
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily.
 SAMPLING_EPS = 1e-5
@@ -165,7 +165,7 @@ def sample_tokens(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax
                                  jnp.where(greedy_rows, 1.0, params.top_p),
                                  jnp.where(greedy_rows, 0.0, params.min_p))
         keys = _row_keys(params.seed, params.step)
-        drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        drawn = categorical(keys, filtered)
         return jnp.where(greedy_rows, greedy, drawn)
 
     tokens = jax.lax.cond(jnp.any(~greedy_rows), draw, lambda: greedy)

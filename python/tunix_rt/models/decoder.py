@@ -33,6 +33,19 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.scale[...], eps=self.eps, offset=self.offset)
 
 
+class Embed(nnx.Embed):
+    """nnx.Embed whose `attend` (the tied output head) takes its product from `dot_general`, as
+    nnx.Linear does, so bf16 training sends it to the same matmul kernel as the linear layers."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dot_general = jax.lax.dot_general
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        query, embedding = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+        return self.dot_general(query, embedding, (((query.ndim - 1,), (1,)), ((), ())))
+
+
 def _linear(cfg_dtype, rngs, din, dout, bias):
     return nnx.Linear(din, dout, use_bias=bias, dtype=cfg_dtype, param_dtype=cfg_dtype, rngs=rngs,
                       kernel_init=nnx.initializers.normal(0.02))
@@ -162,7 +175,7 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs,
+        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs,
                                embedding_init=nnx.initializers.normal(0.02))
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)

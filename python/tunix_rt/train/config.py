@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from tunix_rt.ops.bf16_matmul import KERNELS as MATMUL_KERNELS, default_kernel
 from tunix_rt.train.lora import ALL_TARGETS
 
 SCHEDULES = ("linear", "cosine", "constant")
@@ -44,7 +45,9 @@ class TrainConfig:
     adam_epsilon: float = 1e-8
     max_grad_norm: float | None = 1.0
     compute_dtype: str = "float32"  # bf16 compute keeps f32 master weights
-    bf16_matmul: bool | None = None  # linear layers' bf16 products on tunix-rt's FFI op (None: with bf16 compute)
+    # bf16 compute's matmul kernel (ops/bf16_matmul.py): "ffi" (true) tunix-rt's op, "xla" (false) XLA's dot
+    # with f32 sums; None: the faster one for this CPU (XLA's on AMX-BF16 CPUs, ours elsewhere)
+    bf16_matmul: str | bool | None = None
     seed: int = 42
     shuffle: bool = True
     lora_rank: int = 0  # 0: full fine-tuning
@@ -92,10 +95,13 @@ class TrainConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.bf16_matmul and self.compute_dtype != "bfloat16":
-            raise ValueError("bf16_matmul=true needs compute_dtype=bfloat16")
-        if self.bf16_matmul is None:  # measured faster than XLA's bf16 dot in training (benchmarks/train.py)
-            self.bf16_matmul = self.compute_dtype == "bfloat16"
+        if isinstance(self.bf16_matmul, bool):
+            self.bf16_matmul = "ffi" if self.bf16_matmul else "xla"
+        if self.bf16_matmul not in (None, *MATMUL_KERNELS):
+            raise ValueError(f"bf16_matmul must be one of {', '.join(MATMUL_KERNELS)} (or true / false), got "
+                             f"{self.bf16_matmul!r}")
+        if self.bf16_matmul == "ffi" and self.compute_dtype != "bfloat16":
+            raise ValueError("bf16_matmul=true (ffi) needs compute_dtype=bfloat16")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
         if self.fsdp == 0 or self.fsdp < -1 or self.tp < 1:
@@ -109,6 +115,11 @@ class TrainConfig:
         if self.lora_rank == 0 and not self.dequantize:
             raise ValueError("full fine-tuning needs float weights: set dequantize=true (or use lora_rank > 0)")
         self.lora_targets = tuple(self.lora_targets)
+
+    @property
+    def bf16_matmul_kernel(self) -> str | None:
+        """The kernel of the bf16 products (None with f32 compute)."""
+        return (self.bf16_matmul or default_kernel()) if self.compute_dtype == "bfloat16" else None
 
     @property
     def lr(self) -> float:

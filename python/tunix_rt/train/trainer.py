@@ -26,8 +26,8 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from tunix_rt.models.decoder import Decoder, record_router_logits
-from tunix_rt.ops.bf16_matmul import linear_dot_general
+from tunix_rt.models.decoder import Decoder, Embed, record_router_logits
+from tunix_rt.ops.bf16_matmul import bf16_dot_general
 from tunix_rt.ops.moe import load_balancing_loss, router_z_loss
 from tunix_rt.models.quant_layers import QuantEmbed
 from tunix_rt.parallel.mesh import batch_sharding, make_mesh, put_global, state_shardings
@@ -64,14 +64,16 @@ class Objective(Protocol):
         """Extra state the loss reads (a pytree of arrays), or None."""
 
 
-def set_compute_dtype(model: nnx.Module, dtype, *, bf16_matmul: bool = False) -> None:
-    """Layers compute in `dtype` (their params are cast on the way in; the masters stay f32);
-    with `bf16_matmul`, Linear layers run their bf16 products on tunix-rt's FFI op, else on XLA's dot."""
+def set_compute_dtype(model: nnx.Module, dtype, *, matmul_kernel: str | None = None) -> None:
+    """Layers compute in `dtype` (their params are cast on the way in; the masters stay f32). With a
+    `matmul_kernel` ("ffi" or "xla", see ops/bf16_matmul.py) the bf16 products of the linear layers and
+    the tied head run on bf16_matmul with f32 sums; without one, on XLA's dot as the layers call it."""
+    dot_general = bf16_dot_general(matmul_kernel) if matmul_kernel is not None else jax.lax.dot_general
     for _, module in nnx.iter_modules(model):
         if isinstance(module, (nnx.Linear, nnx.Embed, Decoder, QuantEmbed)):
             module.dtype = jnp.dtype(dtype)
-        if isinstance(module, nnx.Linear):
-            module.dot_general = linear_dot_general if bf16_matmul else jax.lax.dot_general
+        if isinstance(module, (nnx.Linear, Embed)):
+            module.dot_general = dot_general
 
 
 def _cast(tree, dtype):
@@ -112,7 +114,7 @@ class Trainer:
                        targets=cfg.lora_targets, seed=cfg.seed)
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         self.inference_dtype = model.dtype  # what the model was loaded in: the rollout engine runs at it
-        set_compute_dtype(model, self.compute_dtype, bf16_matmul=cfg.bf16_matmul)
+        set_compute_dtype(model, self.compute_dtype, matmul_kernel=cfg.bf16_matmul_kernel)
         self.model_config = model.config
         self.router_losses = any(model.config.moe_layers) and (cfg.router_aux_loss_coef > 0 or cfg.router_z_loss_coef > 0)
         model.train()
@@ -281,10 +283,16 @@ class Trainer:
         return nnx.merge(self.eval_graphdef, self.params, self.rngs, self.frozen, self.rest)
 
     def inference_model(self) -> Decoder:
-        """The current model as a rollout engine runs it: at the dtype it was loaded in, on XLA's dot. bf16
-        training compute would recast every f32 master weight on each decode step of a few rows."""
+        """The current model as a rollout engine runs it. Where bf16 training runs on XLA's bf16 dots
+        (the "xla" kernel: native on AMX CPUs), the engine samples in bf16 too: the float params cast
+        once here, half the bytes each decode step streams. Elsewhere at the dtype the model was loaded
+        in, on XLA's dot: XLA would widen bf16 weights to f32 on every decode step of a few rows."""
         model = self.model()
-        set_compute_dtype(model, self.inference_dtype)
+        if self.cfg.bf16_matmul_kernel == "xla":
+            nnx.update(model, _cast(nnx.state(model, nnx.Param), jnp.bfloat16))
+            set_compute_dtype(model, jnp.bfloat16, matmul_kernel="xla")
+        else:
+            set_compute_dtype(model, self.inference_dtype)
         return model
 
     def fit(self, *, output: str | Path, eval_objective: Objective | None = None,

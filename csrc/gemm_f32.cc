@@ -251,7 +251,13 @@ void GemmAccumulate(StridedMatrix a, StridedMatrix b, int64_t m, int64_t n, int6
   if (m <= 2 && b.col_stride == 1) return SelectSmallRows()(a, b, m, n, k, c, ldc);
   const MicroKernel mk = MicroKernelFor(isa_level());
   const int64_t tiles = (m + kMR - 1) / kMR;
-  std::vector<float> ap(tiles * kPackK * kMR), bp(kPackK * (kPackN + mk.nr));
+  // Packing scratch sized to this product and kept per thread: small products (attention tiles) are
+  // called thousands of times, and fresh zeroed buffers cost more than their multiply-adds.
+  thread_local std::vector<float> ap, bp;
+  const size_t ap_size = tiles * std::min(k, kPackK) * kMR;
+  const size_t bp_size = std::min(k, kPackK) * (std::min(n, kPackN) + mk.nr);
+  if (ap.size() < ap_size) ap.resize(ap_size);
+  if (bp.size() < bp_size) bp.resize(bp_size);
   for (int64_t k0 = 0; k0 < k; k0 += kPackK) {
     const int64_t kk = std::min(kPackK, k - k0);
     PackA(a, m, k0, kk, ap.data());

@@ -18,11 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.models import hf_tiny
 from tunix_rt.checkpoints import gguf_loader
 from tunix_rt.checkpoints.errors import CheckpointError
 from tunix_rt.checkpoints.loader import load_model
+from tunix_rt.models.decoder import record_router_logits
 from tunix_rt.models.quant_layers import QuantLinear
 from tunix_rt.ops import QuantizedTensor, dequantize
 
@@ -325,10 +327,20 @@ def test_moe_gguf_quantized_experts_dequantize_as_ggml(moe_gguf):
             checked += 1
     assert checked == 3 * sum(1 for name in ours if name.endswith("mlp.gate.weight"))
     # the 2-D weights kept quantized (router included) compute what the dequantized file does
-    tokens = _tokens(4)
+    tokens = _tokens(5)
     positions = jnp.asarray(np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape))
     kept, flat = (load_model(out / f"{family}-q8.gguf", dequantize=d).model for d in (False, True))
     assert isinstance(kept.layers[0].mlp.router, QuantLinear)
+    # Rounding-level differences must not flip an expert choice: the tokens keep every router's k-th and
+    # (k+1)-th logits apart (a near-tie, as _tokens(4) makes in Mixtral's first layer, would turn
+    # 1e-7 of f32 noise into a different expert).
+    record_router_logits(flat)
+    _, recorded = nnx.capture(lambda m: m(jnp.asarray(tokens), positions), nnx.Intermediate)(flat)
+    record_router_logits(flat, False)
+    k = flat.config.num_experts_per_tok
+    for logits in jax.tree.leaves(recorded):
+        top = np.sort(np.asarray(logits), -1)[:, ::-1]
+        assert (top[:, k - 1] - top[:, k]).min() > 1e-5
     got, want = (_next_logprobs(m(jnp.asarray(tokens), positions), tokens) for m in (kept, flat))
     assert np.abs(got - want).max() <= TOL
 

@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_rt.models.attention import attention_mask, dot_product_attention
 from tunix_rt.models.config import ModelConfig
 from tunix_rt.models.kv_cache import DenseKVCache, PagedKVCache
 from tunix_rt.models.rope import apply_rope, inverse_frequencies
-from tunix_rt.ops import grouped_matmul, permute, rms_norm, router_topk, unpermute
+from tunix_rt.ops import attention, grouped_matmul, permute, rms_norm, router_topk, unpermute
 
 _ACT = {
     "silu": jax.nn.silu,
@@ -79,8 +78,7 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         if cache is None:
-            mask = attention_mask(positions, positions, self.window, segment_ids)
-            out = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
+            out = attention(q, k, v, positions, segment_ids, scale=self.scale, window=self.window, softcap=self.softcap)
         else:
             cache, out = cache.attend(self.layer, q, k, v, positions, window=self.window, scale=self.scale,
                                       softcap=self.softcap)

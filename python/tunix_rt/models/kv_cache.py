@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from tunix_rt.models.attention import attention_mask, dot_product_attention
+from tunix_rt.ops.attention import attention_mask, dot_product_attention
 from tunix_rt.ops.paged_attention import paged_attention, write_kv
 
 

@@ -1,5 +1,6 @@
 """Custom XLA FFI ops, each beside its pure-JAX reference (same signature)."""
 
+from tunix_rt.ops.attention import attention, attention_reference
 from tunix_rt.ops.moe import (
     grouped_matmul,
     grouped_matmul_reference,
@@ -28,6 +29,8 @@ from tunix_rt.ops.rms_norm import rms_norm, rms_norm_reference
 __all__ = [
     "FORMATS",
     "QuantizedTensor",
+    "attention",
+    "attention_reference",
     "dequantize",
     "dequantize_reference",
     "grouped_matmul",

@@ -1,0 +1,233 @@
+"""Training attention: the position/segment mask (packed groups behind a shared prefix), and the FFI
+op against its dense reference on hypothesis-drawn packed rows (GQA, windows, soft-capping, padding
+queries that see nothing, scores far from zero), forward and backward, on every ISA tier."""
+
+from __future__ import annotations
+
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.isa_tiers import expected_tier, run_tiers
+from tunix_rt.ops import _ffi
+from tunix_rt.ops.attention import attention, attention_mask, attention_reference
+
+HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+needs_ffi = pytest.mark.skipif(not _ffi.has_cpu_target("tunix_rt_attention_fwd"),
+                               reason="tunix_rt._ext is not built: no FFI op to test")
+
+
+def test_segments_and_shared_prefix():
+    # prompt (2 tokens, segment -1) | completion 1 (2 tokens) | completion 2 (1 token) | padding
+    positions = jnp.array([[0, 1, 2, 3, 2, -1]])
+    segments = jnp.array([[-1, -1, 1, 1, 2, 0]])
+    mask = np.asarray(attention_mask(positions, positions, None, segments))[0].astype(int)
+    np.testing.assert_array_equal(mask, [
+        [1, 0, 0, 0, 0, 0],  # the prompt sees itself, causally
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],  # completion 1 sees the prompt and itself
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],  # completion 2 sees the prompt and itself, never completion 1
+        [0, 0, 0, 0, 0, 0],  # padding sees nothing
+    ])
+
+
+def test_positive_segments_stay_apart():
+    positions = jnp.array([[0, 1, 0, 1]])
+    segments = jnp.array([[1, 1, 2, 2]])
+    mask = np.asarray(attention_mask(positions, positions, None, segments))[0].astype(int)
+    np.testing.assert_array_equal(mask, [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]])
+
+
+# ----------------------------------------------------------------------------------------------
+# the FFI op against its reference
+
+
+def packed_row(rng, t: int, kind: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(positions, segment_ids) of one row: a plain causal row with left padding, or packed
+    examples (some behind a shared prefix, segment < 0) with trailing padding (position -1)."""
+    if kind == "causal":
+        pad = int(rng.integers(0, t))
+        return np.concatenate([np.full(pad, -1), np.arange(t - pad)]).astype(np.int32), None
+    pos, seg = [], []
+    while len(pos) < t:
+        n = int(rng.integers(1, t + 1))
+        if kind == "shared" and not pos:  # a prompt, then completions continuing its positions
+            pos += list(range(n))
+            seg += [-1] * n
+            continue
+        start = len([s for s in seg if s < 0]) if kind == "shared" else 0
+        pos += list(range(start, start + n))
+        seg += [max(seg, default=0) + 1] * n
+    pos, seg = np.array(pos[:t], np.int32), np.array(seg[:t], np.int32)
+    pad = int(rng.integers(0, 4))
+    if pad:
+        pos[-pad:], seg[-pad:] = -1, 0
+    return pos, seg
+
+
+@st.composite
+def cases(draw):
+    b = draw(st.integers(1, 2))
+    t = draw(st.sampled_from([1, 2, 31, 33, 64, 65, 100, 150]))
+    kv = draw(st.integers(1, 3))
+    heads = kv * draw(st.integers(1, 3))
+    d = draw(st.sampled_from([1, 8, 16, 64]))
+    kind = draw(st.sampled_from(["causal", "packed", "shared"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    rows = [packed_row(rng, t, kind) for _ in range(b)]
+    positions = np.stack([r[0] for r in rows])
+    segments = None if kind == "causal" else np.stack([r[1] for r in rows])
+    magnitude = draw(st.sampled_from([1.0, 30.0]))  # 30: scores in the hundreds, one key dominating
+    dtype = draw(st.sampled_from([jnp.float32, jnp.bfloat16]))
+    arrays = [jnp.asarray(rng.standard_normal(shape) * m, dtype)
+              for shape, m in (((b, t, heads, d), magnitude), ((b, t, kv, d), 1.0), ((b, t, kv, d), 1.0))]
+    opts = dict(scale=float(d) ** -0.5, window=draw(st.sampled_from([None, 1, 5, 40])),
+                softcap=draw(st.sampled_from([None, 20.0])))
+    dout = jnp.asarray(rng.standard_normal((b, t, heads, d)), dtype)
+    return arrays, jnp.asarray(positions), None if segments is None else jnp.asarray(segments), opts, dout
+
+
+def _f32(a):
+    return np.asarray(jnp.asarray(a, jnp.float32))
+
+
+def _close(a, b, dtype, name, magnitude=0.0):
+    """Max error within tol of the larger of the reference's max and `magnitude`, the size of the terms
+    that cancel in it (a softmax gradient is p (dp - sum p dp): where one key takes all the mass the
+    difference is rounding noise on terms of |dO| |v|, times |q| or |k| for dk and dq)."""
+    a, b = _f32(a), _f32(b)
+    tol = 1e-4 if dtype == jnp.float32 else 3e-2  # bf16: inputs, outputs and the reference's probabilities rounded
+    err = np.abs(a - b).max() / max(np.abs(b).max(), magnitude, 1e-3) if a.size else 0.0
+    assert err <= tol, (name, err)
+
+
+def _magnitudes(q, k, v, dout, scale):
+    m = lambda x: float(np.abs(_f32(x)).max()) if x.size else 0.0
+    return (scale * m(dout) * m(v) * m(k), scale * m(dout) * m(v) * m(q), m(dout))
+
+
+@needs_ffi
+@settings(max_examples=60, **HYP)
+@given(case=cases())
+def test_matches_reference_forward_and_backward(case):
+    (q, k, v), positions, segments, opts, dout = case
+    run = lambda fn: jax.vjp(lambda q, k, v: fn(q, k, v, positions, segments, **opts), q, k, v)
+    (y, vjp), (y_ref, vjp_ref) = run(attention), run(attention_reference)
+    assert y.shape == q.shape and y.dtype == q.dtype
+    _close(y, y_ref, q.dtype, "out")
+    for name, g, g_ref, x, size in zip("qkv", vjp(dout), vjp_ref(dout), (q, k, v),
+                                       _magnitudes(q, k, v, dout, opts["scale"])):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        _close(g, g_ref, q.dtype, f"d{name}", 1e-2 * size)
+
+
+@needs_ffi
+def test_queries_that_see_nothing_average_every_value():
+    """Every position -1: the reference's softmax over equal scores is uniform over all T keys, its
+    gradient reaches v alone."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 70, 2, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 70, 1, 8)), jnp.float32) for _ in range(2))
+    positions = jnp.full((1, 70), -1, jnp.int32)
+    y, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, positions, scale=0.3), q, k, v)
+    np.testing.assert_allclose(np.asarray(y), np.broadcast_to(np.asarray(v).mean(1, keepdims=True), y.shape),
+                               rtol=1e-5, atol=1e-6)
+    dq, dk, dv = vjp(jnp.ones_like(y))
+    assert not np.any(np.asarray(dq)) and not np.any(np.asarray(dk))
+    # each of the 70 queries of both heads (sharing the one kv head) gives every value 1/70 of its dO
+    np.testing.assert_allclose(np.asarray(dv), 2.0, rtol=1e-5)
+
+
+@needs_ffi
+def test_vmap_and_jit_equal_a_loop():
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((3, 1, 40, 2, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((3, 1, 40, 1, 8)), jnp.float32) for _ in range(2))
+    positions = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (3, 1, 40))
+    f = lambda q, k, v, p: attention(q, k, v, p, scale=0.25, window=9)
+    batched = jax.jit(jax.vmap(f))(q, k, v, positions)
+    for i in range(3):
+        np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(f(q[i], k[i], v[i], positions[i])), rtol=1e-6)
+
+
+@needs_ffi
+def test_training_forward_lowers_to_the_op():
+    q = jnp.zeros((1, 8, 2, 4), jnp.bfloat16)
+    hlo = jax.jit(lambda q: attention(q, q[:, :, :1], q[:, :, :1], jnp.zeros((1, 8), jnp.int32), scale=1.0)).lower(q)
+    assert "tunix_rt_attention_fwd" in hlo.as_text()
+
+
+_GOOD = dict(q=jnp.zeros((1, 4, 2, 8)), k=jnp.zeros((1, 4, 1, 8)), v=jnp.zeros((1, 4, 1, 8)),
+             positions=jnp.zeros((1, 4), jnp.int32))
+
+
+@pytest.mark.parametrize("fn", [attention, attention_reference])
+@pytest.mark.parametrize("change, pattern", [
+    (dict(q=jnp.zeros((1, 4, 2, 8), jnp.int32)), "q must be float32 or bfloat16"),
+    (dict(k=jnp.zeros((1, 4, 3, 8))), "k and v must match"),
+    (dict(q=jnp.zeros((1, 4, 3, 8)), k=jnp.zeros((1, 4, 2, 8)), v=jnp.zeros((1, 4, 2, 8))), "k must be .* KV dividing"),
+    (dict(q=jnp.zeros((4, 2, 8))), r"q must be \(B, T, heads, head_dim\)"),
+    (dict(positions=jnp.zeros((1, 5), jnp.int32)), r"positions must be integer \(B, T\)"),
+    (dict(positions=jnp.zeros((1, 4))), r"positions must be integer"),
+    (dict(segment_ids=jnp.zeros((2, 4), jnp.int32)), "segment_ids must be integer"),
+    (dict(window=0), "window must be a positive integer"),
+    (dict(softcap=-1.0), "softcap must be positive"),
+    (dict(scale=float("nan")), "scale must be finite"),
+])
+def test_argument_errors(fn, change, pattern):
+    args = {**_GOOD, "scale": 1.0, **change}
+    with pytest.raises(ValueError, match=f"attention: {pattern}"):
+        fn(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("positions"), **args)
+
+
+_TIER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np, jax, jax.numpy as jnp
+    from tunix_rt.ops import _ffi
+    from tunix_rt.ops.attention import attention
+
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((2, 150, 6, 16)) * 3, jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 150, 2, 16)), jnp.float32) for _ in range(2))
+    positions = jnp.asarray(np.r_[np.arange(20), 20 + np.arange(130) % 65].astype(np.int32)[None].repeat(2, 0))
+    segments = jnp.asarray(np.r_[-np.ones(20), 1 + np.arange(130) // 65].astype(np.int32)[None].repeat(2, 0))
+    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    out = {}
+    for name, opts in (("plain", {}), ("window", dict(window=17)), ("softcap", dict(softcap=4.0))):
+        y, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, positions, segments, scale=0.25, **opts), q, k, v)
+        out.update({f"{name}_y": np.asarray(y), **{f"{name}_d{n}": np.asarray(g) for n, g in zip("qkv", vjp(dout))}})
+    np.savez(sys.argv[1], **out)
+    print(json.dumps({"isa": _ffi.isa_level()}))
+    """
+)
+_TIERS = ("scalar", "avx2", "avx512")
+
+
+@pytest.fixture(scope="module")
+def tier_runs(tmp_path_factory):
+    return run_tiers(_TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("attention_isa"))
+
+
+@needs_ffi
+@pytest.mark.parametrize("tier", _TIERS)
+def test_every_isa_tier_matches_reference(tier_runs, tier):
+    report, res = tier_runs[tier]
+    assert report["isa"] == expected_tier(tier)
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((2, 150, 6, 16)) * 3, jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 150, 2, 16)), jnp.float32) for _ in range(2))
+    positions = jnp.asarray(np.r_[np.arange(20), 20 + np.arange(130) % 65].astype(np.int32)[None].repeat(2, 0))
+    segments = jnp.asarray(np.r_[-np.ones(20), 1 + np.arange(130) // 65].astype(np.int32)[None].repeat(2, 0))
+    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    for name, opts in (("plain", {}), ("window", dict(window=17)), ("softcap", dict(softcap=4.0))):
+        y, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, positions, segments, scale=0.25, **opts), q, k, v)
+        _close(res[f"{name}_y"], y, jnp.float32, f"{tier} {name} out")
+        for n, g, size in zip("qkv", vjp(dout), _magnitudes(q, k, v, dout, 0.25)):
+            _close(res[f"{name}_d{n}"], g, jnp.float32, f"{tier} {name} d{n}", 1e-2 * size)

@@ -1,6 +1,6 @@
 """GRPO step time on the default model, side by side with TRL's GRPOTrainer and Tunix's GRPOLearner, in one run.
 
-Usage: python benchmarks/grpo.py [--steps 5] [--peer-python PY] [--only ours,ours-f32,ours-bf16,trl,tunix]
+Usage: python benchmarks/grpo.py [--steps 5] [--peer-python PY] [--only ours,ours-f32,ours-bf16,trl,trl-bf16,tunix]
 
 Every contender runs the same GRPO step: 4 prompts x 4 completions of up to 64 tokens (sampled at
 temperature 1 from SmolLM2-135M-Instruct), LoRA rank 8 (alpha 16) on all seven projections, AdamW,
@@ -12,9 +12,11 @@ subprocess, one after the other, and reports the median step time after one warm
 
   ours      tunix-rt RLTrainer on the default GGUF (Q4_1 base kept packed: QLoRA), this interpreter
   ours-f32  the same on the f32 weights (the HF directory the peers load)
-  ours-bf16 ours-f32 with bf16 training compute (tunix-rt's bf16 matmul op; the engine samples in f32)
+  ours-bf16 ours-f32 with bf16 compute (bf16 operands, f32 sums: XLA's AMX dots on AMX CPUs, where the
+            engine samples in bf16 too; tunix-rt's vdpbf16ps op elsewhere, the engine in f32)
   trl       TRL GRPOTrainer, torch CPU, transformers generate (no vLLM) (--peer-python: an
             interpreter with trl + peft + torch==2.13.0)
+  trl-bf16  the same with bf16=True (torch autocast: oneDNN's bf16 kernels, AMX where the CPU has them)
   tunix     google-tunix 0.1.7 GRPOLearner with its vanilla sampler (benchmarks/tunix_grpo_peer.py; the
             same --peer-python, with jax 0.10.2 and google-tunix)
 """
@@ -139,7 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="steps per run; the first is warm-up")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter with trl + peft installed")
-    parser.add_argument("--only", default="ours,ours-f32,ours-bf16,trl,tunix")
+    parser.add_argument("--only", default="ours,ours-f32,ours-bf16,trl,trl-bf16,tunix")
     parser.add_argument("--run", nargs=3, metavar=("NAME", "MODEL", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
@@ -174,10 +176,10 @@ def main() -> None:
             line += f"  compiles {result['compiles']}"
         print(line, flush=True)
     print()
-    print(f"{'run':10} {'s/step':>7} {'TRL / this':>11} {'Tunix / this':>13}")
+    print(f"{'run':10} {'s/step':>7} {'TRL / this':>11} {'TRL-bf16 / this':>16} {'Tunix / this':>13}")
     for name, seconds in medians.items():
         cell = lambda peer: f"{medians[peer] / seconds:.2f}x" if peer in medians else "-"
-        print(f"{name:10} {seconds:7.2f} {cell('trl'):>11} {cell('tunix'):>13}")
+        print(f"{name:10} {seconds:7.2f} {cell('trl'):>11} {cell('trl-bf16'):>16} {cell('tunix'):>13}")
     import shutil
 
     shutil.rmtree(hf_dir, ignore_errors=True)

@@ -10,8 +10,9 @@ framework. Each runs in its own subprocess, one after the other (never concurren
 the median step time after warm-up steps (compilation excluded); the table gives tokens/s
 (8 x 128 / median step time) and ratios against TRL f32 and Tunix.
 
-  ours   tunix-rt's Trainer (this interpreter); bf16 compute runs the linear layers on tunix-rt's bf16
-         FFI matmul (the default), "bfloat16-xla" on XLA's bf16 dot (bf16_matmul=false)
+  ours   tunix-rt's Trainer (this interpreter); bf16 compute takes the linear layers' products (bf16
+         operands, f32 sums) on tunix-rt's vdpbf16ps FFI op ("bfloat16-ffi", bf16_matmul=ffi) or on
+         XLA's dot ("bfloat16-xla", bf16_matmul=xla: AMX tiles where the CPU has them)
   trl    TRL SFTTrainer, torch CPU (--peer-python: an interpreter with trl + torch==2.13.0)
   tunix  google-tunix 0.1.7 PeftTrainer (same --peer-python, with jax 0.10 and google-tunix)
 """
@@ -62,7 +63,8 @@ def run_ours(mode: str, dtype: str, steps: int) -> list[float]:
     with tempfile.TemporaryDirectory() as out:
         cfg = SFTConfig(data="-", output=out, steps=steps, batch_size=BATCH, max_length=SEQ_LEN,
                         lora_rank=RANK if mode == "lora" else 0, lora_alpha=ALPHA, lora_targets=TARGETS,
-                        dequantize=True, compute_dtype=dtype.removesuffix("-xla"), bf16_matmul=not dtype.endswith("-xla"),
+                        dequantize=True, compute_dtype=dtype.split("-")[0],
+                        bf16_matmul=dtype.split("-")[1] if "-" in dtype else None,
                         learning_rate=1e-5, shuffle=False, progress=False, save_steps=10_000)
         trainer = Trainer(cfg, loaded.model, SFTObjective(items, seq_len=SEQ_LEN, pad_id=0))
         times = []
@@ -148,8 +150,7 @@ def main() -> None:
     warmup = 2
     names = args.only.split(",")
     plan = [(n, m, "float32") for m in args.modes.split(",") for n in names]
-    plan += [("ours", m, "bfloat16") for m in args.modes.split(",") if "ours" in names]
-    plan += [("ours", m, "bfloat16-xla") for m in args.modes.split(",") if "ours" in names]
+    plan += [("ours", m, f"bfloat16-{k}") for k in ("ffi", "xla") for m in args.modes.split(",") if "ours" in names]
     plan += [("trl", m, "bfloat16") for m in args.modes.split(",") if "trl" in names]
     rates = {}
     print(f"SFT throughput, SmolLM2-135M f32 weights, batch {BATCH} x {SEQ_LEN} tokens, {THREADS} threads, "

@@ -380,27 +380,25 @@ ffi::Error ForwardTile(const Buffers& in, const MaskRule& mask, const Params& p,
 // ---- backward -----------------------------------------------------------------------------------
 
 // What the backward of a query tile reads: q' (scaled) and dO rows, each row's log-sum-exp and
-// D = rowsum(dO * O).
+// D = rowsum(dO * O) (the caller's, from the unrounded output: a bf16 O would put its rounding into
+// every score gradient, dS = P (dP - D), where one key takes all the mass and dS should vanish).
 struct TileGrad {
   std::vector<float> qt, dot, lse, dsum;
 };
 
-void LoadGradTile(const Buffers& in, const void* out, const void* dout, bool out_bf16, const float* lse,
-                  const Params& p, const Shape& sh, int64_t b, int64_t kvh, int64_t t0, int64_t nq, TileGrad* tg) {
+void LoadGradTile(const Buffers& in, const void* dout, const float* lse, const float* dsum, const Params& p,
+                  const Shape& sh, int64_t b, int64_t kvh, int64_t t0, int64_t nq, TileGrad* tg) {
   const int64_t g = sh.g(), rows = g * nq, d = sh.d;
   tg->qt.resize(rows * d);
   tg->dot.resize(rows * d);
   tg->lse.resize(rows);
   tg->dsum.resize(rows);
-  std::vector<float> o(rows * d);
   LoadScaledTile(in.q, in.q_bf16, sh, b, kvh, t0, nq, p.scale, tg->qt.data());
-  LoadTile(dout, out_bf16, sh, b, kvh, t0, nq, tg->dot.data());
-  LoadTile(out, out_bf16, sh, b, kvh, t0, nq, o.data());
+  LoadTile(dout, in.q_bf16, sh, b, kvh, t0, nq, tg->dot.data());
   for (int64_t r = 0; r < rows; ++r) {
-    tg->lse[r] = lse[(b * sh.t + t0 + r % nq) * sh.h + kvh * g + r / nq];
-    float acc = 0.0f;
-    for (int64_t i = 0; i < d; ++i) acc += tg->dot[r * d + i] * o[r * d + i];
-    tg->dsum[r] = acc;
+    const int64_t at = (b * sh.t + t0 + r % nq) * sh.h + kvh * g + r / nq;
+    tg->lse[r] = lse[at];
+    tg->dsum[r] = dsum[at];
   }
 }
 
@@ -431,7 +429,7 @@ struct GradOut {
 };
 
 // dK and dV of key block `task` (over every query tile that sees it).
-ffi::Error BackwardKeys(const Buffers& in, const void* out, const void* dout, bool out_bf16, const float* lse,
+ffi::Error BackwardKeys(const Buffers& in, const void* dout, const float* lse, const float* dsum,
                         const MaskRule& mask, const Params& p, const Shape& sh, int64_t task, const GradOut& g_out) {
   const int64_t b = task / (sh.kv * Blocks(sh)), kvh = task / Blocks(sh) % sh.kv, s0 = task % Blocks(sh) * kKBlock;
   const int64_t ns = std::min(kKBlock, sh.t - s0), g = sh.g(), d = sh.d;
@@ -449,7 +447,7 @@ ffi::Error BackwardKeys(const Buffers& in, const void* out, const void* dout, bo
       for (int64_t gi = 0; gi < g && !uniform; ++gi)
         uniform = lse[(b * sh.t + t0 + i) * sh.h + kvh * g + gi] == kInf;
     if (!any && !uniform) continue;
-    LoadGradTile(in, out, dout, out_bf16, lse, p, sh, b, kvh, t0, nq, &tg);
+    LoadGradTile(in, dout, lse, dsum, p, sh, b, kvh, t0, nq, &tg);
     if (any) {
       ProbsAndGrads(p, tg, vis, nq, rows, kb.data(), vb.data(), ns, d, prob.data(), ds.data());
       GemmAccumulate({prob.data(), 1, kKBlock}, {tg.dot.data(), d, 1}, ns, d, rows, dv.data(), d);
@@ -471,14 +469,14 @@ ffi::Error BackwardKeys(const Buffers& in, const void* out, const void* dout, bo
 }
 
 // dQ of query tile `task` (over every key block it sees): scale * dS @ k.
-ffi::Error BackwardQueries(const Buffers& in, const void* out, const void* dout, bool out_bf16, const float* lse,
+ffi::Error BackwardQueries(const Buffers& in, const void* dout, const float* lse, const float* dsum,
                            const MaskRule& mask, const Params& p, const Shape& sh, int64_t task, const GradOut& g_out) {
   const int64_t b = task / (sh.kv * Tiles(sh)), kvh = task / Tiles(sh) % sh.kv, t0 = task % Tiles(sh) * kQTile;
   const int64_t nq = std::min(kQTile, sh.t - t0), g = sh.g(), rows = g * nq, d = sh.d;
   std::vector<float> kb(kKBlock * d), vb(kKBlock * d), dq(rows * d, 0.0f), prob(rows * kKBlock), ds(rows * kKBlock);
   uint64_t vis[kQTile];
   TileGrad tg;
-  LoadGradTile(in, out, dout, out_bf16, lse, p, sh, b, kvh, t0, nq, &tg);
+  LoadGradTile(in, dout, lse, dsum, p, sh, b, kvh, t0, nq, &tg);
   for (int64_t s0 = 0; s0 < sh.t; s0 += kKBlock) {
     const int64_t ns = std::min(kKBlock, sh.t - s0);
     if (!TileMask(mask, sh, b, t0, nq, s0, ns, vis)) continue;
@@ -534,9 +532,9 @@ ffi::Future AttentionFwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
   Shape sh;
   if (ffi::Error e = CheckInputs(q, k, v, pos, seg, &sh); !e.success()) return ReadyFuture(e);
   if (ffi::Error e = CheckAttrs(scale, window, softcap); !e.success()) return ReadyFuture(e);
-  if (out->element_type() != q.element_type() || out->element_count() != q.element_count() ||
-      static_cast<int64_t>(lse->element_count()) != sh.b * sh.t * sh.h)
-    return ReadyFuture(InvalidArgument("attention: outputs must be q's shape and dtype, and (B, T, H) f32"));
+  if ((out->element_type() != q.element_type() && out->element_type() != ffi::DataType::F32) ||
+      out->element_count() != q.element_count() || static_cast<int64_t>(lse->element_count()) != sh.b * sh.t * sh.h)
+    return ReadyFuture(InvalidArgument("attention: outputs must be q's shape in q's dtype or f32, and (B, T, H) f32"));
   const Buffers in{q.untyped_data(), k.untyped_data(), v.untyped_data(), q.element_type() == ffi::DataType::BF16,
                    k.element_type() == ffi::DataType::BF16};
   const MaskRule mask = MakeMask(pos, seg, segments, window);
@@ -554,27 +552,26 @@ ffi::Future AttentionFwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
 }
 
 ffi::Future AttentionBwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer pos,
-                         ffi::AnyBuffer seg, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
+                         ffi::AnyBuffer seg, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dsum, ffi::AnyBuffer dout,
                          ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                          float scale, int64_t window, float softcap, bool segments) {
   Shape sh;
   if (ffi::Error e = CheckInputs(q, k, v, pos, seg, &sh); !e.success()) return ReadyFuture(e);
   if (ffi::Error e = CheckAttrs(scale, window, softcap); !e.success()) return ReadyFuture(e);
-  if (out.element_type() != q.element_type() || dout.element_type() != q.element_type() ||
-      out.element_count() != q.element_count() || dout.element_count() != q.element_count() ||
-      static_cast<int64_t>(lse.element_count()) != sh.b * sh.t * sh.h || dq->element_type() != q.element_type() ||
+  const auto rows = static_cast<size_t>(sh.b * sh.t * sh.h);
+  if (dout.element_type() != q.element_type() || dout.element_count() != q.element_count() ||
+      lse.element_count() != rows || dsum.element_count() != rows || dq->element_type() != q.element_type() ||
       dk->element_type() != k.element_type() || dv->element_type() != k.element_type() ||
       dq->element_count() != q.element_count() || dk->element_count() != k.element_count() ||
       dv->element_count() != k.element_count())
-    return ReadyFuture(InvalidArgument("attention backward: out, dout, lse and the gradients must match q, k, v"));
+    return ReadyFuture(InvalidArgument("attention backward: dout, lse, dsum and the gradients must match q, k, v"));
   const Buffers in{q.untyped_data(), k.untyped_data(), v.untyped_data(), q.element_type() == ffi::DataType::BF16,
                    k.element_type() == ffi::DataType::BF16};
   const MaskRule mask = MakeMask(pos, seg, segments, window);
   const Params p{scale, softcap};
-  const void* o = out.untyped_data();
   const void* d_o = dout.untyped_data();
-  const bool o_bf16 = out.element_type() == ffi::DataType::BF16;
   const float* l = lse.typed_data();
+  const float* ds = dsum.typed_data();
   const GradOut g_out{dq->untyped_data(), dk->untyped_data(), dv->untyped_data()};
   const int64_t key_tasks = sh.b * sh.kv * ((sh.t + kKBlock - 1) / kKBlock);
   const int64_t query_tasks = sh.b * sh.kv * ((sh.t + kQTile - 1) / kQTile);
@@ -583,8 +580,8 @@ ffi::Future AttentionBwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
   return ParallelFor(pool, tasks, tasks, [=](int64_t, int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       ffi::Error e = task < key_tasks
-                         ? BackwardKeys(in, o, d_o, o_bf16, l, mask, p, sh, task, g_out)
-                         : BackwardQueries(in, o, d_o, o_bf16, l, mask, p, sh, task - key_tasks, g_out);
+                         ? BackwardKeys(in, d_o, l, ds, mask, p, sh, task, g_out)
+                         : BackwardQueries(in, d_o, l, ds, mask, p, sh, task - key_tasks, g_out);
       if (!e.success()) return e;
     }
     return ffi::Error::Success();
@@ -616,7 +613,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwdHandler, AttentionBwd,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()

@@ -113,28 +113,32 @@ def _attrs(scale, window, softcap, segments):
                 segments=bool(segments))
 
 
-def _fwd_call(q, k, v, positions, segment_ids, attrs):
+def _fwd_call(q, k, v, positions, segment_ids, attrs, out_dtype):
     b, t, h, _ = q.shape
-    out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, t, h), jnp.float32))
+    out = (jax.ShapeDtypeStruct(q.shape, out_dtype), jax.ShapeDtypeStruct((b, t, h), jnp.float32))
     return jax.ffi.ffi_call(_FWD, out, vmap_method="sequential")(q, k, v, positions, segment_ids, **attrs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _attention_ffi(q, k, v, positions, segment_ids, attrs_key):
-    return _fwd_call(q, k, v, positions, segment_ids, dict(attrs_key))[0]
+    return _fwd_call(q, k, v, positions, segment_ids, dict(attrs_key), q.dtype)[0]
 
 
 def _vjp_fwd(q, k, v, positions, segment_ids, attrs_key):
-    out, lse = _fwd_call(q, k, v, positions, segment_ids, dict(attrs_key))
-    return out, (q, k, v, positions, segment_ids, out, lse)
+    """The output in f32 for the backward's D = rowsum(dO * O): rounded to bf16 first, its error would
+    land in every score gradient where one key takes all the mass."""
+    out, lse = _fwd_call(q, k, v, positions, segment_ids, dict(attrs_key), jnp.float32)
+    return out.astype(q.dtype), (q, k, v, positions, segment_ids, out, lse)
 
 
 def _vjp_bwd(attrs_key, residuals, dout):
     q, k, v, positions, segment_ids, out, lse = residuals
+    dout = dout.astype(q.dtype)
+    dsum = jnp.einsum("bthd,bthd->bth", dout.astype(jnp.float32), out)
     grads = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
              jax.ShapeDtypeStruct(v.shape, v.dtype))
     dq, dk, dv = jax.ffi.ffi_call(_BWD, grads, vmap_method="sequential")(
-        q, k, v, positions, segment_ids, out, lse, dout.astype(q.dtype), **dict(attrs_key))
+        q, k, v, positions, segment_ids, lse, dsum, dout, **dict(attrs_key))
     return dq, dk, dv, None, None
 
 

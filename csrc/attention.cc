@@ -108,9 +108,10 @@ void SoftmaxGradScalar(float* p, float* ds, uint64_t bits, float lse, float dsum
 #define AVX512_FN __attribute__((target("avx512f,avx512bw,avx2,fma")))
 
 // e^x as 2^n e^r, n = round(x log2 e), r = x - n ln 2 in two parts, e^r by Cephes' expf polynomial
-// (about 1 ulp); x is clamped to where the result is 0 or finite.
+// (about 1 ulp); x is clamped to where the result is 0 or finite (max/min return their second
+// operand when one is NaN, so a NaN score stays NaN and reaches the output as the reference's would).
 AVX2_FN inline __m256 Exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));  // NaN stays NaN
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -167,7 +168,7 @@ AVX2_FN void SoftmaxGradAvx2(float* p, float* ds, uint64_t bits, float lse, floa
 }
 
 AVX512_FN inline __m512 Exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.3f));
+  x = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));  // NaN stays NaN
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -329,11 +330,12 @@ ffi::Error ForwardTile(const Buffers& in, const MaskRule& mask, const Params& p,
   const int64_t nq = std::min(kQTile, sh.t - t0), g = sh.g(), rows = g * nq, d = sh.d;
   std::vector<float> qt(rows * d), kb(kKBlock * d), vb(kKBlock * d), s(rows * kKBlock), acc(rows * d, 0.0f);
   std::vector<float> mx(rows, -kInf), sum(rows, 0.0f);
-  uint64_t vis[kQTile];
+  uint64_t vis[kQTile], seen[kQTile] = {};  // seen: the keys a query row saw at all (not sum > 0: NaN)
   LoadScaledTile(in.q, in.q_bf16, sh, b, kvh, t0, nq, p.scale, qt.data());
   for (int64_t s0 = 0; s0 < sh.t; s0 += kKBlock) {
     const int64_t ns = std::min(kKBlock, sh.t - s0);
     if (!TileMask(mask, sh, b, t0, nq, s0, ns, vis)) continue;
+    for (int64_t i = 0; i < nq; ++i) seen[i] |= vis[i];
     LoadBlock(in.k, in.kv_bf16, sh, b, kvh, s0, ns, kb.data());
     LoadBlock(in.v, in.kv_bf16, sh, b, kvh, s0, ns, vb.data());
     Scores(p, qt.data(), rows, kb.data(), ns, d, s.data());
@@ -355,7 +357,7 @@ ffi::Error ForwardTile(const Buffers& in, const MaskRule& mask, const Params& p,
     const int64_t head = kvh * g + r / nq, t = t0 + r % nq;
     float* ar = acc.data() + r * d;
     float* lse_at = lse + (b * sh.t + t) * sh.h + head;
-    if (sum[r] > 0.0f) {
+    if (seen[r % nq]) {
       const float inv = 1.0f / sum[r];
       for (int64_t i = 0; i < d; ++i) ar[i] *= inv;
       *lse_at = mx[r] + std::log(sum[r]);
@@ -543,6 +545,7 @@ ffi::Future AttentionFwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
   const bool o_bf16 = out->element_type() == ffi::DataType::BF16;
   float* l = lse->typed_data();
   const int64_t tasks = sh.b * sh.kv * ((sh.t + kQTile - 1) / kQTile);
+  if (sh.d == 0) std::fill_n(l, sh.b * sh.t * sh.h, 0.0f);  // nothing to attend with; no output left unwritten
   if (tasks == 0 || sh.d == 0) return ReadyFuture(ffi::Error::Success());
   return ParallelFor(pool, tasks, tasks, [=](int64_t, int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task)

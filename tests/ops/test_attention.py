@@ -196,14 +196,17 @@ _TIER_SCRIPT = textwrap.dedent(
     from tunix_rt.ops.attention import attention
 
     rng = np.random.default_rng(5)
-    q = jnp.asarray(rng.standard_normal((2, 150, 6, 16)) * 3, jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((2, 150, 2, 16)), jnp.float32) for _ in range(2))
-    positions = jnp.asarray(np.r_[np.arange(20), 20 + np.arange(130) % 65].astype(np.int32)[None].repeat(2, 0))
-    segments = jnp.asarray(np.r_[-np.ones(20), 1 + np.arange(130) // 65].astype(np.int32)[None].repeat(2, 0))
-    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-    out = {}
-    for name, opts in (("plain", {}), ("window", dict(window=17)), ("softcap", dict(softcap=4.0))):
-        y, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, positions, segments, scale=0.25, **opts), q, k, v)
+    q = rng.standard_normal((2, 150, 6, 16)).astype(np.float32) * 3
+    k, v = (rng.standard_normal((2, 150, 2, 16)).astype(np.float32) for _ in range(2))
+    positions = np.r_[np.arange(20), 20 + np.arange(130) % 65].astype(np.int32)[None].repeat(2, 0)
+    segments = np.r_[-np.ones(20), 1 + np.arange(130) // 65].astype(np.int32)[None].repeat(2, 0)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    out = dict(q=q, k=k, v=v, positions=positions, segments=segments, dout=dout)
+    q_nan = q.copy()
+    q_nan[0, 30, 0, 3] = np.nan
+    for name, opts, qi in (("plain", {}, q), ("window", dict(window=17), q), ("softcap", dict(softcap=4.0), q),
+                           ("nan", {}, q_nan)):
+        y, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, positions, segments, scale=0.25, **opts), qi, k, v)
         out.update({f"{name}_y": np.asarray(y), **{f"{name}_d{n}": np.asarray(g) for n, g in zip("qkv", vjp(dout))}})
     np.savez(sys.argv[1], **out)
     print(json.dumps({"isa": _ffi.isa_level()}))
@@ -220,16 +223,16 @@ def tier_runs(tmp_path_factory):
 @needs_ffi
 @pytest.mark.parametrize("tier", _TIERS)
 def test_every_isa_tier_matches_reference(tier_runs, tier):
+    """Every tier against the reference, and a NaN in one query reaching that query's output and
+    gradient as it does the reference's (the vector exp must not clamp it away)."""
     report, res = tier_runs[tier]
     assert report["isa"] == expected_tier(tier)
-    rng = np.random.default_rng(5)
-    q = jnp.asarray(rng.standard_normal((2, 150, 6, 16)) * 3, jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((2, 150, 2, 16)), jnp.float32) for _ in range(2))
-    positions = jnp.asarray(np.r_[np.arange(20), 20 + np.arange(130) % 65].astype(np.int32)[None].repeat(2, 0))
-    segments = jnp.asarray(np.r_[-np.ones(20), 1 + np.arange(130) // 65].astype(np.int32)[None].repeat(2, 0))
-    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    q, k, v, positions, segments, dout = (jnp.asarray(res[n]) for n in ("q", "k", "v", "positions", "segments", "dout"))
     for name, opts in (("plain", {}), ("window", dict(window=17)), ("softcap", dict(softcap=4.0))):
         y, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, positions, segments, scale=0.25, **opts), q, k, v)
         _close(res[f"{name}_y"], y, jnp.float32, f"{tier} {name} out")
         for n, g, size in zip("qkv", vjp(dout), _magnitudes(q, k, v, dout, 0.25)):
             _close(res[f"{name}_d{n}"], g, jnp.float32, f"{tier} {name} d{n}", 1e-2 * size)
+    y_ref = attention_reference(q.at[0, 30, 0, 3].set(jnp.nan), k, v, positions, segments, scale=0.25)
+    np.testing.assert_array_equal(np.isnan(res["nan_y"]), np.isnan(np.asarray(y_ref)))
+    assert np.isnan(res["nan_y"][0, 30, 0]).all() and np.isnan(res["nan_dq"][0, 30, 0]).all()

@@ -40,9 +40,9 @@ class Embed(nnx.Embed):
         super().__init__(*args, **kwargs)
         self.dot_general = jax.lax.dot_general
 
-    def attend(self, query: jax.Array) -> jax.Array:
+    def attend(self, query: jax.Array, out_sharding=None) -> jax.Array:
         query, embedding = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
-        return self.dot_general(query, embedding, (((query.ndim - 1,), (1,)), ((), ())))
+        return self.dot_general(query, embedding, (((query.ndim - 1,), (1,)), ((), ())), out_sharding=out_sharding)
 
 
 def _linear(cfg_dtype, rngs, din, dout, bias):

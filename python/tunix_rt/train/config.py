@@ -100,8 +100,9 @@ class TrainConfig:
         if self.bf16_matmul not in (None, *MATMUL_KERNELS):
             raise ValueError(f"bf16_matmul must be one of {', '.join(MATMUL_KERNELS)} (or true / false), got "
                              f"{self.bf16_matmul!r}")
-        if self.bf16_matmul == "ffi" and self.compute_dtype != "bfloat16":
-            raise ValueError("bf16_matmul=true (ffi) needs compute_dtype=bfloat16")
+        if self.bf16_matmul is not None and self.compute_dtype != "bfloat16":
+            raise ValueError(f"bf16_matmul={self.bf16_matmul} needs compute_dtype=bfloat16 (f32 compute runs XLA's "
+                             "f32 dot)")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
         if self.fsdp == 0 or self.fsdp < -1 or self.tp < 1:

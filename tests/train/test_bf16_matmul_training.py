@@ -32,8 +32,11 @@ def test_kernel_option(tmp_path):
     assert W.config(tmp_path, compute_dtype="bfloat16", bf16_matmul="xla").bf16_matmul_kernel == "xla"
     assert W.config(tmp_path, compute_dtype="bfloat16").bf16_matmul_kernel == default_kernel()
     assert W.config(tmp_path).bf16_matmul_kernel is None  # f32 compute: XLA's f32 dot
-    for kernel, name in ((True, "ffi"), (False, "xla"), ("xla", "xla")):
-        with pytest.raises(ValueError, match=f"bf16_matmul={name} needs compute_dtype=bfloat16"):
+    for kernel in ("ffi", "xla"):
+        with pytest.raises(ValueError, match=f"bf16_matmul={kernel} needs compute_dtype=bfloat16"):
             W.config(tmp_path, bf16_matmul=kernel)
+    with pytest.raises(ValueError, match="bf16_matmul=ffi needs compute_dtype=bfloat16"):
+        W.config(tmp_path, bf16_matmul=True)
+    assert W.config(tmp_path, bf16_matmul=False).bf16_matmul_kernel is None  # an f32 run's config.yaml says false
     with pytest.raises(ValueError, match="bf16_matmul must be one of ffi, xla"):
         W.config(tmp_path, compute_dtype="bfloat16", bf16_matmul="amx")

@@ -95,6 +95,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.bf16_matmul is False and self.compute_dtype != "bfloat16":
+            self.bf16_matmul = None  # "not the FFI op": what f32 compute does (older config.yaml files say so)
         if isinstance(self.bf16_matmul, bool):
             self.bf16_matmul = "ffi" if self.bf16_matmul else "xla"
         if self.bf16_matmul not in (None, *MATMUL_KERNELS):

@@ -35,6 +35,11 @@ def default_kernel() -> str:
     return "xla" if cpu_features().get("amx_bf16") else "ffi"
 
 
+def _check_kernel(kernel) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"bf16_matmul: kernel must be one of {KERNELS}, got {kernel!r}")
+
+
 def _check(x, w, out_dtype, transpose_w, kernel) -> None:
     for name, arr in (("x", x), ("w", w)):
         if jnp.dtype(require_array("bf16_matmul", name, arr).dtype) != _BF16:
@@ -46,8 +51,7 @@ def _check(x, w, out_dtype, transpose_w, kernel) -> None:
         raise ValueError(f"bf16_matmul: x's last dimension ({x.shape[-1]}) does not match w's K ({k})")
     if jnp.dtype(out_dtype) not in _OUT_DTYPES:
         raise ValueError(f"bf16_matmul: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    if kernel not in KERNELS:
-        raise ValueError(f"bf16_matmul: kernel must be one of {KERNELS}, got {kernel!r}")
+    _check_kernel(kernel)
 
 
 def bf16_matmul_reference(x, w, *, out_dtype=jnp.bfloat16, transpose_w=False, kernel="ffi"):
@@ -111,8 +115,7 @@ def bf16_dot_general(kernel: str = "ffi"):
     2-D rhs) and of a tied embedding head (with the second) sent to bf16_matmul's `kernel`. Anything
     else, including sharded outputs, goes to XLA unchanged. Cached: one function per kernel, so the
     modules holding it keep one graph definition."""
-    if kernel not in KERNELS:
-        raise ValueError(f"bf16_matmul: kernel must be one of {KERNELS}, got {kernel!r}")
+    _check_kernel(kernel)
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
         contract = dimension_numbers[0]

@@ -88,7 +88,7 @@ def train(output, items, *, stop_after=None, mesh=None, objective=None, **overri
     from tunix_rt.train.sft import SFTObjective
     from tunix_rt.train.trainer import Trainer
 
-    objective = objective or SFTObjective(items, seq_len=SEQ, pad_id=0)
+    objective = objective or SFTObjective(items, max_length=SEQ, pad_id=0)
     trainer = Trainer(config(output, **overrides), new_model(), objective, mesh=mesh)
     return trainer.fit(output=output, stop_after=stop_after), trainer
 

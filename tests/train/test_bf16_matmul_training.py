@@ -13,7 +13,7 @@ from tunix_rt.train.trainer import Trainer
 
 
 def _steps(tmp_path, **overrides) -> list[dict[str, float]]:
-    objective = SFTObjective(W.make_items(16), seq_len=W.SEQ, pad_id=0)
+    objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
     trainer = Trainer(W.config(tmp_path, steps=2, compute_dtype="bfloat16", **overrides), W.new_model(), objective)
     hlo = trainer._train_step.lower(trainer.params, trainer.opt_state, trainer.rngs, trainer.frozen, trainer.rest,
                                     trainer._aux(), trainer.train_batch(0)).as_text()

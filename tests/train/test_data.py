@@ -423,3 +423,36 @@ def test_batch_sampler_seeds_and_shuffle():
     assert [plain.indices(step).tolist() for step in range(3)] == [[0, 1, 2], [3, 4, 0], [1, 2, 3]]
     big = BatchSampler(2, 5, seed=0)  # a batch larger than the dataset spans several epochs
     assert sorted(big.indices(0).tolist()[:4]) == [0, 0, 1, 1]
+
+
+# --- bucketed lengths and the head window ----------------------------------------------------------------------
+
+
+def test_bucket_lengths():
+    from tunix_rt.train.data import bucket_length
+
+    assert [bucket_length(n) for n in (0, 1, 16, 17, 42, 128, 129, 192, 193, 512, 513, 1500)] == \
+        [16, 16, 16, 32, 48, 128, 192, 192, 256, 512, 1024, 2048]
+    assert bucket_length(500, 500) == 500 and bucket_length(100, 96) == 112  # capped only when the row fits
+    assert len({bucket_length(n) for n in range(1, 513)}) == 14
+
+
+@settings(max_examples=50, deadline=None)
+@given(masks=st.lists(st.lists(st.booleans(), min_size=1, max_size=12), min_size=1, max_size=5),
+       extra=st.integers(0, 5))
+def test_head_window_holds_every_trained_target(masks, extra):
+    from tunix_rt.train.data import head_window, trained_tokens
+
+    examples = [SFTExample(np.arange(1, len(m) + 1, dtype=np.int32) * 10 + i, np.array(m)) for i, m in enumerate(masks)]
+    batch = sft_batch(examples, 12)
+    count = trained_tokens(examples)
+    window = head_window(batch["loss_mask"], batch["targets"], count + extra)
+    flat_mask, flat_targets = batch["loss_mask"].reshape(-1), batch["targets"].reshape(-1)
+    used = window["head_mask"] > 0
+    assert used.sum() == count == (flat_mask > 0).sum()
+    np.testing.assert_array_equal(window["head_targets"][used], flat_targets[window["head_index"][used]])
+    np.testing.assert_array_equal(window["head_row"][used], window["head_index"][used] // 12)
+    assert (window["head_mask"][~used] == 0).all() and (window["head_targets"][~used] == 0).all()
+    if count:
+        with pytest.raises(ValueError, match="more than its head window"):
+            head_window(batch["loss_mask"], batch["targets"], count - 1)

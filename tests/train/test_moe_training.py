@@ -23,7 +23,7 @@ def _moe_model() -> Decoder:
 
 
 def _first_step(tmp_path, **overrides) -> dict[str, float]:
-    objective = SFTObjective(W.make_items(16), seq_len=W.SEQ, pad_id=0)
+    objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
     trainer = Trainer(W.config(tmp_path, steps=2, **overrides), _moe_model(), objective)
     return trainer.run_step(0)
 

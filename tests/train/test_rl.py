@@ -135,7 +135,7 @@ def test_engine_logprobs_align_with_the_trainers(tiny, prompts, root):
     trainer._rollout = None
     batch = {k: v[0] for k, v in trainer.train_batch(2).items()}
     model = trainer.model()
-    packed = np.asarray(completion_logprobs(model, batch, 1.0))
+    packed = np.asarray(completion_logprobs(model, batch, 1.0)[0])
     host = {k: np.asarray(v) for k, v in batch.items()}
     g = cfg.num_generations
     assert host["tokens"].shape[0] * g == host["targets"].shape[0]

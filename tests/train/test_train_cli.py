@@ -250,7 +250,8 @@ def test_packing_packs_several_examples_per_row(lora_run):
     _, trainer = lora_run
     n = trainer.objective.num_items
     assert n < 12  # 12 rows of ~10-35 tokens in 64-token rows
-    batch = trainer.objective.host_batch(np.arange(n), np.ones(n, bool))
+    idx = np.arange(n)
+    batch = trainer.objective.host_batch(idx, np.ones(n, bool), trainer.objective.batch_lengths(idx))
     assert batch["segment_ids"].max() >= 2
 
 

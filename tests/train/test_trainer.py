@@ -40,7 +40,7 @@ from tests.train import sharded_worker as W
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.parallel.mesh import make_mesh, put_global
 from tunix_rt.train.checkpointing import Checkpointer
-from tunix_rt.train.data import BatchSampler
+from tunix_rt.train.data import BatchSampler, SFTExample
 from tunix_rt.train.errors import TrainingError
 from tunix_rt.train.metrics import read_metrics
 from tunix_rt.train.sft import SFTObjective
@@ -178,7 +178,9 @@ def test_resume_is_exact(resumed, name):
     assert_trees_equal(runs.resumed_rngs, runs.rngs)
     assert max_abs_diff(runs.params_at_3, runs.params) > 1e-3  # the resumed run had work left to do
     # metrics.jsonl of the interrupted output: one curve, steps 1..6 once each, equal to the uninterrupted one
-    strip = lambda records: [{k: v for k, v in r.items() if k != "step_time"} for r in records]
+    # (timings, memory and compile counts are the process's own: a resumed process compiled its step again)
+    own = ("step_time", "memory/peak_rss_gb", "compiles")
+    strip = lambda records: [{k: v for k, v in r.items() if k not in own} for r in records]
     assert [r["step"] for r in runs.resumed_metrics] == [1, 2, 3, 4, 5, 6]
     assert strip(runs.resumed_metrics) == strip(runs.whole_metrics) == strip(runs.whole)
 
@@ -201,7 +203,7 @@ def test_put_global_places_typed_prng_keys():
 def test_lora_dropout_step_advances_the_rng_streams(tmp_path):
     """Dropout draws new masks each step: its counters move inside the gradient trace."""
     trainer = Trainer(W.config(tmp_path, lora_rank=4, lora_dropout=0.1), W.new_model(),
-                      SFTObjective(ITEMS, seq_len=W.SEQ, pad_id=0))
+                      SFTObjective(ITEMS, max_length=W.SEQ, pad_id=0))
     before = host_tree(trainer.rngs)
     trainer.run_step(0)
     after = host_tree(trainer.rngs)
@@ -230,9 +232,10 @@ class PoisonedSFT(SFTObjective):
         super().__init__(items, **kw)
         self.poisoned = np.asarray(sorted(poisoned))
 
-    def host_batch(self, indices, valid):
-        batch = super().host_batch(indices, valid)
-        batch["loss_mask"][np.isin(indices, self.poisoned)] = np.nan
+    def host_batch(self, indices, valid, lengths):
+        batch = super().host_batch(indices, valid, lengths)
+        poisoned = np.isin(indices, self.poisoned)[batch["head_row"]] & (batch["head_mask"] > 0)
+        batch["head_mask"][poisoned] = np.nan
         return batch
 
 
@@ -241,7 +244,7 @@ def test_non_finite_loss_stops_with_the_last_good_state(resumed, tmp_path):
     sampler = BatchSampler(len(ITEMS), 8, seed=W.config(tmp_path).seed)
     poisoned = sampler.indices(4)[:1]  # drawn by step 5 only
     assert not np.isin(poisoned, np.concatenate([sampler.indices(s) for s in range(4)])).any()
-    objective = PoisonedSFT(ITEMS, poisoned, seq_len=W.SEQ, pad_id=0)
+    objective = PoisonedSFT(ITEMS, poisoned, max_length=W.SEQ, pad_id=0)
 
     records, trainer = W.train(tmp_path, ITEMS, stop_after=4, objective=objective)  # saves step 3, stops after 4
     assert [r["loss"] for r in records] == [r["loss"] for r in full.whole[:4]]
@@ -267,7 +270,7 @@ def test_non_finite_loss_stops_with_the_last_good_state(resumed, tmp_path):
 
 
 def test_first_step_failure_claims_no_checkpoint(tmp_path):
-    objective = PoisonedSFT(ITEMS, range(len(ITEMS)), seq_len=W.SEQ, pad_id=0)
+    objective = PoisonedSFT(ITEMS, range(len(ITEMS)), max_length=W.SEQ, pad_id=0)
     with pytest.raises(TrainingError) as failure:
         W.train(tmp_path, ITEMS, objective=objective)
     assert latest_checkpoint(tmp_path) is None
@@ -435,3 +438,30 @@ def test_two_processes_match_one_process(resumed, compile_cache, tmp_path):
     assert out["resumed"]["losses"] == [pytest.approx(full.whole[3]["loss"], rel=LOSS_RTOL)]
     assert out["resumed"]["grad_norms"] == [pytest.approx(full.whole[3]["grad_norm"], rel=LOSS_RTOL)]
     assert latest_checkpoint(tmp_path / "run") == 3  # stop_after=4 saves nothing new
+
+
+# --- 6. bucketed batches and gradient checkpointing -----------------------------------------------------------
+
+
+class FixedLengthSFT(SFTObjective):
+    """SFT padded to max_length, as batches were before bucketing: the reference the bucketed batches must equal."""
+
+    def batch_lengths(self, indices):
+        return (self.max_length, super().batch_lengths(indices)[1])
+
+
+def test_bucketed_batches_and_gradient_checkpointing_give_the_same_step(tmp_path):
+    """A batch padded to its bucket, to max_length, or recomputed layer by layer: the same loss and gradient."""
+    items = [SFTExample(e.input_ids[:10], e.loss_mask[:10]) for e in ITEMS]  # rows of <= 10 tokens: bucket 16 < 32
+    runs = {}
+    for name, objective, overrides in (("bucketed", SFTObjective(items, max_length=W.SEQ, pad_id=0), {}),
+                                       ("fixed", FixedLengthSFT(items, max_length=W.SEQ, pad_id=0), {}),
+                                       ("remat", SFTObjective(items, max_length=W.SEQ, pad_id=0),
+                                        {"gradient_checkpointing": True})):
+        trainer = Trainer(W.config(tmp_path / name, **overrides), W.new_model(), objective)
+        assert trainer.train_batch(0)["tokens"].shape[-1] == (W.SEQ if name == "fixed" else 16)
+        runs[name] = trainer.run_step(0)
+    for name in ("fixed", "remat"):
+        for key in ("loss", "grad_norm"):
+            np.testing.assert_allclose(runs[name][key], runs["bucketed"][key], rtol=LOSS_RTOL)
+    assert runs["bucketed"]["compiles"] == 1 and runs["bucketed"]["memory/peak_rss_gb"] > 0

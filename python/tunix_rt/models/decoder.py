@@ -13,8 +13,11 @@ from flax import nnx
 
 from tunix_rt.models.config import ModelConfig
 from tunix_rt.models.kv_cache import DenseKVCache, PagedKVCache
+from tunix_rt.models.quant_layers import QuantEmbed, QuantLinear
 from tunix_rt.models.rope import apply_rope, inverse_frequencies
 from tunix_rt.ops import attention, grouped_matmul, permute, rms_norm, router_topk, unpermute
+from tunix_rt.ops.fused_head import head_logprobs
+from tunix_rt.ops.quant import dequantize
 
 _ACT = {
     "silu": jax.nn.silu,
@@ -167,7 +170,9 @@ class Decoder(nnx.Module):
     """tokens (B, T) + positions (B, T) [+ dense cache] -> f32 logits (B, T, vocab) [, cache].
 
     Training on packed rows passes `segment_ids` (B, T) instead of a cache: attention stays
-    within each packed example.
+    within each packed example. Training takes `hidden_states` and `token_logprobs` instead of logits,
+    so no (tokens, vocab) logits exist; `remat` (gradient checkpointing) recomputes each layer's
+    activations in the backward pass instead of keeping them.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
@@ -179,6 +184,7 @@ class Decoder(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(dtype, rngs, cfg.hidden_size, cfg.vocab_size, False)
+        self.remat = False
 
     def hidden_states(self, tokens, positions, cache: DenseKVCache | PagedKVCache | None = None, segment_ids=None):
         x = self.embed(tokens)
@@ -189,7 +195,10 @@ class Decoder(nnx.Module):
         if cache is not None and segment_ids is not None:
             raise ValueError("segment_ids are for training on packed rows, not for decoding with a cache")
         for layer in self.layers:
-            x, cache = layer(x, positions, cache, segment_ids)
+            if self.remat and cache is None:
+                x = _remat_layer(layer, x, positions, segment_ids)
+            else:
+                x, cache = layer(x, positions, cache, segment_ids)
         if cache is not None:
             cache = cache.end(tokens.shape[1])
         return self.final_norm(x), cache
@@ -201,6 +210,26 @@ class Decoder(nnx.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         return head_logits(self.config, self.output_head(), h)
 
+    def head_weight(self) -> tuple[jax.Array, bool]:
+        """The output head as one float matrix and whether it is (V, D) (a tied embedding) rather than (D, V);
+        a quantized head is dequantized (at the compute dtype) for the fused head's chunked products."""
+        head = self.output_head()
+        if isinstance(head, QuantEmbed):
+            return dequantize(head.table_t.get_value(), self.dtype), False
+        if isinstance(head, QuantLinear):
+            return dequantize(head.kernel.get_value(), self.dtype), False
+        if self.config.tie_word_embeddings:
+            return head.embedding[...], True
+        return head.kernel[...], False
+
+    def token_logprobs(self, h: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
+                       entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+        """log p(targets) (and the entropy) under softmax(logits / temperature) from hidden states (..., D),
+        through the fused chunked head (ops/fused_head.py): what every training loss reads."""
+        w, transpose_w = self.head_weight()
+        return head_logprobs(h, w, targets, transpose_w=transpose_w, temperature=temperature,
+                             softcap=self.config.final_logit_softcap, entropy=entropy)
+
     def __call__(self, tokens, positions, cache: DenseKVCache | PagedKVCache | None = None, segment_ids=None):
         h, cache = self.hidden_states(tokens, positions, cache, segment_ids)
         logits = self.logits(h)
@@ -209,6 +238,11 @@ class Decoder(nnx.Module):
     def new_cache(self, batch: int, max_len: int) -> DenseKVCache:
         c = self.config
         return DenseKVCache.create(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, self.dtype)
+
+
+@nnx.remat
+def _remat_layer(layer: DecoderLayer, x, positions, segment_ids):
+    return layer(x, positions, None, segment_ids)[0]
 
 
 def record_router_logits(model: nnx.Module, on: bool = True) -> None:

@@ -1,6 +1,9 @@
 """Training data for SFT, DPO and RL prompts: JSONL rows in TRL's formats -> token ids (with loss masks) -> batches.
 
-Numpy only. Batches are always padded to one `seq_len`, because the trainer jit-compiles a single shape.
+Numpy only. A batch is as long as its longest row needs, rounded up to a bucket of `bucket_length` (16s up to
+128, 64s up to 512, then powers of two), so the trainer compiles one program per bucket, never one per batch,
+and short chats are not padded to max_length. The trained targets are gathered into a window of their own
+(`head_window`), so the output head runs on them only.
 """
 
 from __future__ import annotations
@@ -327,6 +330,46 @@ def load_prompts(path, tokenizer: Tokenizer, *, max_prompt_length: int) -> list[
 # --- batching -------------------------------------------------------------------------------------------------
 
 
+def bucket_length(n: int, cap: int | None = None) -> int:
+    """The padded length of a batch whose longest row is n: the next multiple of 16 up to 128, of 64 up to 512,
+    then the next power of two; at most `cap` (max_length) when n fits in it. Waste stays under ~25%, and
+    a dataset meets at most a handful of buckets (14 up to 512)."""
+    n = max(int(n), 1)
+    if n <= 128:
+        length = -(-n // 16) * 16
+    elif n <= 512:
+        length = -(-n // 64) * 64
+    else:
+        length = 1 << (n - 1).bit_length()
+    return min(length, cap) if cap is not None and n <= cap else length
+
+
+def row_length(row: PackedRow | SFTExample) -> int:
+    return sum(len(e.input_ids) for e in row.segments) if isinstance(row, PackedRow) else len(row.input_ids)
+
+
+def head_window(loss_mask: np.ndarray, targets: np.ndarray, size: int) -> dict[str, np.ndarray]:
+    """The trained positions of a (B, T) batch gathered into `size` slots, so the output head and the
+    log-softmax run on them only: head_index (flat index into B * T of the position whose output predicts the
+    target), head_targets, head_mask (the position's loss weight, 0 on unused slots) and head_row (its row)."""
+    flat = np.flatnonzero(loss_mask.reshape(-1))
+    if len(flat) > size:
+        raise ValueError(f"the batch trains {len(flat)} tokens, more than its head window of {size}")
+    window = {"head_index": np.zeros(size, np.int32), "head_targets": np.zeros(size, np.int32),
+              "head_mask": np.zeros(size, np.float32), "head_row": np.zeros(size, np.int32)}
+    window["head_index"][: len(flat)] = flat
+    window["head_targets"][: len(flat)] = targets.reshape(-1)[flat]
+    window["head_mask"][: len(flat)] = loss_mask.reshape(-1)[flat]
+    window["head_row"][: len(flat)] = flat // loss_mask.shape[1]
+    return window
+
+
+def trained_tokens(rows: Sequence[PackedRow | SFTExample]) -> int:
+    """Targets a batch of these rows trains on (an example's first token predicts nothing)."""
+    segments = [e for row in rows for e in (row.segments if isinstance(row, PackedRow) else [row])]
+    return int(sum(e.loss_mask[1:].sum() for e in segments))
+
+
 def pack(examples: Sequence[SFTExample], seq_len: int) -> list[PackedRow]:
     """Greedy packing in dataset order: an example joins the current row while it fits, else starts the next one.
     An example longer than seq_len is cut to its first seq_len tokens."""
@@ -375,12 +418,16 @@ def sft_batch(rows: Sequence[PackedRow | SFTExample], seq_len: int, *, pad_id: i
     return batch
 
 
-def preference_batch(examples: Sequence[PreferenceExample], seq_len: int, *, pad_id: int = 0) -> dict[str, np.ndarray]:
-    """A (2B, seq_len) batch for DPO: rows 0..B-1 are prompt + chosen, rows B..2B-1 prompt + rejected, loss on
-    the completion tokens only; keys as in sft_batch."""
+def preference_rows(examples: Sequence[PreferenceExample]) -> list[SFTExample]:
+    """The 2B rows of B pairs for DPO: rows 0..B-1 prompt + chosen, rows B..2B-1 prompt + rejected, loss on the
+    completion tokens only."""
     sequences = [_joined(example.prompt_ids, example.chosen_ids) for example in examples]
-    sequences += [_joined(example.prompt_ids, example.rejected_ids) for example in examples]
-    return sft_batch(sequences, seq_len, pad_id=pad_id)
+    return sequences + [_joined(example.prompt_ids, example.rejected_ids) for example in examples]
+
+
+def preference_batch(examples: Sequence[PreferenceExample], seq_len: int, *, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """A (2B, seq_len) batch of `preference_rows`; keys as in sft_batch."""
+    return sft_batch(preference_rows(examples), seq_len, pad_id=pad_id)
 
 
 class BatchSampler:

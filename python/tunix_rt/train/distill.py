@@ -11,30 +11,41 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tunix_rt.train.data import PackedRow, SFTExample, sft_batch
-from tunix_rt.train.losses import distillation_loss, teacher_topk, topk_distillation_loss
-from tunix_rt.train.sft import SFTObjective, policy_logits
+from tunix_rt.ops.fused_head import head_distill
+from tunix_rt.train.data import SFTExample, bucket_length
+from tunix_rt.train.sft import SFTObjective, window_hidden
 from tunix_rt.train.trainer import LossContext
 
 
+def distill_terms(student, teacher, batch: dict, *, temperature: float, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """(KL(teacher_T || student_T), student log p(target)) per head-window slot, through the fused head: the
+    teacher's logits are formed chunk by chunk beside the student's, never for the whole batch."""
+    w, transpose_w = student.head_weight()
+    teacher_w, teacher_transpose_w = teacher.head_weight()
+    return head_distill(window_hidden(student, batch), w, jax.lax.stop_gradient(window_hidden(teacher, batch)),
+                        jax.lax.stop_gradient(teacher_w), batch["head_targets"], temperature=temperature, top_k=top_k,
+                        transpose_w=transpose_w, teacher_transpose_w=teacher_transpose_w,
+                        softcap=student.config.final_logit_softcap, teacher_softcap=teacher.config.final_logit_softcap)
+
+
 class DistillObjective(SFTObjective):
-    def __init__(self, items: Sequence[SFTExample | PackedRow], teacher: nnx.Module, *, seq_len: int, pad_id: int,
-                 temperature: float, alpha: float, top_k: int = 0):
-        super().__init__(items, seq_len=seq_len, pad_id=pad_id)
+    def __init__(self, items, teacher: nnx.Module, *, max_length: int, pad_id: int, temperature: float, alpha: float,
+                 top_k: int = 0):
+        super().__init__(items, max_length=max_length, pad_id=pad_id)
         self.teacher_graphdef, self.teacher_state = nnx.split(teacher)
         self.temperature, self.alpha, self.top_k = temperature, alpha, top_k
+        if top_k and not top_k <= teacher.config.vocab_size:
+            raise ValueError(f"top_k must be in [1, {teacher.config.vocab_size}] (the vocab size), got {top_k}")
 
     def loss(self, ctx: LossContext, batch: dict):
-        student = policy_logits(ctx.policy, batch)
-        teacher = jax.lax.stop_gradient(policy_logits(nnx.merge(self.teacher_graphdef, ctx.aux["teacher"]), batch))
-        targets, mask = batch["targets"], batch["loss_mask"]
-        kw = dict(temperature=self.temperature, alpha=self.alpha)
-        if self.top_k:
-            loss, metrics = topk_distillation_loss(student, *teacher_topk(teacher, self.top_k), targets, mask, **kw)
-        else:
-            loss, metrics = distillation_loss(student, teacher, targets, mask, **kw)
-        count = mask.sum()  # the losses are token means: back to sums so accumulation weighs tokens
-        return loss * count, count, {k: v * count for k, v in metrics.items()}
+        """alpha * T^2 * KL + (1 - alpha) * CE, as sums over the trained tokens (the trainer divides by their
+        count, so accumulation weighs tokens)."""
+        teacher = nnx.merge(self.teacher_graphdef, ctx.aux["teacher"])
+        kl, logp = distill_terms(ctx.policy, teacher, batch, temperature=self.temperature, top_k=self.top_k)
+        mask = batch["head_mask"]
+        kd = self.temperature**2 * (kl * mask).sum()
+        ce = -(logp * mask).sum()
+        return self.alpha * kd + (1 - self.alpha) * ce, mask.sum(), {"kd": kd, "ce": ce}
 
     def aux(self):
         return {"teacher": self.teacher_state}
@@ -62,13 +73,13 @@ class OnPolicyDistillObjective(DistillObjective):
     new weights in place (no recompile) and samples one completion per prompt.
     """
 
-    def __init__(self, examples: Sequence[SFTExample], teacher: nnx.Module, tokenizer, *, seq_len: int, pad_id: int,
-                 temperature: float, alpha: float, top_k: int, max_new_tokens: int, seed: int):
+    def __init__(self, examples: Sequence[SFTExample], teacher: nnx.Module, tokenizer, *, max_length: int,
+                 pad_id: int, temperature: float, alpha: float, top_k: int, max_new_tokens: int, seed: int):
         prompts = [prompt_part(e) for e in examples]
-        self.prompts = [p for p in prompts if 0 < len(p) < seq_len]
+        self.prompts = [p for p in prompts if 0 < len(p) < max_length]
         if not self.prompts:
-            raise ValueError(f"on-policy distillation needs rows with a prompt shorter than max_length ({seq_len})")
-        super().__init__([], teacher, seq_len=seq_len, pad_id=pad_id, temperature=temperature, alpha=alpha,
+            raise ValueError(f"on-policy distillation needs rows with a prompt shorter than max_length ({max_length})")
+        super().__init__([], teacher, max_length=max_length, pad_id=pad_id, temperature=temperature, alpha=alpha,
                          top_k=top_k)
         self.num_items = len(self.prompts)
         self.tokenizer, self.max_new_tokens, self.seed = tokenizer, max_new_tokens, seed
@@ -85,22 +96,26 @@ class OnPolicyDistillObjective(DistillObjective):
 
         model = self.current_model()
         if self.engine is None:
-            self.engine = Engine(model, self.tokenizer, max_model_len=self.seq_len, max_num_seqs=len(prompts),
+            self.engine = Engine(model, self.tokenizer, max_model_len=self.max_length, max_num_seqs=len(prompts),
                                  kv_cache_memory=64 << 20, enable_prefix_caching=False)
         else:
             self.engine.update_weights(model)
         self.batches += 1
-        params = [SamplingParams(temperature=1.0, max_tokens=min(self.max_new_tokens, self.seq_len - len(p)),
+        params = [SamplingParams(temperature=1.0, max_tokens=min(self.max_new_tokens, self.max_length - len(p)),
                                  seed=self.seed * 1_000_003 + self.batches * 1009 + i) for i, p in enumerate(prompts)]
         outputs = self.engine.generate([p.tolist() for p in prompts], params)
         return [np.asarray(o.token_ids, np.int32) for o in outputs]
 
-    def host_batch(self, indices: np.ndarray, valid: np.ndarray) -> dict[str, np.ndarray]:
+    def batch_lengths(self, indices: np.ndarray) -> tuple[int, int]:
+        """Upper bounds (completions are sampled in host_batch): the longest prompt plus max_new_tokens, and
+        max_new_tokens per row."""
+        longest = max(len(self.prompts[i]) for i in indices)
+        return (bucket_length(min(longest + self.max_new_tokens, self.max_length), self.max_length),
+                bucket_length(len(indices) * self.max_new_tokens))
+
+    def rows(self, indices: np.ndarray) -> list[SFTExample]:
         if self.current_model is None:
             raise RuntimeError("OnPolicyDistillObjective.attach(current_model) must be called before training")
         prompts = [self.prompts[i] for i in indices]
-        examples = [SFTExample(np.concatenate([p, c]), np.concatenate([np.zeros(len(p), bool), np.ones(len(c), bool)]))
-                    for p, c in zip(prompts, self._sample(prompts))]
-        batch = sft_batch(examples, self.seq_len, pad_id=self.pad_id)
-        batch["loss_mask"] *= valid[:, None]
-        return batch
+        return [SFTExample(np.concatenate([p, c]), np.concatenate([np.zeros(len(p), bool), np.ones(len(c), bool)]))
+                for p, c in zip(prompts, self._sample(prompts))]

@@ -1,8 +1,9 @@
 """Preference optimisation (DPO, IPO, hinge, robust, ORPO, SimPO) on chosen/rejected pairs.
 
-A batch holds B pairs as 2B rows (chosen first). The reference log-probs come from a frozen model
-inside the same step: the LoRA-disabled base (no second copy), the initial weights, or a separate
-`ref_model`; reference-free losses (ORPO, SimPO) skip that forward pass.
+A batch holds B pairs as 2B rows (chosen first), bucketed like SFT's, the output head on completion
+tokens only. The reference log-probs come from a frozen model inside the same step: the LoRA-disabled
+base (no second copy), the initial weights, or a separate `ref_model`, run without gradient (nothing of
+its forward is kept for a backward pass); reference-free losses (ORPO, SimPO) skip that forward pass.
 """
 
 from __future__ import annotations
@@ -13,28 +14,33 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tunix_rt.train.data import PreferenceExample, preference_batch
-from tunix_rt.train.losses import PREFERENCE_LOSSES, PreferenceConfig, PreferenceStats, token_logprobs
-from tunix_rt.train.sft import policy_logits
+from tunix_rt.train.data import PreferenceExample, preference_rows
+from tunix_rt.train.losses import PREFERENCE_LOSSES, PreferenceConfig, PreferenceStats
+from tunix_rt.train.sft import RowsObjective, window_logprobs
 from tunix_rt.train.trainer import LossContext
 
 
-def completion_logps(logits: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
+def completion_logps(model, batch: dict) -> tuple[jax.Array, jax.Array]:
     """Per row: summed log-probs of the completion tokens and their count."""
-    mask = batch["loss_mask"]
-    return (token_logprobs(logits, batch["targets"]) * mask).sum(-1), mask.sum(-1)
+    mask, rows, n = batch["head_mask"], batch["head_row"], batch["tokens"].shape[0]
+    logps = window_logprobs(model, batch) * mask
+    return jax.ops.segment_sum(logps, rows, n), jax.ops.segment_sum(mask, rows, n)
 
 
-class DPOObjective:
-    def __init__(self, examples: Sequence[PreferenceExample], cfg: PreferenceConfig, *, seq_len: int, pad_id: int,
+class DPOObjective(RowsObjective):
+    def __init__(self, examples: Sequence[PreferenceExample], cfg: PreferenceConfig, *, max_length: int, pad_id: int,
                  ref_model: nnx.Module | None = None):
-        self.examples, self.cfg, self.seq_len, self.pad_id = list(examples), cfg, seq_len, pad_id
+        super().__init__(max_length=max_length, pad_id=pad_id)
+        self.examples, self.cfg = list(examples), cfg
         self.num_items = len(self.examples)
         self.ref = nnx.split(ref_model) if ref_model is not None else None
         self.needs_reference = not cfg.reference_free and ref_model is None
 
-    def host_batch(self, indices: np.ndarray, valid: np.ndarray) -> dict[str, np.ndarray]:
-        batch = preference_batch([self.examples[i] for i in indices], self.seq_len, pad_id=self.pad_id)
+    def rows(self, indices: np.ndarray):
+        return preference_rows([self.examples[i] for i in indices])
+
+    def host_batch(self, indices: np.ndarray, valid: np.ndarray, lengths: tuple[int, int]) -> dict[str, np.ndarray]:
+        batch = super().host_batch(indices, valid, lengths)
         batch["valid"] = valid.astype(np.float32)
         return batch
 
@@ -43,10 +49,10 @@ class DPOObjective:
             model = nnx.merge(self.ref[0], ctx.aux["ref_model"])
         else:
             model = ctx.reference()
-        return jax.lax.stop_gradient(completion_logps(policy_logits(model, batch), batch)[0])
+        return jax.lax.stop_gradient(completion_logps(model, batch)[0])
 
     def loss(self, ctx: LossContext, batch: dict):
-        logps, lengths = completion_logps(policy_logits(ctx.policy, batch), batch)
+        logps, lengths = completion_logps(ctx.policy, batch)
         b = logps.shape[0] // 2
         if self.cfg.reference_free:
             ref = jax.numpy.zeros_like(logps)

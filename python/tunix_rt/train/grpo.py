@@ -14,8 +14,8 @@ import jax
 import numpy as np
 
 from tunix_rt.train.config import GRPOConfig
-from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, group_advantages, kl_k3, logprobs_and_entropy
-from tunix_rt.train.rl_trainer import RLObjective, completion_logits, completion_logprobs
+from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, group_advantages, kl_k3
+from tunix_rt.train.rl_trainer import RLObjective, completion_logprobs
 from tunix_rt.train.rollout import Completions
 from tunix_rt.train.trainer import LossContext
 
@@ -71,15 +71,14 @@ class GRPOObjective(RLObjective):
     def score(self, ctx: LossContext, batch: dict) -> dict:
         out = {}
         if self.needs_reference:
-            out["ref_logps"] = completion_logprobs(ctx.reference(), batch, self.cfg.temperature)
+            out["ref_logps"] = completion_logprobs(ctx.reference(), batch, self.cfg.temperature)[0]
         if self.old_from_score:
-            out["old_logps"] = completion_logprobs(ctx.policy, batch, self.cfg.temperature)
+            out["old_logps"] = completion_logprobs(ctx.policy, batch, self.cfg.temperature)[0]
         return out
 
     def loss(self, ctx: LossContext, batch: dict):
         cfg = self.cfg
-        logps, entropy = logprobs_and_entropy(completion_logits(ctx.policy, batch), batch["targets"],
-                                              temperature=cfg.temperature)
+        logps, entropy = completion_logprobs(ctx.policy, batch, cfg.temperature, entropy=True)
         mask = batch["loss_mask"]
         old = batch["old_logps"] if cfg.num_iterations > 1 else jax.lax.stop_gradient(logps)
         per_token, clip = clipped_policy_loss(logps, old, batch["advantages"], mask, epsilon=cfg.epsilon,

@@ -15,9 +15,8 @@ from flax import nnx
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.train.config import PPOConfig
 from tunix_rt.train.lora import HeadParam
-from tunix_rt.train.rl_losses import (aggregate, clipped_policy_loss, clipped_value_loss, gae, logprobs_and_entropy,
-                                       whiten)
-from tunix_rt.train.rl_trainer import RLObjective, completion_hidden, completion_logprobs, tempered_logprobs
+from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, clipped_value_loss, gae, whiten
+from tunix_rt.train.rl_trainer import RLObjective, completion_hidden, completion_logprobs
 from tunix_rt.train.trainer import LossContext
 
 
@@ -47,10 +46,11 @@ def policy_only(model: Decoder) -> Decoder:
     return model
 
 
-def _forward(model: Decoder, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """(logits, values) in the completion window from one pass through the trunk."""
+def _forward(model: Decoder, batch: dict, temperature: float, *, entropy: bool = False):
+    """(log-probs, entropy or None, values) in the completion window from one pass through the trunk."""
     h = completion_hidden(model, batch)
-    return model.logits(h), model.value_head(h)
+    logps, ent = completion_logprobs(model, batch, temperature, entropy=entropy, hidden=h)
+    return logps, ent, model.value_head(h)
 
 
 def last_token_rewards(scores: jax.Array, mask: jax.Array) -> jax.Array:
@@ -75,12 +75,11 @@ class PPOObjective(RLObjective):
 
     def score(self, ctx: LossContext, batch: dict) -> dict:
         cfg, mask = self.cfg, batch["loss_mask"]
-        logits, values = _forward(ctx.policy, batch)
-        old = tempered_logprobs(logits, batch, cfg.temperature)
+        old, _, values = _forward(ctx.policy, batch, cfg.temperature)
         rewards = last_token_rewards(batch["scores"], mask)
         out = {}
         if self.needs_reference:
-            ref = completion_logprobs(ctx.reference(), batch, cfg.temperature)
+            ref = completion_logprobs(ctx.reference(), batch, cfg.temperature)[0]
             kl = (old - ref) * mask
             rewards = rewards - cfg.kl_coef * kl
             out["kl"] = kl
@@ -91,8 +90,7 @@ class PPOObjective(RLObjective):
 
     def loss(self, ctx: LossContext, batch: dict):
         cfg, mask = self.cfg, batch["loss_mask"]
-        logits, values = _forward(ctx.policy, batch)
-        logps, entropy = logprobs_and_entropy(logits, batch["targets"], temperature=cfg.temperature)
+        logps, entropy, values = _forward(ctx.policy, batch, cfg.temperature, entropy=True)
         pg, clip = clipped_policy_loss(logps, batch["old_logps"], batch["advantages"], mask, epsilon=cfg.epsilon,
                                        epsilon_high=cfg.epsilon_high)
         vf = clipped_value_loss(values, batch["old_values"], batch["returns"], clip_range=cfg.cliprange_value)

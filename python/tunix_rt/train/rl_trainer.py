@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 
 from tunix_rt.train.config import RLConfig
-from tunix_rt.train.losses import token_logprobs
 from tunix_rt.train.trainer import LossContext, Trainer
 
 log = logging.getLogger("tunix_rt.train")
@@ -40,19 +39,13 @@ def completion_hidden(model, batch: dict) -> jax.Array:
     return h[rows[:, None], index]
 
 
-def tempered_logprobs(logits: jax.Array, batch: dict, temperature: float) -> jax.Array:
-    """(B, C) log-probs of the targets under softmax(logits / temperature), the distribution sampled from."""
-    return token_logprobs(logits / temperature if temperature != 1.0 else logits, batch["targets"])
-
-
-def completion_logits(model, batch: dict) -> jax.Array:
-    """(N, C, V) logits at the completion window: the output head runs on completion positions only."""
-    return model.logits(completion_hidden(model, batch))
-
-
-def completion_logprobs(model, batch: dict, temperature: float) -> jax.Array:
-    """(N, C) tempered log-probs of the completion tokens (what scoring passes keep)."""
-    return tempered_logprobs(completion_logits(model, batch), batch, temperature)
+def completion_logprobs(model, batch: dict, temperature: float, *, entropy: bool = False,
+                        hidden: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """(N, C) tempered log-probs of the completion tokens (and their entropy) under softmax(logits / temperature),
+    the distribution sampled from, through the fused chunked head: no (N, C, vocab) logits are formed.
+    `hidden` reuses completion_hidden's output when the caller has it."""
+    h = completion_hidden(model, batch) if hidden is None else hidden
+    return model.token_logprobs(h, batch["targets"], temperature=temperature, entropy=entropy)
 
 
 class RLObjective:

@@ -50,13 +50,13 @@ def build_objective(cfg: TrainConfig, loaded: LoadedModel, data: str):
                                 simpo_gamma=cfg.simpo_gamma)
         examples = load_preferences(data, tok, max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length)
         ref = load_model(cfg.ref_model).model if cfg.ref_model and not pref.reference_free else None
-        return DPOObjective(examples, pref, seq_len=cfg.max_length, pad_id=pad, ref_model=ref)
+        return DPOObjective(examples, pref, max_length=cfg.max_length, pad_id=pad, ref_model=ref)
     if isinstance(cfg, DistillConfig):
         from tunix_rt.train.distill import DistillObjective, check_teacher
 
         teacher = load_model(cfg.teacher).model
         check_teacher(loaded.model.config.vocab_size, teacher.config.vocab_size)
-        kd = dict(seq_len=cfg.max_length, pad_id=pad, temperature=cfg.temperature, alpha=cfg.alpha, top_k=cfg.top_k)
+        kd = dict(max_length=cfg.max_length, pad_id=pad, temperature=cfg.temperature, alpha=cfg.alpha, top_k=cfg.top_k)
         if cfg.on_policy:
             from tunix_rt.train.distill import OnPolicyDistillObjective
 
@@ -68,7 +68,7 @@ def build_objective(cfg: TrainConfig, loaded: LoadedModel, data: str):
         return _rl_objective(cfg, loaded, data, pad)
     from tunix_rt.train.sft import SFTObjective
 
-    return SFTObjective(_sft_items(cfg, tok, data), seq_len=cfg.max_length, pad_id=pad)
+    return SFTObjective(_sft_items(cfg, tok, data), max_length=cfg.max_length, pad_id=pad)
 
 
 def _rl_objective(cfg: RLConfig, loaded: LoadedModel, data: str, pad: int):

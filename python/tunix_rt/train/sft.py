@@ -1,5 +1,8 @@
 """Supervised fine-tuning: next-token cross-entropy on the trained tokens (assistant turns or
-completions), optionally on packed rows whose attention stays within each example."""
+completions), optionally on packed rows whose attention stays within each example.
+
+Batches are as long as their longest row needs (a bucket of data.bucket_length), and the output head runs
+only on the trained positions (data.head_window), through the fused chunked head."""
 
 from __future__ import annotations
 
@@ -8,38 +11,65 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from tunix_rt.train.data import PackedRow, SFTExample, sft_batch
-from tunix_rt.train.losses import token_logprobs
+from tunix_rt.train.data import PackedRow, SFTExample, bucket_length, head_window, row_length, sft_batch, trained_tokens
 from tunix_rt.train.trainer import LossContext
 
 
-def token_loss_sum(logits: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """(summed NLL over the batch's trained targets, their count)."""
-    mask = batch["loss_mask"]
-    return -(token_logprobs(logits, batch["targets"]) * mask).sum(), mask.sum()
+def window_hidden(model, batch: dict) -> jax.Array:
+    """(K, D) final hidden states at the batch's head window (data.head_window)."""
+    h, _ = model.hidden_states(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"])
+    return h.reshape(-1, h.shape[-1])[batch["head_index"]]
 
 
-def policy_logits(ctx_model, batch: dict) -> jax.Array:
-    return ctx_model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"])
+def window_logprobs(model, batch: dict) -> jax.Array:
+    """(K,) log-probs of the head window's targets (0-weight slots included)."""
+    return model.token_logprobs(window_hidden(model, batch), batch["head_targets"])[0]
 
 
-class SFTObjective:
-    """Items are examples, or packed rows when packing (each row one sequence of the batch)."""
+class RowsObjective:
+    """What SFT, DPO and distillation share: items become token rows, batched at a bucketed length with
+    their trained targets gathered into a bucketed head window."""
 
     needs_reference = False
 
-    def __init__(self, items: Sequence[SFTExample | PackedRow], *, seq_len: int, pad_id: int):
-        self.items, self.seq_len, self.pad_id = list(items), seq_len, pad_id
-        self.num_items = len(self.items)
+    def __init__(self, *, max_length: int, pad_id: int):
+        self.max_length, self.pad_id = max_length, pad_id
 
-    def host_batch(self, indices: np.ndarray, valid: np.ndarray) -> dict[str, np.ndarray]:
-        batch = sft_batch([self.items[i] for i in indices], self.seq_len, pad_id=self.pad_id)
-        batch["loss_mask"] *= valid[:, None]
+    def rows(self, indices: np.ndarray) -> list[PackedRow | SFTExample]:
+        raise NotImplementedError
+
+    def batch_lengths(self, indices: np.ndarray) -> tuple[int, int]:
+        """(row length, head window) these items need, bucketed: the trainer takes the largest over its
+        micro-batches, so one step's micro-batches share a shape."""
+        rows = self.rows(indices)
+        return (bucket_length(max(row_length(r) for r in rows), self.max_length),
+                bucket_length(trained_tokens(rows)))
+
+    def host_batch(self, indices: np.ndarray, valid: np.ndarray, lengths: tuple[int, int]) -> dict[str, np.ndarray]:
+        """tokens, positions, segment_ids (rows, length) and the head window; rows with valid False train on
+        nothing."""
+        seq_len, head = lengths
+        rows = self.rows(indices)
+        batch = sft_batch(rows, seq_len, pad_id=self.pad_id)
+        mask = batch.pop("loss_mask") * np.tile(valid, len(rows) // len(valid))[:, None]  # DPO: B pairs, 2B rows
+        batch.update(head_window(mask, batch.pop("targets"), head))
         return batch
-
-    def loss(self, ctx: LossContext, batch: dict):
-        loss_sum, count = token_loss_sum(policy_logits(ctx.policy, batch), batch)
-        return loss_sum, count, {}
 
     def aux(self):
         return None
+
+
+class SFTObjective(RowsObjective):
+    """Items are examples, or packed rows when packing (each row one sequence of the batch)."""
+
+    def __init__(self, items: Sequence[SFTExample | PackedRow], *, max_length: int, pad_id: int):
+        super().__init__(max_length=max_length, pad_id=pad_id)
+        self.items = list(items)
+        self.num_items = len(self.items)
+
+    def rows(self, indices: np.ndarray) -> list[PackedRow | SFTExample]:
+        return [self.items[i] for i in indices]
+
+    def loss(self, ctx: LossContext, batch: dict):
+        mask = batch["head_mask"]
+        return -(window_logprobs(ctx.policy, batch) * mask).sum(), mask.sum(), {}

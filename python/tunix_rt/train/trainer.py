@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -54,8 +55,11 @@ class Objective(Protocol):
     num_items: int  # examples (or packed rows, or pairs) in the dataset
     needs_reference: bool
 
-    def host_batch(self, indices: np.ndarray, valid: np.ndarray) -> dict[str, np.ndarray]:
-        """Arrays for these items; rows with valid False must carry zero weight."""
+    def batch_lengths(self, indices: np.ndarray) -> tuple[int, ...]:
+        """The (bucketed) lengths of the batch axes these items need; a step's micro-batches use the largest."""
+
+    def host_batch(self, indices: np.ndarray, valid: np.ndarray, lengths: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """Arrays for these items at `lengths`; rows with valid False must carry zero weight."""
 
     def loss(self, ctx: LossContext, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """(loss summed over weight units, weight, metrics summed over the same units)."""
@@ -74,6 +78,11 @@ def set_compute_dtype(model: nnx.Module, dtype, *, matmul_kernel: str | None = N
             module.dtype = jnp.dtype(dtype)
         if isinstance(module, (nnx.Linear, Embed)):
             module.dot_general = dot_general
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GB (10^9 bytes; Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def _cast(tree, dtype):
@@ -116,6 +125,7 @@ class Trainer:
         self.inference_dtype = model.dtype  # what the model was loaded in: the rollout engine runs at it
         set_compute_dtype(model, self.compute_dtype, matmul_kernel=cfg.bf16_matmul_kernel)
         self.model_config = model.config
+        model.remat = cfg.gradient_checkpointing
         self.router_losses = any(model.config.moe_layers) and (cfg.router_aux_loss_coef > 0 or cfg.router_z_loss_coef > 0)
         model.train()
         trainable = nnx.Any(nnx.LoRAParam, HeadParam) if self.lora else nnx.Param
@@ -239,9 +249,10 @@ class Trainer:
         return {key: put_global(value, batch_sharding(self.mesh, value.ndim, batch_axis)) for key, value in host.items()}
 
     def train_batch(self, step: int) -> dict[str, jax.Array]:
-        """(accumulation, rows, ...) arrays: one host batch per micro-batch, stacked."""
+        """(accumulation, rows, ...) arrays: one host batch per micro-batch, at the lengths the longest needs, stacked."""
         micro = np.split(self.sampler.indices(step), self.cfg.gradient_accumulation_steps)
-        hosts = [self.objective.host_batch(idx, np.ones(len(idx), bool)) for idx in micro]
+        lengths = tuple(np.max([self.objective.batch_lengths(idx) for idx in micro], axis=0).tolist())
+        hosts = [self.objective.host_batch(idx, np.ones(len(idx), bool), lengths) for idx in micro]
         return self._device_batch({k: np.stack([h[k] for h in hosts]) for k in hosts[0]}, 1)
 
     def run_step(self, step: int) -> dict[str, float]:
@@ -251,9 +262,12 @@ class Trainer:
             self.params, self.opt_state, self.rngs, self.frozen, self.rest, self._aux(), batch)
         if self._train_step._cache_size() != before:
             self.compiles += 1
-            log.info("compiled the train step (%d so far)", self.compiles)
+            log.info("compiled the train step for batch shape %s (%d so far)",
+                     {k: v.shape for k, v in batch.items() if k in ("tokens", "head_index")}, self.compiles)
         out = {k: float(v) for k, v in jax.device_get(out).items()}
         out["learning_rate"] = float(self.schedule(step))
+        out["compiles"] = float(self.compiles)
+        out["memory/peak_rss_gb"] = peak_rss_gb()
         return out
 
     def evaluate(self, eval_objective: Objective) -> dict[str, float]:
@@ -263,7 +277,8 @@ class Trainer:
         for start in range(0, eval_objective.num_items, b):
             idx = np.arange(start, start + b)
             valid = idx < eval_objective.num_items
-            host = eval_objective.host_batch(np.where(valid, idx, 0), valid)
+            idx = np.where(valid, idx, 0)
+            host = eval_objective.host_batch(idx, valid, eval_objective.batch_lengths(idx))
             batch = self._device_batch(host, 0)
             loss_sum, w, metrics = jax.device_get(self._eval_step(self.params, self.rngs, self.frozen, self.rest,
                                                                   self._aux(), batch))

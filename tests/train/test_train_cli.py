@@ -387,6 +387,24 @@ def test_dpo_full_fine_tuning_reference_is_the_initial_weights(root, tiny, dpo_s
     assert not trainers[0].lora and trainers[0].initial_params is not None
 
 
+def test_dpo_precomputed_reference_equals_the_in_step_one(root, tiny, dpo_strings):
+    """precompute_ref_log_probs (the default) scores every pair once before training; the in-step reference
+    forward gives the same losses, and the precomputed table holds the reference's sums."""
+    runs = {}
+    for precompute in (True, False):
+        out = root / f"dpo_precompute_{precompute}"
+        with recording_trainers() as trainers:
+            assert cli("dpo", "--model", tiny, "--data", dpo_strings, "--output", out, "--steps", "3", "--lora-rank",
+                       "4", "batch_size=2", "learning_rate=1e-2", f"precompute_ref_log_probs={str(precompute).lower()}",
+                       *COMMON) == 0
+        runs[precompute] = (losses(out), trainers[0].objective)
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-5)
+    assert runs[True][0][0] == pytest.approx(LOG2, abs=1e-5) and runs[True][0][2] != pytest.approx(LOG2, abs=1e-3)
+    table, objective = runs[True][1].ref_logps, runs[True][1]
+    assert table.shape == (objective.num_items, 2) and (table < 0).all()
+    assert runs[False][1].ref_logps is None
+
+
 def test_dpo_with_an_explicit_ref_model(root, tiny, dpo_strings):
     out = root / "dpo_ref"
     with recording_trainers() as trainers:

@@ -157,6 +157,7 @@ class DPOConfig(TrainConfig):
     simpo_gamma: float = 0.5
     max_prompt_length: int | None = None
     ref_model: str | None = None  # None: the LoRA-disabled base with LoRA, the initial weights without
+    precompute_ref_log_probs: bool = True  # the reference's log-probs once per pair up front, not in every step
 
     @property
     def lr(self) -> float:  # TRL's DPO default is 1e-6 for full fine-tuning

@@ -50,7 +50,8 @@ def build_objective(cfg: TrainConfig, loaded: LoadedModel, data: str):
                                 simpo_gamma=cfg.simpo_gamma)
         examples = load_preferences(data, tok, max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length)
         ref = load_model(cfg.ref_model).model if cfg.ref_model and not pref.reference_free else None
-        return DPOObjective(examples, pref, max_length=cfg.max_length, pad_id=pad, ref_model=ref)
+        return DPOObjective(examples, pref, max_length=cfg.max_length, pad_id=pad, ref_model=ref,
+                            precompute_ref_log_probs=cfg.precompute_ref_log_probs)
     if isinstance(cfg, DistillConfig):
         from tunix_rt.train.distill import DistillObjective, check_teacher
 

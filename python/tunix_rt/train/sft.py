@@ -58,6 +58,9 @@ class RowsObjective:
     def aux(self):
         return None
 
+    def precompute(self, score) -> None:
+        pass
+
 
 class SFTObjective(RowsObjective):
     """Items are examples, or packed rows when packing (each row one sequence of the batch)."""

@@ -67,6 +67,11 @@ class Objective(Protocol):
     def aux(self) -> Any:
         """Extra state the loss reads (a pytree of arrays), or None."""
 
+    def precompute(self, score: Callable[[Callable, Any], list]) -> None:
+        """Before training: compute what stays fixed per item (DPO's reference log-probs) with
+        `score(fn, objective)`, which runs fn(LossContext, batch) over every batch of the objective's
+        items and returns the host results per batch; most objectives have nothing to do."""
+
 
 def set_compute_dtype(model: nnx.Module, dtype, *, matmul_kernel: str | None = None) -> None:
     """Layers compute in `dtype` (their params are cast on the way in; the masters stay f32). With a
@@ -148,6 +153,7 @@ class Trainer:
         self._train_step = jax.jit(self._step, donate_argnums=(0, 1, 2),
                                    out_shardings=(param_shardings, opt_shardings, rng_shardings, None))
         self._eval_step = jax.jit(self._eval)
+        self._score_fn = None
         self.sampler = BatchSampler(objective.num_items, self._items_per_step(), seed=cfg.seed, shuffle=cfg.shuffle)
 
     def _items_per_step(self) -> int:
@@ -270,16 +276,35 @@ class Trainer:
         out["memory/peak_rss_gb"] = peak_rss_gb()
         return out
 
+    def _walk(self, objective: Objective):
+        """(indices, valid, device batch) over every item in order, batch_size at a time; the last batch is
+        padded with weightless rows."""
+        b = self.cfg.batch_size
+        for start in range(0, objective.num_items, b):
+            idx = np.arange(start, start + b)
+            valid = idx < objective.num_items
+            idx = np.where(valid, idx, 0)
+            yield idx, valid, self._device_batch(objective.host_batch(idx, valid, objective.batch_lengths(idx)), 0)
+
+    def score(self, fn: Callable, objective: Objective) -> list:
+        """fn(LossContext, batch) over every batch of `objective`'s items with the current params (eval mode, no
+        gradient), as host arrays per batch; a progress bar shows the pass."""
+        if self._score_fn is None:
+            self._score_fn = jax.jit(self._scored, static_argnums=0)
+        batches = tqdm(self._walk(objective), total=-(-objective.num_items // self.cfg.batch_size), desc="precompute",
+                       unit="batch", file=sys.stderr, disable=not (self.cfg.progress and jax.process_index() == 0),
+                       dynamic_ncols=True)
+        return [jax.device_get(self._score_fn(fn, self.params, self.rngs, self.frozen, self.rest, self._aux(), batch))
+                for _, _, batch in batches]
+
+    def _scored(self, fn, params, rngs, frozen, rest, aux, batch):
+        model = self._model(self.eval_graphdef, params, rngs, frozen, rest)
+        return fn(LossContext(model, aux, self._reference(self.eval_graphdef, params, rngs, frozen, rest, aux)), batch)
+
     def evaluate(self, eval_objective: Objective) -> dict[str, float]:
         """Mean loss (and metrics) over the whole eval set; the last batch is padded with weightless rows."""
-        b = self.cfg.batch_size
         totals, weight = {}, 0.0
-        for start in range(0, eval_objective.num_items, b):
-            idx = np.arange(start, start + b)
-            valid = idx < eval_objective.num_items
-            idx = np.where(valid, idx, 0)
-            host = eval_objective.host_batch(idx, valid, eval_objective.batch_lengths(idx))
-            batch = self._device_batch(host, 0)
+        for _, _, batch in self._walk(eval_objective):
             loss_sum, w, metrics = jax.device_get(self._eval_step(self.params, self.rngs, self.frozen, self.rest,
                                                                   self._aux(), batch))
             weight += float(w)
@@ -324,6 +349,9 @@ class Trainer:
             checkpointer.close()
             raise ValueError(f"{checkpointer.directory} holds checkpoints of an earlier run (up to step {latest}); "
                              "resume=false would mix the two runs: remove that directory or choose another --output")
+        for objective in (self.objective, eval_objective):
+            if objective is not None:
+                objective.precompute(self.score)
         if latest is not None:
             state, record = checkpointer.restore(latest, self.state())
             self.load_state(state)

@@ -431,10 +431,17 @@ def test_batch_sampler_seeds_and_shuffle():
 def test_bucket_lengths():
     from tunix_rt.train.data import bucket_length
 
-    assert [bucket_length(n) for n in (0, 1, 16, 17, 42, 128, 129, 192, 193, 512, 513, 1500)] == \
-        [16, 16, 16, 32, 48, 128, 192, 192, 256, 512, 1024, 2048]
-    assert bucket_length(500, 500) == 500 and bucket_length(100, 96) == 112  # capped only when the row fits
-    assert len({bucket_length(n) for n in range(1, 513)}) == 14
+    assert [bucket_length(n) for n in (0, 1, 16, 17, 42, 64, 65, 97, 129, 193, 257, 385, 513, 769, 1500)] == \
+        [16, 16, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536]
+    assert bucket_length(500, 500) == 500 and bucket_length(100, 96) == 128  # capped only when the row fits
+    assert len({bucket_length(n) for n in range(1, 513)}) == 10
+    assert all(bucket_length(n) < 1.5 * n for n in range(49, 5000))  # padding under a third past 48
+
+
+def test_harmonized_lengths_give_one_shape_per_row_length():
+    from tunix_rt.train.data import harmonized_lengths
+
+    assert harmonized_lengths([(64, 128), (128, 256), (64, 192), (64, 96)]) == {64: (64, 192), 128: (128, 256)}
 
 
 @settings(max_examples=50, deadline=None)

@@ -1,7 +1,7 @@
 """Training data for SFT, DPO and RL prompts: JSONL rows in TRL's formats -> token ids (with loss masks) -> batches.
 
 Numpy only. A batch is as long as its longest row needs, rounded up to a bucket of `bucket_length` (16s up to
-128, 64s up to 512, then powers of two), so the trainer compiles one program per bucket, never one per batch,
+64, then powers of two and the points halfway between), so the trainer compiles one program per bucket, never one per batch,
 and short chats are not padded to max_length. The trained targets are gathered into a window of their own
 (`head_window`), so the output head runs on them only.
 """
@@ -331,17 +331,27 @@ def load_prompts(path, tokenizer: Tokenizer, *, max_prompt_length: int) -> list[
 
 
 def bucket_length(n: int, cap: int | None = None) -> int:
-    """The padded length of a batch whose longest row is n: the next multiple of 16 up to 128, of 64 up to 512,
-    then the next power of two; at most `cap` (max_length) when n fits in it. Waste stays under ~25%, and
-    a dataset meets at most a handful of buckets (14 up to 512)."""
+    """The padded length of a batch whose longest row is n: the next multiple of 16 up to 64, then the next of
+    64, 96, 128, 192, 256, 384, 512, 768, ... (powers of two and the halfway points 1.5x above them); at most
+    `cap` (max_length) when n fits in it. Padding stays under a third, and a dataset meets few buckets (10 up to
+    512), each one compile of the train step."""
     n = max(int(n), 1)
-    if n <= 128:
-        length = -(-n // 16) * 16
-    elif n <= 512:
-        length = -(-n // 64) * 64
-    else:
-        length = 1 << (n - 1).bit_length()
+    length = -(-n // 16) * 16
+    if length > 64:
+        length = 64
+        while length < n:
+            length = length + length // 2 if length & (length - 1) == 0 else length // 3 * 4
     return min(length, cap) if cap is not None and n <= cap else length
+
+
+def harmonized_lengths(needs: Sequence[tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+    """For each row length among `needs` (tuples of bucketed axis lengths, the row length first), the largest
+    of every other axis among the needs with that row length: batches of one row length then share one shape,
+    so a run compiles one program per row-length bucket, not one per (row length, head window) pair."""
+    planned: dict[int, tuple[int, ...]] = {}
+    for need in needs:
+        planned[need[0]] = tuple(int(v) for v in np.maximum(planned.get(need[0], need), need))
+    return planned
 
 
 def row_length(row: PackedRow | SFTExample) -> int:

@@ -60,11 +60,14 @@ class RLObjective:
         self.cfg, self.sampler, self.tokenizer, self.pad_id = cfg, sampler, tokenizer, pad_id
         self.num_items = len(sampler.examples)
 
-    def host_batch(self, indices, valid):
+    def host_batch(self, indices, valid, lengths):
         raise TypeError("RL objectives build their batches from rollouts (RLTrainer), not from dataset rows")
 
     def aux(self):
         return None
+
+    def precompute(self, score) -> None:
+        pass  # what stays fixed per rollout is scored after each rollout (RLTrainer._score)
 
     @staticmethod
     def token_sums(metrics: dict[str, jax.Array], mask: jax.Array) -> dict[str, jax.Array]:

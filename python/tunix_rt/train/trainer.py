@@ -34,7 +34,7 @@ from tunix_rt.models.quant_layers import QuantEmbed
 from tunix_rt.parallel.mesh import batch_sharding, make_mesh, put_global, state_shardings
 from tunix_rt.train.checkpointing import Checkpointer
 from tunix_rt.train.config import TrainConfig
-from tunix_rt.train.data import BatchSampler
+from tunix_rt.train.data import BatchSampler, harmonized_lengths
 from tunix_rt.train.errors import TrainingError
 from tunix_rt.train.lora import HeadParam, apply_lora, has_lora
 from tunix_rt.train.metrics import MetricsWriter
@@ -154,6 +154,7 @@ class Trainer:
                                    out_shardings=(param_shardings, opt_shardings, rng_shardings, None))
         self._eval_step = jax.jit(self._eval)
         self._score_fn = None
+        self._planned_lengths: dict[int, tuple[int, ...]] | None = None
         self.sampler = BatchSampler(objective.num_items, self._items_per_step(), seed=cfg.seed, shuffle=cfg.shuffle)
 
     def _items_per_step(self) -> int:
@@ -254,11 +255,26 @@ class Trainer:
     def _device_batch(self, host: dict[str, np.ndarray], batch_axis: int) -> dict[str, jax.Array]:
         return {key: put_global(value, batch_sharding(self.mesh, value.ndim, batch_axis)) for key, value in host.items()}
 
+    def _micro_batches(self, step: int) -> list[np.ndarray]:
+        return np.split(self.sampler.indices(step), self.cfg.gradient_accumulation_steps)
+
+    def _needed_lengths(self, step: int) -> tuple[int, ...]:
+        """The bucketed lengths the step's largest micro-batch needs (they all take one shape)."""
+        return tuple(np.max([self.objective.batch_lengths(idx) for idx in self._micro_batches(step)], axis=0).tolist())
+
+    def _step_lengths(self, step: int) -> tuple[int, ...]:
+        """The step's batch lengths: its row-length bucket, and the other axes (the head window) as large as any
+        step of this run with that bucket needs, planned once from the data order (a pure function of the step)
+        so a run compiles one train step per row-length bucket."""
+        if self._planned_lengths is None:
+            self._planned_lengths = harmonized_lengths([self._needed_lengths(s) for s in range(self.steps)])
+        need = self._needed_lengths(step)
+        return self._planned_lengths.get(need[0], need)
+
     def train_batch(self, step: int) -> dict[str, jax.Array]:
-        """(accumulation, rows, ...) arrays: one host batch per micro-batch, at the lengths the longest needs, stacked."""
-        micro = np.split(self.sampler.indices(step), self.cfg.gradient_accumulation_steps)
-        lengths = tuple(np.max([self.objective.batch_lengths(idx) for idx in micro], axis=0).tolist())
-        hosts = [self.objective.host_batch(idx, np.ones(len(idx), bool), lengths) for idx in micro]
+        """(accumulation, rows, ...) arrays: one host batch per micro-batch, at the step's lengths, stacked."""
+        lengths = self._step_lengths(step)
+        hosts = [self.objective.host_batch(idx, np.ones(len(idx), bool), lengths) for idx in self._micro_batches(step)]
         return self._device_batch({k: np.stack([h[k] for h in hosts]) for k in hosts[0]}, 1)
 
     def run_step(self, step: int) -> dict[str, float]:
@@ -277,14 +293,18 @@ class Trainer:
         return out
 
     def _walk(self, objective: Objective):
-        """(indices, valid, device batch) over every item in order, batch_size at a time; the last batch is
-        padded with weightless rows."""
+        """Device batches over every item in order, batch_size at a time (the last padded with weightless rows),
+        their lengths harmonized as the train steps' are."""
         b = self.cfg.batch_size
+        batches = []
         for start in range(0, objective.num_items, b):
             idx = np.arange(start, start + b)
             valid = idx < objective.num_items
-            idx = np.where(valid, idx, 0)
-            yield idx, valid, self._device_batch(objective.host_batch(idx, valid, objective.batch_lengths(idx)), 0)
+            batches.append((np.where(valid, idx, 0), valid))
+        planned = harmonized_lengths([objective.batch_lengths(idx) for idx, _ in batches])
+        for idx, valid in batches:
+            lengths = planned[objective.batch_lengths(idx)[0]]
+            yield self._device_batch(objective.host_batch(idx, valid, lengths), 0)
 
     def score(self, fn: Callable, objective: Objective) -> list:
         """fn(LossContext, batch) over every batch of `objective`'s items with the current params (eval mode, no
@@ -295,7 +315,7 @@ class Trainer:
                        unit="batch", file=sys.stderr, disable=not (self.cfg.progress and jax.process_index() == 0),
                        dynamic_ncols=True)
         return [jax.device_get(self._score_fn(fn, self.params, self.rngs, self.frozen, self.rest, self._aux(), batch))
-                for _, _, batch in batches]
+                for batch in batches]
 
     def _scored(self, fn, params, rngs, frozen, rest, aux, batch):
         model = self._model(self.eval_graphdef, params, rngs, frozen, rest)
@@ -304,7 +324,7 @@ class Trainer:
     def evaluate(self, eval_objective: Objective) -> dict[str, float]:
         """Mean loss (and metrics) over the whole eval set; the last batch is padded with weightless rows."""
         totals, weight = {}, 0.0
-        for _, _, batch in self._walk(eval_objective):
+        for batch in self._walk(eval_objective):
             loss_sum, w, metrics = jax.device_get(self._eval_step(self.params, self.rngs, self.frozen, self.rest,
                                                                   self._aux(), batch))
             weight += float(w)

@@ -234,11 +234,17 @@ class Trainer:
         loss = loss_sum / denom
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt = self.optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+
+        def update(state):
+            params, opt_state = state
+            updates, new_opt = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt
+
+        # A cond, not a select of new against old state: only the taken branch runs, so the update writes
+        # into the donated buffers instead of holding a second copy of the params and Adam's moments.
+        new_params, new_opt = jax.lax.cond(finite, update, lambda state: state, (params, opt_state))
         out = {"loss": loss, "grad_norm": grad_norm, "weight": weight, **{k: v / denom for k, v in metrics.items()}}
-        return keep(new_params, params), keep(new_opt, opt_state), rngs, out
+        return new_params, new_opt, rngs, out
 
     def _eval(self, params, rngs, frozen, rest, aux, batch):
         loss_sum, (weight, metrics, _) = self._loss(params, rngs, frozen, rest, aux, batch, self.eval_graphdef)

@@ -66,7 +66,7 @@ def run_ours(mode: str, dtype: str, steps: int) -> list[float]:
                         dequantize=True, compute_dtype=dtype.split("-")[0],
                         bf16_matmul=dtype.split("-")[1] if "-" in dtype else None,
                         learning_rate=1e-5, shuffle=False, progress=False, save_steps=10_000)
-        trainer = Trainer(cfg, loaded.model, SFTObjective(items, seq_len=SEQ_LEN, pad_id=0))
+        trainer = Trainer(cfg, loaded.model, SFTObjective(items, max_length=SEQ_LEN, pad_id=0))
         times = []
         for step in range(steps):
             start = time.perf_counter()

@@ -19,3 +19,28 @@ def run_contender(python: str, script: str, argv: list[str], threads: int, **env
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {"error": " | ".join(tail) or f"exit {proc.returncode}"}
     return json.loads(lines[-1])
+
+
+def trl_lora_and_timer(mode: str, rank: int, alpha: float, targets) -> tuple:
+    """(peft LoraConfig or None for full fine-tuning, a transformers callback, its list of step times): what
+    every TRL contender sets up the same way. Imported in the peer's interpreter only."""
+    import time
+
+    from transformers import TrainerCallback
+
+    peft_config = None
+    if mode == "lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets),
+                                 task_type="CAUSAL_LM")
+    times, marks = [], []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            marks.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - marks[-1])
+
+    return peft_config, Timer(), times

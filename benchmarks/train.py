@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-from peer_process import run_contender
+from peer_process import run_contender, trl_lora_and_timer
 
 BATCH, SEQ_LEN, RANK, ALPHA = 8, 128, 8, 16.0
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -78,27 +78,14 @@ def run_ours(mode: str, dtype: str, steps: int) -> list[float]:
 def run_trl(mode: str, dtype: str, steps: int) -> list[float]:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
     torch.set_num_threads(THREADS)
     model = AutoModelForCausalLM.from_pretrained(os.environ["TUNIX_RT_BENCH_HF_DIR"], dtype=torch.float32)
     rows = token_rows(model.config.vocab_size, BATCH * (steps + 1))
     data = Dataset.from_dict({"input_ids": [r.tolist() for r in rows]})
-    peft_config = None
-    if mode == "lora":
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(TARGETS),
-                                 task_type="CAUSAL_LM")
-    times, marks = [], []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            marks.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - marks[-1])
+    peft_config, timer, times = trl_lora_and_timer(mode, RANK, ALPHA, TARGETS)
 
     import tempfile
 
@@ -108,7 +95,7 @@ def run_trl(mode: str, dtype: str, steps: int) -> list[float]:
                            bf16=dtype == "bfloat16", packing=False, gradient_checkpointing=False,
                            dataloader_num_workers=0, dataset_num_proc=None)
         trainer = SFTTrainer(model=model, args=config, train_dataset=data, peft_config=peft_config,
-                             callbacks=[Timer()])
+                             callbacks=[timer])
         trainer.train()
     return times
 

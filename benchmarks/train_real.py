@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 
-from peer_process import run_contender
+from peer_process import run_contender, trl_lora_and_timer
 
 BATCH, MAX_LENGTH, RANK, ALPHA, THREADS, WARMUP = 8, 512, 8, 16.0, 2, 2
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -99,27 +99,14 @@ def run_ours(workload: str, mode: str, dtype: str, steps: int, data: str) -> dic
 def run_trl(workload: str, mode: str, dtype: str, steps: int, data: str) -> dict:
     import torch
     from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(THREADS)
     path = os.environ["TUNIX_RT_BENCH_HF_DIR"]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     dataset = load_dataset("json", data_files=data, split="train")
-    peft_config = None
-    if mode == "lora":
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(TARGETS),
-                                 task_type="CAUSAL_LM")
-    times, marks = [], []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            marks.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - marks[-1])
+    peft_config, timer, times = trl_lora_and_timer(mode, RANK, ALPHA, TARGETS)
 
     common = dict(per_device_train_batch_size=BATCH, max_length=MAX_LENGTH, max_steps=steps, logging_steps=1000,
                   save_strategy="no", report_to=[], use_cpu=True, bf16=dtype == "bfloat16",
@@ -129,13 +116,13 @@ def run_trl(workload: str, mode: str, dtype: str, steps: int, data: str) -> dict
             from trl import DPOConfig, DPOTrainer
 
             trainer = DPOTrainer(model=model, args=DPOConfig(output_dir=out, **common), train_dataset=dataset,
-                                 processing_class=tokenizer, peft_config=peft_config, callbacks=[Timer()])
+                                 processing_class=tokenizer, peft_config=peft_config, callbacks=[timer])
         else:
             from trl import SFTConfig, SFTTrainer
 
             trainer = SFTTrainer(model=model, args=SFTConfig(output_dir=out, packing=False, **common),
                                  train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
-                                 callbacks=[Timer()])
+                                 callbacks=[timer])
         trainer.train()
     return {"times": times, "peak_rss_gb": peak_rss_gb()}
 

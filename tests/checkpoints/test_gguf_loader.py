@@ -369,6 +369,16 @@ def test_tensors_equal_transformers_gguf_loader(f32):
         np.testing.assert_array_equal(array, ref[name].numpy(), err_msg=name)
 
 
+def test_loaded_tensors_do_not_map_the_file(f32):
+    """F32 tensors are copied out of the reader's memory map: a view would keep the whole file resident."""
+    for name, array in _our_tensors(f32).items():
+        chain = []
+        while array is not None:
+            chain.append(array)
+            array = array.base
+        assert not any(isinstance(a, np.memmap) for a in chain), name
+
+
 def test_hf_config_round_trips(f32):
     reader = gguf_loader.open_gguf(f32.path)
     got, cfg = gguf_loader.hf_config(reader), f32.hf.config

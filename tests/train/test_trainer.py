@@ -44,7 +44,7 @@ from tunix_rt.train.data import BatchSampler, SFTExample
 from tunix_rt.train.errors import TrainingError
 from tunix_rt.train.metrics import read_metrics
 from tunix_rt.train.sft import SFTObjective
-from tunix_rt.train.trainer import Trainer, make_optimizer
+from tunix_rt.train.trainer import Trainer, clip_factor, make_optimizer
 
 ITEMS = W.make_items()
 PARAM_ATOL = 2e-4  # 2% of one Adam step: see the module docstring
@@ -306,6 +306,19 @@ def test_schedules(tmp_path, options, total, want):
     _, schedule = make_optimizer(W.config(tmp_path, learning_rate=1.0, **options), total)
     got = {step: float(schedule(step)) for step in want}
     np.testing.assert_allclose([got[s] for s in want], [want[s] for s in want], atol=1e-6, err_msg=str(got))
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 3.0, 1e6, None])
+def test_clip_factor_is_optax_clip_by_global_norm(max_norm):
+    """The step clips with one multiply (in place); it must equal optax's transform, below and above the bound."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    grads = {"a": jax.random.normal(keys[0], (7, 5)), "b": {"c": jax.random.normal(keys[1], (11,))}}
+    norm = optax.global_norm(grads)
+    got = jax.tree.map(lambda g: g * clip_factor(norm, max_norm), grads)
+    want = optax.clip_by_global_norm(max_norm).update(grads, None)[0] if max_norm else grads
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
+    assert (float(optax.global_norm(got)) < float(norm)) == (max_norm is not None and max_norm < float(norm))
 
 
 def test_weight_decay_skips_vectors(tmp_path):

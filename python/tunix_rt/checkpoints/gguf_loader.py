@@ -207,7 +207,10 @@ def iter_tensors(reader, config: dict, *, keep_quantized: bool = True) -> Iterat
             array = dequantize(t.data, t.tensor_type)
         except (NotImplementedError, ValueError) as e:
             raise CheckpointError(f"cannot dequantize GGUF tensor {t.name} ({t.tensor_type.name}): {e}") from None
-        array = np.asarray(array, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        array = np.asarray(array, dtype=np.float32)
+        if not array.flags.owndata:  # a view of the mapped file (F32 tensors) would keep all of it resident
+            array = array.copy()
+        array = array.reshape(tuple(int(d) for d in reversed(t.shape)))
         if not np.isfinite(array).all():
             raise CheckpointError(f"GGUF tensor {t.name} ({t.tensor_type.name}) holds non-finite values: the file is corrupt")
         if rope_heads:

@@ -22,23 +22,33 @@ def _keys_to_data(tree):
     return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
 
 
+# What a save may hold in flight beside the live state (GB). Orbax's default (all of it at once) held a
+# second copy of the params and the optimizer's moments while it wrote them: +1.1 GB at the end of a
+# full fine-tune of the default model; a quarter GB at a time writes as fast.
+SAVE_IN_FLIGHT_GB = 0.25
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, *, max_to_keep: int):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        state = ocp.PyTreeCheckpointHandler(save_concurrent_gb=SAVE_IN_FLIGHT_GB,
+                                            save_device_host_concurrent_gb=SAVE_IN_FLIGHT_GB)
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_handlers={"state": state, "record": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, state: dict, record: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_keys_to_data(state)),
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_keys_to_data(state)),
                                                         record=ocp.args.JsonSave(record)))
 
     def restore(self, step: int, like: dict) -> tuple[dict, dict]:
         """Restore `step` into the structure, dtypes and shardings of `like` (the live state)."""
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _keys_to_data(like))
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+        state = ocp.args.PyTreeRestore(abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=state,
                                                                       record=ocp.args.JsonRestore()))
         state = jax.tree.map(lambda old, new: jax.random.wrap_key_data(new, impl=jax.random.key_impl(old))
                              if _is_key(old) else new, like, restored["state"])

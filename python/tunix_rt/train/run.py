@@ -107,6 +107,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
     trainer.fit(output=output, eval_objective=eval_objective, stop_after=stop_after)
     final = output / FINAL
     if trainer.step == trainer.steps:
+        trainer.release_optimizer()
         model = trainer.model()
         if trainer.lora:
             model = merge_lora(model)

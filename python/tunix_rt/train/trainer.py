@@ -95,7 +95,8 @@ def _cast(tree, dtype):
 
 
 def make_optimizer(cfg: TrainConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW (+ global-norm clipping) under a warmup then linear/cosine/constant schedule."""
+    """AdamW under a warmup then linear/cosine/constant schedule. Global-norm clipping is the step's own
+    (`clip_factor`): taken with the mean over the batch's weight, it scales the gradients in place."""
     warmup = min(cfg.warmup_steps or int(cfg.warmup_ratio * total_steps), total_steps)
     decay = max(total_steps - warmup, 1)
     if cfg.lr_scheduler_type == "cosine":
@@ -107,8 +108,15 @@ def make_optimizer(cfg: TrainConfig, total_steps: int) -> tuple[optax.GradientTr
     schedule = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup]) if warmup else after
     adamw = optax.adamw(schedule, b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
                         weight_decay=cfg.weight_decay, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
-    chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
-    return optax.chain(*chain, adamw), schedule
+    return adamw, schedule
+
+
+def clip_factor(grad_norm: jax.Array, max_norm: float | None) -> jax.Array:
+    """What multiplies gradients of global norm `grad_norm` to clip them to `max_norm` (optax's
+    clip_by_global_norm: unchanged below the bound, scaled onto it above)."""
+    if not max_norm:
+        return jnp.ones_like(grad_norm)
+    return jnp.where(grad_norm < max_norm, 1.0, max_norm / grad_norm)
 
 
 class Trainer:
@@ -230,10 +238,13 @@ class Trainer:
         rest_batches = jax.tree.map(lambda x: x[1:], batches)
         (grads, rngs, loss_sum, weight, metrics), _ = jax.lax.scan(micro, (g, rngs, l, w, m), rest_batches)
         denom = jnp.maximum(weight, 1e-9)
-        grads = jax.tree.map(lambda x: x / denom, grads)
         loss = loss_sum / denom
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.global_norm(grads) / denom
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # The mean over the weight and the clipping in one multiply, outside the cond: it rewrites the
+        # gradients in place, where a clip inside the cond would write a second copy of them.
+        factor = clip_factor(grad_norm, self.cfg.max_grad_norm) / denom
+        grads = jax.tree.map(lambda x: x * factor.astype(x.dtype), grads)
 
         def update(state):
             params, opt_state = state
@@ -343,6 +354,11 @@ class Trainer:
 
     def load_state(self, state: dict) -> None:
         self.params, self.opt_state, self.rngs = state["params"], state["opt_state"], state["rngs"]
+
+    def release_optimizer(self) -> None:
+        """After the last step: drop the optimizer's moments (twice the params), so the export's host
+        copies of the model take their place instead of adding to the run's peak memory."""
+        self.opt_state = None
 
     def model(self) -> Decoder:
         """The current model (eval mode, params in f32) for export or generation."""

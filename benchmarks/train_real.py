@@ -12,7 +12,9 @@ HF directory both load) with its own defaults for padding and loss masks: batch 
 (alpha 16) on the seven projections or full fine-tuning, AdamW, 2 threads, each in its own subprocess one
 after another. tunix-rt pads each batch to a bucket of its longest row and runs the output head on the trained
 tokens only (assistant turns, completions); TRL pads to the batch's longest row and (for chats, its default)
-trains every token.
+trains every token. DPO: tunix-rt precomputes the reference's log-probs once per pair before the first step,
+as its CLI does (the time is printed beside the run, outside s/step); TRL's DPOTrainer runs the reference
+in every step (its default, precompute_ref_log_probs=False).
 
 Printed per run: the median step time after 2 warm-up steps (compiles in later steps included in their step),
 non-padding tokens/s (the dataset's mean tokens per batch of 8 over that median), peak RSS of the process,
@@ -88,12 +90,15 @@ def run_ours(workload: str, mode: str, dtype: str, steps: int, data: str) -> dic
                            compute_dtype=dtype, progress=False, save_steps=10_000)
         objective = build_objective(cfg, loaded, data)
         trainer = Trainer(cfg, loaded.model, objective)
+        start = time.perf_counter()
+        objective.precompute(trainer.score)  # as fit() does: DPO's reference log-probs, once per pair
+        precompute = time.perf_counter() - start
         times = []
         for step in range(steps):
             start = time.perf_counter()
             trainer.run_step(step)  # returns host floats: the step has finished
             times.append(time.perf_counter() - start)
-    return {"times": times, "peak_rss_gb": peak_rss_gb(), "compiles": trainer.compiles}
+    return {"times": times, "peak_rss_gb": peak_rss_gb(), "compiles": trainer.compiles, "precompute_s": precompute}
 
 
 def run_trl(workload: str, mode: str, dtype: str, steps: int, data: str) -> dict:
@@ -189,6 +194,8 @@ def main() -> None:
                     step = statistics.median(result["times"][WARMUP:])
                     results[workload, mode, name, dtype] = (step, tokens / step, result["peak_rss_gb"])
                     compiles = f" {result['compiles']} compiles" if "compiles" in result else ""
+                    if result.get("precompute_s", 0) > 0.05:
+                        compiles += f", reference log-probs precomputed in {result['precompute_s']:.1f} s"
                     print(f"  {label} {step:6.2f} s/step {tokens / step:7.1f} tok/s {result['peak_rss_gb']:5.2f} GB"
                           f"{compiles}", flush=True)
     print()

@@ -14,6 +14,7 @@ from flax import nnx
 from tunix_rt.models.config import ModelConfig
 from tunix_rt.models.kv_cache import DenseKVCache, PagedKVCache
 from tunix_rt.models.quant_layers import QuantEmbed, QuantLinear
+from tunix_rt.models.remat import recompute_in_backward
 from tunix_rt.models.rope import apply_rope, inverse_frequencies
 from tunix_rt.ops import attention, grouped_matmul, permute, rms_norm, router_topk, unpermute
 from tunix_rt.ops.fused_head import head_logprobs
@@ -240,8 +241,23 @@ class Decoder(nnx.Module):
         return DenseKVCache.create(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, self.dtype)
 
 
-@nnx.remat
 def _remat_layer(layer: DecoderLayer, x, positions, segment_ids):
+    """The layer with its activations recomputed in the backward (models/remat.py). A layer whose call
+    changes its own state (dropout's RNG counters, sown router logits) goes through nnx.remat, which
+    carries those changes out but saves no memory on XLA:CPU."""
+    if nnx.state(layer, nnx.RngState) or any(isinstance(m, MoEMLP) and m.record_router_logits
+                                             for _, m in nnx.iter_modules(layer)):
+        return _nnx_remat_layer(layer, x, positions, segment_ids)
+    graphdef, state = nnx.split(layer)
+
+    def run(state, x, positions, segment_ids):
+        return nnx.merge(graphdef, state)(x, positions, None, segment_ids)[0]
+
+    return recompute_in_backward(run, state, x, (positions, segment_ids))
+
+
+@nnx.remat
+def _nnx_remat_layer(layer: DecoderLayer, x, positions, segment_ids):
     return layer(x, positions, None, segment_ids)[0]
 
 

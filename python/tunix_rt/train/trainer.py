@@ -140,6 +140,9 @@ class Trainer:
         self.model_config = model.config
         model.remat = cfg.gradient_checkpointing
         self.router_losses = any(model.config.moe_layers) and (cfg.router_aux_loss_coef > 0 or cfg.router_z_loss_coef > 0)
+        if cfg.gradient_checkpointing and ((self.lora and cfg.lora_dropout > 0) or self.router_losses):
+            log.warning("gradient_checkpointing with %s recomputes through nnx.remat, which saves no memory on "
+                        "XLA:CPU (models/remat.py)", "router losses" if self.router_losses else "lora_dropout")
         model.train()
         trainable = nnx.Any(nnx.LoRAParam, HeadParam) if self.lora else nnx.Param
         self.graphdef, params, rngs, frozen, rest = nnx.split(model, trainable, nnx.RngState, nnx.Param, ...)

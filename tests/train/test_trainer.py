@@ -478,3 +478,15 @@ def test_bucketed_batches_and_gradient_checkpointing_give_the_same_step(tmp_path
         for key in ("loss", "grad_norm"):
             np.testing.assert_allclose(runs[name][key], runs["bucketed"][key], rtol=LOSS_RTOL)
     assert runs["bucketed"]["compiles"] == 1 and runs["bucketed"]["memory/peak_rss_gb"] > 0
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_gradient_checkpointing_in_bf16_gives_the_same_step(tmp_path, lora_rank):
+    """bf16 compute: checkpointed layers cast their own f32 params inside the recomputed region; the step
+    must be the one the up-front cast gives (the same bf16 values either way)."""
+    runs = {}
+    for remat in (False, True):
+        cfg = W.config(tmp_path / str(remat), compute_dtype="bfloat16", gradient_checkpointing=remat, lora_rank=lora_rank)
+        runs[remat] = Trainer(cfg, W.new_model(), SFTObjective(ITEMS, max_length=W.SEQ, pad_id=0)).run_step(0)
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(runs[True][key], runs[False][key], rtol=1e-5)

@@ -14,7 +14,7 @@ from flax import nnx
 from tunix_rt.models.config import ModelConfig
 from tunix_rt.models.kv_cache import DenseKVCache, PagedKVCache
 from tunix_rt.models.quant_layers import QuantEmbed, QuantLinear
-from tunix_rt.models.remat import recompute_in_backward
+from tunix_rt.models.remat import recompute_in_backward, tie
 from tunix_rt.models.rope import apply_rope, inverse_frequencies
 from tunix_rt.ops import attention, grouped_matmul, permute, rms_norm, router_topk, unpermute
 from tunix_rt.ops.fused_head import head_logprobs
@@ -197,7 +197,7 @@ class Decoder(nnx.Module):
             raise ValueError("segment_ids are for training on packed rows, not for decoding with a cache")
         for layer in self.layers:
             if self.remat and cache is None:
-                x = _remat_layer(layer, x, positions, segment_ids)
+                x = _remat_layer(layer, x, positions, segment_ids, self.dtype)
             else:
                 x, cache = layer(x, positions, cache, segment_ids)
         if cache is not None:
@@ -241,16 +241,20 @@ class Decoder(nnx.Module):
         return DenseKVCache.create(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, self.dtype)
 
 
-def _remat_layer(layer: DecoderLayer, x, positions, segment_ids):
-    """The layer with its activations recomputed in the backward (models/remat.py). A layer whose call
-    changes its own state (dropout's RNG counters, sown router logits) goes through nnx.remat, which
-    carries those changes out but saves no memory on XLA:CPU."""
+def _remat_layer(layer: DecoderLayer, x, positions, segment_ids, dtype):
+    """The layer with its activations recomputed in the backward (models/remat.py). Its f32 params are
+    cast to the compute `dtype` inside, so the backward recasts them instead of keeping a bf16 copy
+    of every layer from the forward. A layer whose call changes its own state (dropout's RNG counters,
+    sown router logits) goes through nnx.remat, which carries those changes out but saves no memory
+    on XLA:CPU."""
     if nnx.state(layer, nnx.RngState) or any(isinstance(m, MoEMLP) and m.record_router_logits
                                              for _, m in nnx.iter_modules(layer)):
         return _nnx_remat_layer(layer, x, positions, segment_ids)
     graphdef, state = nnx.split(layer)
 
     def run(state, x, positions, segment_ids):
+        if dtype != jnp.float32:  # the cast waits for x: one layer's bf16 copy at a time, forward and backward
+            state = jax.tree.map(lambda v: v.astype(dtype) if v.dtype == jnp.float32 else v, tie(state, x))
         return nnx.merge(graphdef, state)(x, positions, None, segment_ids)[0]
 
     return recompute_in_backward(run, state, x, (positions, segment_ids))

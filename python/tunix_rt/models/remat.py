@@ -26,6 +26,15 @@ def recompute_in_backward(f: Callable, state, x: jax.Array, consts: tuple = ()):
     return _remat(lambda leaves, x, *consts: f(treedef.unflatten(leaves), x, *consts), leaves, x, consts)
 
 
+def tie(tree, to: jax.Array):
+    """`tree`'s float leaves offset by a zero XLA cannot fold away (min(|v|, 0) of one element of `to`):
+    whatever is computed from them waits for `to`. XLA:CPU schedules work that depends on parameters
+    only (a bf16 cast of a layer's f32 weights) at the start of the step, so every layer's copy would be
+    alive at once. A non-finite element makes the result NaN, which it would be anyway downstream."""
+    zero = jnp.minimum(jnp.abs(to.reshape(-1)[0]), 0)
+    return jax.tree.map(lambda v: v + zero.astype(v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v, tree)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _remat(f, leaves, x, consts):
     return f(leaves, x, *consts)
@@ -48,10 +57,6 @@ def _bwd(f, res, ct):
     values, perturbed, x, consts = res
     if isinstance(ct, SymbolicZero):
         return [None] * len(values), None, jax.tree.map(lambda _: None, consts)
-    # A zero XLA cannot fold away (min(|c|, 0)), taken from the cotangent: it orders the recomputation
-    # after the layer above has produced its gradient. A non-finite c makes the layer's gradient NaN,
-    # which it would be anyway: the step is skipped.
-    zero = jnp.minimum(jnp.abs(ct.reshape(-1)[0]), 0).astype(x.dtype)
     which = [i for i, v in enumerate(perturbed) if v is not None]
 
     def g(diff, x):
@@ -60,7 +65,8 @@ def _bwd(f, res, ct):
             full[i] = v
         return f(full, x, *consts)
 
-    _, vjp = jax.vjp(g, [values[i] for i in which], x + zero)
+    # x tied to the cotangent: the recomputation waits until the layer above has produced its gradient.
+    _, vjp = jax.vjp(g, [values[i] for i in which], tie(x, ct))
     d_diff, dx = vjp(ct)
     d_leaves = [None] * len(values)
     for i, d in zip(which, d_diff):

@@ -90,8 +90,15 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-def _cast(tree, dtype):
-    return jax.tree.map(lambda x: x.astype(dtype) if x.dtype == jnp.float32 and dtype != jnp.float32 else x, tree)
+def _cast(tree, dtype, *, skip_layers: bool = False):
+    """f32 leaves at `dtype`; with skip_layers, the decoder layers' stay f32 (checkpointed layers cast
+    their own inside the recomputed region)."""
+    def cast(path, x):
+        if skip_layers and any(getattr(k, "key", None) == "layers" for k in path):
+            return x
+        return x.astype(dtype) if x.dtype == jnp.float32 and dtype != jnp.float32 else x
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
 
 
 def make_optimizer(cfg: TrainConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -190,7 +197,9 @@ class Trainer:
     # --- the jitted programs ---------------------------------------------------------------------
 
     def _model(self, graphdef, params, rngs, frozen, rest) -> Decoder:
-        return nnx.merge(graphdef, _cast(params, self.compute_dtype), rngs, _cast(frozen, self.compute_dtype), rest)
+        skip = self.cfg.gradient_checkpointing
+        return nnx.merge(graphdef, _cast(params, self.compute_dtype, skip_layers=skip), rngs,
+                         _cast(frozen, self.compute_dtype, skip_layers=skip), rest)
 
     def _reference(self, graphdef, params, rngs, frozen, rest, aux) -> Callable[[], Decoder]:
         def build():

@@ -384,7 +384,8 @@ def test_dpo_full_fine_tuning_reference_is_the_initial_weights(root, tiny, dpo_s
     records = read_metrics(out)
     assert records[0]["loss"] == pytest.approx(LOG2, abs=1e-5)
     assert records[1]["loss"] != pytest.approx(LOG2, abs=1e-5)  # the policy moved away from the reference
-    assert not trainers[0].lora and trainers[0].initial_params is not None
+    # The reference's log-probs were precomputed from the initial weights, then their copy was freed.
+    assert not trainers[0].lora and trainers[0].objective.ref_logps is not None and trainers[0].initial_params is None
 
 
 def test_dpo_precomputed_reference_equals_the_in_step_one(root, tiny, dpo_strings):

@@ -35,9 +35,13 @@ class DPOObjective(RowsObjective):
         self.examples, self.cfg = list(examples), cfg
         self.num_items = len(self.examples)
         self.ref = nnx.split(ref_model) if ref_model is not None else None
-        self.needs_reference = not cfg.reference_free and ref_model is None
         self.precompute_ref = precompute_ref_log_probs and not cfg.reference_free
         self.ref_logps: np.ndarray | None = None  # (pairs, 2): chosen, rejected, once precomputed
+
+    @property
+    def needs_reference(self) -> bool:
+        """The step reads the initial weights' log-probs: not once they are precomputed."""
+        return not self.cfg.reference_free and self.ref is None and self.ref_logps is None
 
     def precompute(self, score) -> None:
         """The reference's summed completion log-probs of every pair, once (TRL's precompute_ref_log_probs)."""

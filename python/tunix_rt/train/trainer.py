@@ -406,6 +406,9 @@ class Trainer:
         for objective in (self.objective, eval_objective):
             if objective is not None:
                 objective.precompute(self.score)
+        if self.initial_params is not None and not any(o is not None and o.needs_reference
+                                                       for o in (self.objective, eval_objective)):
+            self.initial_params = None  # what the reference gave is precomputed: free the copy of the weights
         if latest is not None:
             state, record = checkpointer.restore(latest, self.state())
             self.load_state(state)

@@ -349,6 +349,20 @@ def test_weight_decay_skips_vectors(tmp_path):
 # --- 6. meshes ------------------------------------------------------------------------------------------------
 
 
+def test_trainer_takes_the_model_weights_without_a_copy(tmp_path):
+    """On one device the trainer's params are the model's buffers (a copy doubled the weights' memory for
+    the whole run); the first step's donation consumes them."""
+    model = W.new_model()
+    before = {k: v for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    trainer = Trainer(W.config(tmp_path), model, SFTObjective(ITEMS, max_length=W.SEQ, pad_id=0))
+    after = dict(nnx.to_flat_state(trainer.params))
+    assert after.keys() == before.keys()
+    for k in after:
+        assert after[k].get_value().unsafe_buffer_pointer() == before[k].get_value().unsafe_buffer_pointer(), k
+    trainer.run_step(0)
+    assert all(v.get_value().is_deleted() for v in before.values())
+
+
 def test_mesh_rejects_impossible_shapes():
     one = jax.devices()[:1]
     with pytest.raises(ValueError, match="devices"):

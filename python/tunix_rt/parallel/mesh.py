@@ -80,6 +80,8 @@ def put_global(tree, shardings):
         if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):  # typed keys travel as their raw data
             data = one(jax.random.key_data(value), sharding)
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
+        if isinstance(value, jax.Array) and value.is_fully_addressable and value.sharding.is_equivalent_to(sharding, value.ndim):
+            return jax.device_put(value, sharding)  # the same buffers: a copy would double the model's memory
         value = np.asarray(value)
         return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 

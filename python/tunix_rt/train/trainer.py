@@ -147,7 +147,11 @@ class Trainer:
         self.model_config = model.config
         model.remat = cfg.gradient_checkpointing
         self.router_losses = any(model.config.moe_layers) and (cfg.router_aux_loss_coef > 0 or cfg.router_z_loss_coef > 0)
-        if cfg.gradient_checkpointing and ((self.lora and cfg.lora_dropout > 0) or self.router_losses):
+        # Checkpointed layers cast their own params (models/decoder.py _remat_layer), except where their call
+        # changes their state (dropout's RNG, sown router logits): those go through nnx.remat, cast up front.
+        through_nnx_remat = (self.lora and cfg.lora_dropout > 0) or self.router_losses
+        self._layers_cast_themselves = cfg.gradient_checkpointing and not through_nnx_remat
+        if cfg.gradient_checkpointing and through_nnx_remat:
             log.warning("gradient_checkpointing with %s recomputes through nnx.remat, which saves no memory on "
                         "XLA:CPU (models/remat.py)", "router losses" if self.router_losses else "lora_dropout")
         model.train()
@@ -197,7 +201,7 @@ class Trainer:
     # --- the jitted programs ---------------------------------------------------------------------
 
     def _model(self, graphdef, params, rngs, frozen, rest) -> Decoder:
-        skip = self.cfg.gradient_checkpointing
+        skip = self._layers_cast_themselves
         return nnx.merge(graphdef, _cast(params, self.compute_dtype, skip_layers=skip), rngs,
                          _cast(frozen, self.compute_dtype, skip_layers=skip), rest)
 

@@ -351,6 +351,24 @@ def test_merge_lora_of_a_quantized_base(quantized):
     assert delta < 1e-3, f"max |delta logits| = {delta:.2e}"
 
 
+def test_full_fine_tuning_of_a_quantized_model_keeps_its_reference_packed(root, quantized, dpo_strings):
+    """The reference of a full fine-tune is the initial weights: for a quantized source, the packed weights as
+    loaded (what the dequantized policy computes at step 1, in a fraction of an f32 copy's memory)."""
+    out = root / "dpo_full_quantized"
+    with recording_trainers() as trainers:
+        assert cli("dpo", "--model", quantized, "--data", dpo_strings, "--output", out, "--steps", "2",
+                   "batch_size=2", "learning_rate=1e-3", "precompute_ref_log_probs=false", *COMMON) == 0
+    records = read_metrics(out)
+    assert records[0]["loss"] == pytest.approx(LOG2, abs=1e-5)  # the reference computes the initial policy
+    assert records[1]["loss"] != pytest.approx(LOG2, abs=1e-5)
+    trainer = trainers[0]
+    assert not trainer.lora and not _quant_leaves(trainer.model())  # the policy trains dequantized weights
+    reference = jax.tree.leaves(trainer.initial_params)
+    assert any(x.dtype == jnp.int8 for x in reference)
+    nbytes = lambda leaves: sum(x.nbytes for x in leaves)
+    assert nbytes(reference) < nbytes(jax.tree.leaves(trainer.params)) / 2
+
+
 # --- DPO ------------------------------------------------------------------------------------------------------
 
 

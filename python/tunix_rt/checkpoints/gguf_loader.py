@@ -158,6 +158,11 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+def kept_quantized(t) -> bool:
+    """Whether a GGUF tensor loads as a QuantizedTensor (a 2-D Q8_0/Q4_0/Q4_1 matrix) unless dequantized."""
+    return t.tensor_type.name in _KEPT and len(t.shape) == 2
+
+
 def _quantized(t) -> QuantizedTensor:
     """A 2-D GGUF tensor of a kept type as a QuantizedTensor: ggml rows are our columns."""
     f = _KEPT[t.tensor_type.name]
@@ -197,7 +202,7 @@ def iter_tensors(reader, config: dict, *, keep_quantized: bool = True) -> Iterat
         rope_heads = None
         if arch in ("llama", "mixtral") and name.endswith(("q_proj.weight", "k_proj.weight")):
             rope_heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
-        if keep_quantized and t.tensor_type.name in _KEPT and len(t.shape) == 2:
+        if keep_quantized and kept_quantized(t):
             qt = _quantized(t)
             if rope_heads:  # the permutation moves whole output rows: apply it to every array
                 qt = jax.tree.map(lambda a: _unpermute_rope(a, rope_heads), qt)

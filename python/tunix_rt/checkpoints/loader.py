@@ -68,6 +68,15 @@ def load_model(model: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32, 
     return LoadedModel(decoder, tokenizer, {}, path, config_dict)
 
 
+def holds_quantized(model: str | os.PathLike | None = DEFAULT) -> bool:
+    """Whether `load_model(model)` keeps packed weights (so `dequantize` changes what it loads), read
+    from the GGUF's tensor types or the directory's quantization_config without loading anything."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return quantized_dir.quantization_config(path) is not None
+    return any(gguf_loader.kept_quantized(t) for t in gguf_loader.open_gguf(path).tensors)
+
+
 def load(path: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32, dequantize: bool = False) -> tuple[Decoder, Tokenizer]:
     """The public `tunix_rt.load`: (model, tokenizer)."""
     loaded = load_model(path, dtype=dtype, dequantize=dequantize)

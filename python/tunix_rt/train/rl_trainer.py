@@ -78,10 +78,10 @@ class RLObjective:
 
 
 class RLTrainer(Trainer):
-    def __init__(self, cfg: RLConfig, model, objective: RLObjective, *, mesh=None):
+    def __init__(self, cfg: RLConfig, model, objective: RLObjective, *, mesh=None, reference=None):
         if cfg.eval_data:
             raise ValueError("eval_data is not supported for grpo/ppo (the rewards are the evaluation)")
-        super().__init__(cfg, model, objective, mesh=mesh)
+        super().__init__(cfg, model, objective, mesh=mesh, reference=reference)
         groups = cfg.batch_size // cfg.num_generations
         if groups % self.mesh.shape["fsdp"]:
             raise ValueError(f"batch_size / num_generations ({groups} groups, one packed row each) must be a multiple "

@@ -13,7 +13,7 @@ import jax
 import yaml
 
 from tunix_rt.checkpoints.hf_export import export_hf
-from tunix_rt.checkpoints.loader import LoadedModel, load_model
+from tunix_rt.checkpoints.loader import LoadedModel, holds_quantized, load_model
 from tunix_rt.parallel.mesh import initialize_distributed
 from tunix_rt.train.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RLConfig, SFTConfig, TrainConfig
 from tunix_rt.train.data import load_preferences, load_prompts, load_sft, pack
@@ -98,7 +98,10 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
     loaded = load_model(cfg.model, dequantize=cfg.dequantize)
     objective = build_objective(cfg, loaded, cfg.data)
     eval_objective = build_objective(cfg, loaded, cfg.eval_data) if cfg.eval_data else None
-    trainer = (RLTrainer if isinstance(cfg, RLConfig) else Trainer)(cfg, loaded.model, objective)
+    reference = None
+    if cfg.lora_rank == 0 and objective.needs_reference and cfg.dequantize and holds_quantized(cfg.model):
+        reference = load_model(cfg.model).model  # the packed weights: what the dequantized ones compute, 7x smaller
+    trainer = (RLTrainer if isinstance(cfg, RLConfig) else Trainer)(cfg, loaded.model, objective, reference=reference)
     for o in (objective, eval_objective):
         if hasattr(o, "attach"):  # on-policy objectives sample from the model being trained
             o.attach(trainer.inference_model)

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from tunix_rt.models.decoder import Decoder, Embed, record_router_logits
 from tunix_rt.ops.bf16_matmul import bf16_dot_general
 from tunix_rt.ops.moe import load_balancing_loss, router_z_loss
-from tunix_rt.models.quant_layers import QuantEmbed
+from tunix_rt.models.quant_layers import QuantEmbed, set_int8_rows
 from tunix_rt.parallel.mesh import batch_sharding, make_mesh, put_global, state_shardings
 from tunix_rt.train.checkpointing import Checkpointer
 from tunix_rt.train.config import TrainConfig
@@ -127,7 +127,10 @@ def clip_factor(grad_norm: jax.Array, max_norm: float | None) -> jax.Array:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, model: Decoder, objective: Objective, *, mesh=None):
+    def __init__(self, cfg: TrainConfig, model: Decoder, objective: Objective, *, mesh=None,
+                 reference: Decoder | None = None):
+        """`reference`: for full fine-tuning, a frozen model computing what `model` computes at the start
+        (its packed quantized weights as loaded, a seventh of the f32 copy the trainer makes otherwise)."""
         self.cfg = cfg
         self.objective = objective
         self.mesh = mesh if mesh is not None else make_mesh(cfg.fsdp, cfg.tp)
@@ -161,9 +164,16 @@ class Trainer:
         shard = lambda tree: put_global(tree, state_shardings(tree, self.mesh))
         self.params, self.rngs, self.frozen, self.rest = shard(params), shard(rngs), shard(frozen), shard(rest)
         param_shardings, rng_shardings = state_shardings(params, self.mesh), state_shardings(rngs, self.mesh)
-        self.initial_params = self.params if objective.needs_reference and not self.lora else None
-        if self.initial_params is not None:  # a frozen copy: the step donates self.params
-            self.initial_params = jax.tree.map(jnp.copy, self.params)
+        self.initial_params, self._reference_graphdef = None, None
+        if objective.needs_reference and not self.lora:
+            if reference is not None:
+                set_compute_dtype(reference, self.compute_dtype, matmul_kernel=cfg.bf16_matmul_kernel)
+                set_int8_rows(reference, 0)  # exact products, as the dequantized policy's
+                reference.eval()
+                self._reference_graphdef, reference_state = nnx.split(reference)
+                self.initial_params = shard(reference_state)
+            else:  # a frozen copy: the step donates self.params
+                self.initial_params = jax.tree.map(jnp.copy, self.params)
         self.optimizer, self.schedule = make_optimizer(cfg, self.steps)
         # Optimizer moments follow the rules by their paths, which repeat the params' paths.
         opt_shardings = state_shardings(jax.eval_shape(self.optimizer.init, self.params), self.mesh)
@@ -209,6 +219,8 @@ class Trainer:
         def build():
             if self.lora:  # adapters at zero give back the base model exactly
                 ref = jax.tree.map(jnp.zeros_like, params)
+            elif self._reference_graphdef is not None:
+                return nnx.merge(self._reference_graphdef, jax.lax.stop_gradient(aux["__reference__"]))
             else:
                 ref = aux["__reference__"]
             return self._model(graphdef, jax.lax.stop_gradient(ref), rngs, frozen, rest)

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.train import sharded_worker as W
 from tunix_rt.ops.bf16_matmul import default_kernel
@@ -15,7 +18,7 @@ from tunix_rt.train.trainer import Trainer
 def _steps(tmp_path, **overrides) -> list[dict[str, float]]:
     objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
     trainer = Trainer(W.config(tmp_path, steps=2, compute_dtype="bfloat16", **overrides), W.new_model(), objective)
-    hlo = trainer._train_step.lower(trainer.params, trainer.opt_state, trainer.rngs, trainer.frozen, trainer.rest,
+    hlo = trainer._train_step.lower(trainer.params, trainer.opt_state, trainer.rngs, trainer.frozen_compute, trainer.rest,
                                     trainer._aux(), trainer.train_batch(0)).as_text()
     assert ("tunix_rt_bf16_matmul" in hlo) == (trainer.cfg.bf16_matmul_kernel == "ffi")
     return [trainer.run_step(step) for step in range(2)]
@@ -40,3 +43,18 @@ def test_kernel_option(tmp_path):
     assert W.config(tmp_path, bf16_matmul=False).bf16_matmul_kernel is None  # an f32 run's config.yaml says false
     with pytest.raises(ValueError, match="bf16_matmul must be one of ffi, xla"):
         W.config(tmp_path, compute_dtype="bfloat16", bf16_matmul="amx")
+
+
+def test_a_lora_base_is_cast_once_and_exported_in_f32(tmp_path):
+    """The frozen base reaches every step in bf16, cast once when training starts; the f32 masters stay for the
+    merged export."""
+    objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
+    trainer = Trainer(W.config(tmp_path, steps=2, compute_dtype="bfloat16", lora_rank=4), W.new_model(), objective)
+    dtypes = lambda tree: {x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
+    assert dtypes(trainer.frozen_compute) == {jnp.dtype(jnp.bfloat16)}
+    assert dtypes(trainer.frozen) == {jnp.dtype(jnp.float32)}
+    before = jax.tree.map(np.asarray, trainer.frozen_compute)
+    records = [trainer.run_step(step) for step in range(2)]
+    assert all(np.isfinite(r["loss"]) for r in records)
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, trainer.frozen_compute))
+    assert dtypes(nnx.state(trainer.model(), nnx.Param)) == {jnp.dtype(jnp.float32)}

@@ -152,7 +152,7 @@ class RLTrainer(Trainer):
         accum = self.cfg.gradient_accumulation_steps
         batch = self._device_batch({k: v.reshape(accum, -1, *v.shape[1:]) for k, v in host.items()}, 1)
         before = self._score_step._cache_size()
-        scored = self._score_step(self.params, self.rngs, self.frozen, self.rest, self._aux(), batch)
+        scored = self._score_step(self.params, self.rngs, self.frozen_compute, self.rest, self._aux(), batch)
         if self._score_step._cache_size() != before:
             self.score_compiles += 1
         batch.update(jax.block_until_ready(scored))

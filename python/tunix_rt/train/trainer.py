@@ -163,6 +163,9 @@ class Trainer:
         self.eval_graphdef = self._graphdef_in_eval_mode(model)
         shard = lambda tree: put_global(tree, state_shardings(tree, self.mesh))
         self.params, self.rngs, self.frozen, self.rest = shard(params), shard(rngs), shard(frozen), shard(rest)
+        # What the steps read of the frozen weights (a LoRA base): cast to the compute dtype once, not in every
+        # step (those casts were 12 % of a bf16 LoRA step); self.frozen keeps the f32 masters for export.
+        self.frozen_compute = _cast(self.frozen, self.compute_dtype)
         param_shardings, rng_shardings = state_shardings(params, self.mesh), state_shardings(rngs, self.mesh)
         self.initial_params, self._reference_graphdef = None, None
         if objective.needs_reference and not self.lora:
@@ -326,7 +329,7 @@ class Trainer:
         batch = self.train_batch(step)
         before = self._train_step._cache_size()
         self.params, self.opt_state, self.rngs, out = self._train_step(
-            self.params, self.opt_state, self.rngs, self.frozen, self.rest, self._aux(), batch)
+            self.params, self.opt_state, self.rngs, self.frozen_compute, self.rest, self._aux(), batch)
         if self._train_step._cache_size() != before:
             self.compiles += 1
             log.info("compiled the train step for batch shape %s (%d so far)",
@@ -359,7 +362,7 @@ class Trainer:
         batches = tqdm(self._walk(objective), total=-(-objective.num_items // self.cfg.batch_size), desc="precompute",
                        unit="batch", file=sys.stderr, disable=not (self.cfg.progress and jax.process_index() == 0),
                        dynamic_ncols=True)
-        return [jax.device_get(self._score_fn(fn, self.params, self.rngs, self.frozen, self.rest, self._aux(), batch))
+        return [jax.device_get(self._score_fn(fn, self.params, self.rngs, self.frozen_compute, self.rest, self._aux(), batch))
                 for batch in batches]
 
     def _scored(self, fn, params, rngs, frozen, rest, aux, batch):
@@ -370,7 +373,7 @@ class Trainer:
         """Mean loss (and metrics) over the whole eval set; the last batch is padded with weightless rows."""
         totals, weight = {}, 0.0
         for batch in self._walk(eval_objective):
-            loss_sum, w, metrics = jax.device_get(self._eval_step(self.params, self.rngs, self.frozen, self.rest,
+            loss_sum, w, metrics = jax.device_get(self._eval_step(self.params, self.rngs, self.frozen_compute, self.rest,
                                                                   self._aux(), batch))
             weight += float(w)
             for k, v in {"loss": loss_sum, **metrics}.items():

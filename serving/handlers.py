@@ -13,13 +13,13 @@ import dataclasses
 import functools
 import json
 import math
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 
 from tunix_rt.engine.async_engine import AsyncEngine
+from tunix_rt.engine.errors import EngineUnavailableError, InvalidRequestError
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.structured import StructuredOutputsParams
 
@@ -68,9 +68,8 @@ def sampling_params(req: p.SamplingFields, *, max_tokens: int | None, logprobs: 
                               ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
                               include_stop_str_in_output=req.include_stop_str_in_output, seed=req.seed,
                               logprobs=logprobs, structured_outputs=structured, **kwargs)
-    except ValueError as e:
-        field = re.match(r"SamplingParams\.(\w+)", str(e))
-        raise _bad(str(e), field.group(1) if field else None) from None
+    except InvalidRequestError as e:
+        raise _bad(str(e), e.param) from None
 
 
 def admit(state: ServerState, sequences: int):
@@ -96,11 +95,10 @@ async def _first(gen: AsyncIterator[RequestOutput], param: str) -> RequestOutput
     (context length, vocabulary, constraint compile) surface here, before any byte is sent."""
     try:
         return await anext(gen)
-    except ValueError as e:
-        code = "context_length_exceeded" if "maximum context length" in str(e) else None
-        if str(e).startswith("structured outputs"):
-            param = "response_format"
-        raise _bad(str(e), param, code) from None
+    except InvalidRequestError as e:
+        raise _bad(str(e), e.param or param, e.code) from None
+    except EngineUnavailableError as e:  # asleep or shut down: the request may succeed elsewhere or later
+        raise APIError(503, str(e)) from None
 
 
 class _Sequence:

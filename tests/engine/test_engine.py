@@ -21,6 +21,15 @@ import pytest
 from flax import nnx
 
 from tunix_rt.engine.engine import Engine
+from tunix_rt.engine.errors import (
+    ContextLengthExceededError,
+    DuplicateRequestIdError,
+    EngineUnavailableError,
+    InvalidPromptError,
+    InvalidRequestError,
+    InvalidSamplingParamError,
+    RequestTooLargeError,
+)
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.engine.reference_generator import GenerationConfig, generate as reference_generate
 from tunix_rt.models.config import FULL, SLIDING, ModelConfig, RopeConfig
@@ -324,7 +333,7 @@ def test_no_leaks_after_finished_aborted_and_preempted(llama):
 
 def test_request_that_can_never_fit_raises(gemma):
     _, engine = gemma  # 20 blocks of 3 = 60 tokens < max_model_len 64
-    with pytest.raises(ValueError, match="can never fit"):
+    with pytest.raises(RequestTooLargeError, match="can never fit"):
         engine.add_request(list(range(40)), SamplingParams(max_tokens=None))
     # generate aborts the prompts it already queued
     with pytest.raises(ValueError, match="can never fit"):
@@ -337,25 +346,27 @@ def test_request_that_can_never_fit_raises(gemma):
 def test_prompt_errors(llama):
     _, engine = llama
     for n in (64, 100):
-        with pytest.raises(ValueError, match="maximum context length"):
+        with pytest.raises(ContextLengthExceededError, match="maximum context length") as e:
             engine.add_request([1] * n)
-    with pytest.raises(ValueError, match="empty"):
+        assert (e.value.code, e.value.max_model_len, e.value.num_tokens) == ("context_length_exceeded", 64, n)
+    with pytest.raises(InvalidPromptError, match="empty"):
         engine.add_request([])
     with pytest.raises(ValueError, match="empty"):
         engine.generate([[]])
     for bad in ([1, 97], [-1, 2], [5, 1000]):
-        with pytest.raises(ValueError, match="vocabulary"):
+        with pytest.raises(InvalidPromptError, match="vocabulary"):
             engine.add_request(bad)
-    with pytest.raises(ValueError, match="tokenizer"):
+    with pytest.raises(InvalidPromptError, match="tokenizer"):
         engine.add_request("some text")
-    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+    with pytest.raises(InvalidRequestError, match="stop strings need a tokenizer") as e:
         engine.add_request([1, 2], SamplingParams(stop=["x"]))
+    assert e.value.param == "stop"
     with pytest.raises(ValueError, match="SamplingParams"):
         engine.add_request([1, 2], {"temperature": 0})
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         engine.generate([[1, 2]], [SamplingParams(), SamplingParams()])
     rid = engine.add_request([1, 2], request_id="dup")
-    with pytest.raises(ValueError, match="already in use"):
+    with pytest.raises(DuplicateRequestIdError, match="already in use"):
         engine.add_request([3, 4], request_id="dup")
     engine.abort(rid)
     assert engine.generate([]) == []
@@ -369,8 +380,9 @@ def test_prompt_errors(llama):
     ("stop_token_ids", [-1]), ("logprobs", 21), ("logprobs", -1),
 ])
 def test_bad_sampling_params_name_the_field(field, value):
-    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
+    with pytest.raises(InvalidSamplingParamError, match=rf"SamplingParams\.{field}\b") as e:
         SamplingParams(**{field: value})
+    assert e.value.param == field and isinstance(e.value, ValueError)
 
 
 def test_top_k_past_int32_means_off():
@@ -561,7 +573,7 @@ def test_generate_while_asleep_raises_and_changes_nothing(llama):
     first = [o.token_ids for o in engine.generate(prompts, params)]
     engine.sleep()
     try:
-        with pytest.raises(RuntimeError, match="asleep"):
+        with pytest.raises(EngineUnavailableError, match="asleep"):
             engine.generate(prompts, params)
         left_in_flight = engine.has_unfinished_requests()
         engine.wake_up()

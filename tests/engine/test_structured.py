@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tunix_rt.engine.engine import Engine
+from tunix_rt.engine.errors import InvalidStructuredOutputError
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.engine.sampler import SamplingTensors, allowed_tokens, sample_tokens
 from tunix_rt.engine.structured import GrammarCompiler, StructuredOutputsParams
@@ -304,7 +305,7 @@ def test_boolean_json_schema_true_accepts_any_json(engine):
 
 def test_invalid_constraints_raise(engine):
     S = StructuredOutputsParams
-    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, grammar; got none"):
+    with pytest.raises(InvalidStructuredOutputError, match="exactly one of json, json_object, regex, grammar; got none"):
         S()
     with pytest.raises(ValueError, match="exactly one.*'json'.*'regex'"):
         S(json=SCHEMA, regex="a")
@@ -332,9 +333,10 @@ def test_invalid_constraints_raise(engine):
         "dangling $ref": (S(json={"$ref": "#/nope"}), "nope"),
     }
     for case, (constraint, detail) in bad.items():
-        with pytest.raises(ValueError, match="the constraint does not compile") as info:
+        with pytest.raises(InvalidStructuredOutputError, match="the constraint does not compile") as info:
             engine.add_request("hi", SamplingParams(structured_outputs=constraint))
         assert detail in str(info.value), (case, str(info.value))
+        assert info.value.param == "response_format"
     # generate() with one bad request queues none of them
     with pytest.raises(ValueError, match="does not compile"):
         engine.generate(["hi", "there"], [SamplingParams(max_tokens=2), SamplingParams(

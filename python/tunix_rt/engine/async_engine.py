@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from tunix_rt.engine.engine import Engine, EngineStats, Prompt
+from tunix_rt.engine.errors import EngineShutdownError
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class AsyncEngine:
     def _post(self, item: tuple) -> None:
         with self._wake:
             if self._stopped:
-                raise RuntimeError("the engine has been shut down")
+                raise EngineShutdownError("the engine has been shut down")
             self._inbox.append(item)
             self._wake.notify()
 
@@ -97,7 +98,7 @@ class AsyncEngine:
                 self._fail_all(e)
         with self._wake:
             inbox, self._inbox = self._inbox, []
-        stopped = RuntimeError("the engine has been shut down")
+        stopped = EngineShutdownError("the engine has been shut down")
         for item in inbox:
             if item[0] == "add":
                 _deliver(item[4], stopped)

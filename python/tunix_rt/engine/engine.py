@@ -22,6 +22,14 @@ from tunix_rt.engine.kv_cache_manager import KVCacheManager
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.request import Request, Status
 from tunix_rt.engine.runner import ModelRunner
+from tunix_rt.engine.errors import (
+    ContextLengthExceededError,
+    DuplicateRequestIdError,
+    EngineUnavailableError,
+    InvalidPromptError,
+    InvalidRequestError,
+    RequestTooLargeError,
+)
 from tunix_rt.engine.scheduler import Scheduler
 from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.decoder import Decoder
@@ -104,19 +112,21 @@ class Engine:
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer: pass token ids or give the Engine a tokenizer")
+                raise InvalidPromptError("a text prompt needs a tokenizer: pass token ids or give the Engine a tokenizer")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
         if not ids:
-            raise ValueError("prompt is empty: give at least one token")
+            raise InvalidPromptError("prompt is empty: give at least one token")
         vocab = self.model.config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt holds token id {bad}, outside the model's vocabulary [0, {vocab})")
+            raise InvalidPromptError(f"prompt holds token id {bad}, outside the model's vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                             f"request has {len(ids)} input tokens. Please reduce the length of the input.")
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
+                f"{len(ids)} input tokens. Please reduce the length of the input.",
+                max_model_len=self.max_model_len, num_tokens=len(ids))
         return ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -124,20 +134,20 @@ class Engine:
         """Queue a prompt (text or token ids); returns its request id. n > 1 queues n sequences."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self._prompt_ids(prompt)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise DuplicateRequestIdError(f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         need = self.kv.blocks_needed(len(ids) + max_tokens)
         if need > self.kv.pool.num_blocks:
-            raise ValueError(f"request needs up to {need} KV blocks ({len(ids)} prompt + {max_tokens} new tokens) but "
+            raise RequestTooLargeError(f"request needs up to {need} KV blocks ({len(ids)} prompt + {max_tokens} new tokens) but "
                              f"the pool has {self.kv.pool.num_blocks}: it can never fit (lower max_tokens or enlarge "
                              f"the KV cache)")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to detokenize with")
+            raise InvalidRequestError("stop strings need a tokenizer to detokenize with", param="stop")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         matcher = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         base_seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
@@ -182,7 +192,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step; returns an output for every sequence that advanced."""
         if self.is_sleeping:
-            raise RuntimeError("the engine is asleep: call wake_up() before generating")
+            raise EngineUnavailableError("the engine is asleep: call wake_up() before generating")
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.scheduler.has_work():  # cannot happen with add_request's fit check; never spin silently
@@ -285,7 +295,7 @@ class Engine:
         each reachable batch shape), so a running engine compiles nothing new; returns the count compiled.
         Steps with penalties, top logprobs or a grammar have programs of their own, compiled on first use."""
         if self.is_sleeping:
-            raise RuntimeError("the engine is asleep: call wake_up() before warmup()")
+            raise EngineUnavailableError("the engine is asleep: call wake_up() before warmup()")
         return self.runner.warmup()
 
     # -- weights and memory -----------------------------------------------------------------

@@ -9,6 +9,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from tunix_rt.engine.errors import InvalidSamplingParamError
 from tunix_rt.engine.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top-logprobs per token, OpenAI's limit
@@ -36,7 +37,7 @@ class SamplingParams:
 
     def __post_init__(self):
         def fail(field, why):
-            raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}")
+            raise InvalidSamplingParamError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}", param=field)
 
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)

@@ -16,6 +16,8 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
+from tunix_rt.engine.errors import InvalidStructuredOutputError
+
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class StructuredOutputsParams:
@@ -32,24 +34,26 @@ class StructuredOutputsParams:
         given = [name for name in ("json", "regex", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(f"StructuredOutputsParams takes exactly one of json, json_object, regex, grammar; "
-                             f"got {given or 'none'}")
+            raise InvalidStructuredOutputError(
+                "StructuredOutputsParams takes exactly one of json, json_object, regex, grammar; "
+                f"got {given or 'none'}")
         if isinstance(self.json, str):
             try:
                 object.__setattr__(self, "json", json.loads(self.json))
             except json.JSONDecodeError as e:
-                raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
+                raise InvalidStructuredOutputError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
         if self.json is True:  # the boolean schema that admits any JSON value
             object.__setattr__(self, "json", {})
         if self.json is False:
-            raise ValueError("StructuredOutputsParams.json is the schema `false`, which no output can satisfy")
+            raise InvalidStructuredOutputError(
+                "StructuredOutputsParams.json is the schema `false`, which no output can satisfy")
         if self.json is not None and not isinstance(self.json, dict):
-            raise ValueError(f"StructuredOutputsParams.json must be a JSON schema (an object), got "
+            raise InvalidStructuredOutputError(f"StructuredOutputsParams.json must be a JSON schema (an object), got "
                              f"{type(self.json).__name__}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty string")
+                raise InvalidStructuredOutputError(f"StructuredOutputsParams.{name} must be a non-empty string")
 
     def grammar_text(self) -> str:
         """The constraint as llguidance's grammar text."""
@@ -75,11 +79,11 @@ class GrammarCompiler:
     def prepare(self) -> None:
         """Build the vocabulary index now (~0.3 s for 49k tokens) rather than on the first constrained request."""
         if self._tokenizer is None:
-            raise ValueError("structured outputs need the engine's tokenizer")
+            raise InvalidStructuredOutputError("structured outputs need the engine's tokenizer")
         if self._index is None:
             if not self._eos:
-                raise ValueError("structured outputs need an end-of-sequence token to finish on; the tokenizer "
-                                 "defines none")
+                raise InvalidStructuredOutputError(
+                    "structured outputs need an end-of-sequence token to finish on; the tokenizer defines none")
             self._index = llguidance.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
                                                  eos_token=self._eos)
             self._executor = llguidance.LLExecutor()
@@ -89,10 +93,11 @@ class GrammarCompiler:
         try:
             text = params.grammar_text()
         except ValueError as e:
-            raise ValueError(f"structured outputs: the constraint does not compile: {e}") from None
+            raise InvalidStructuredOutputError(f"structured outputs: the constraint does not compile: {e}") from None
         matcher = llguidance.LLMatcher(self._index, text)
         if matcher.is_error():
-            raise ValueError(f"structured outputs: the constraint does not compile: {matcher.get_error()}")
+            raise InvalidStructuredOutputError(
+                f"structured outputs: the constraint does not compile: {matcher.get_error()}")
         return matcher
 
     def fill_masks(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], batch: int) -> np.ndarray:

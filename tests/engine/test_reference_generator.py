@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from tunix_rt.engine.reference_generator import GenerationConfig, generate
-from tunix_rt.engine.sampling import filter_logits, sample
+from tunix_rt.engine.sampler import filter_logits, sample
 from tunix_rt.models.config import FULL, SLIDING, ModelConfig, RopeConfig
 from tunix_rt.models.decoder import Decoder
 

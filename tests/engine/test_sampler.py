@@ -14,9 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tunix_rt.engine.sampler import (
-    NEUTRAL, SamplerOutput, SamplingTensors, apply_penalties, sample_tokens,
+    NEUTRAL, SamplerOutput, SamplingTensors, apply_penalties, categorical, filter_logits, sample_tokens,
 )
-from tunix_rt.engine.sampling import categorical, filter_logits
 
 HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 B, V, LP, LO, K = 6, 24, 10, 12, 5  # the fixed shapes most tests use: one compile each

@@ -17,7 +17,7 @@ from tunix_rt.checkpoints import gguf_loader
 from tunix_rt.checkpoints.default_model import DefaultModelMissing, default_model_path
 from tunix_rt.checkpoints.tokenizer import Tokenizer
 from tunix_rt.train.data import (
-    BatchSampler,
+    DataOrder,
     DataError,
     PreferenceExample,
     SFTExample,
@@ -397,31 +397,31 @@ def test_preference_batch_stacks_chosen_then_rejected():
 # --- batch order ----------------------------------------------------------------------------------------------
 
 
-def test_batch_sampler_epochs_are_permutations_and_deterministic():
-    sampler = BatchSampler(10, 3, seed=7)
-    stream = np.concatenate([sampler.indices(step) for step in range(10)])  # 30 items: three whole epochs
+def test_data_order_epochs_are_permutations_and_deterministic():
+    order = DataOrder(10, 3, seed=7)
+    stream = np.concatenate([order.indices(step) for step in range(10)])  # 30 items: three whole epochs
     epochs = stream.reshape(3, 10)
     assert all(sorted(epoch) == list(range(10)) for epoch in epochs)
     assert len({tuple(epoch) for epoch in epochs}) == 3  # a fresh order each epoch
-    again = BatchSampler(10, 3, seed=7)
-    assert all(np.array_equal(again.indices(step), sampler.indices(step)) for step in range(10))
-    assert sampler.epoch(10) == 3.0 and sampler.epoch(5) == 1.5
+    again = DataOrder(10, 3, seed=7)
+    assert all(np.array_equal(again.indices(step), order.indices(step)) for step in range(10))
+    assert order.epoch(10) == 3.0 and order.epoch(5) == 1.5
 
 
-def test_batch_sampler_indices_are_a_pure_function_of_the_step():
-    sampler = BatchSampler(7, 4, seed=0)
-    later = sampler.indices(11)
-    assert [len(sampler.indices(step)) for step in range(5)] == [4] * 5  # full batches across epoch ends
-    assert np.array_equal(BatchSampler(7, 4, seed=0).indices(11), later)
-    assert np.array_equal(sampler.indices(11), later)
+def test_data_order_indices_are_a_pure_function_of_the_step():
+    order = DataOrder(7, 4, seed=0)
+    later = order.indices(11)
+    assert [len(order.indices(step)) for step in range(5)] == [4] * 5  # full batches across epoch ends
+    assert np.array_equal(DataOrder(7, 4, seed=0).indices(11), later)
+    assert np.array_equal(order.indices(11), later)
 
 
-def test_batch_sampler_seeds_and_shuffle():
-    orders = [np.concatenate([BatchSampler(50, 10, seed=seed).indices(s) for s in range(5)]) for seed in (0, 1)]
+def test_data_order_seeds_and_shuffle():
+    orders = [np.concatenate([DataOrder(50, 10, seed=seed).indices(s) for s in range(5)]) for seed in (0, 1)]
     assert not np.array_equal(*orders)
-    plain = BatchSampler(5, 3, seed=0, shuffle=False)
+    plain = DataOrder(5, 3, seed=0, shuffle=False)
     assert [plain.indices(step).tolist() for step in range(3)] == [[0, 1, 2], [3, 4, 0], [1, 2, 3]]
-    big = BatchSampler(2, 5, seed=0)  # a batch larger than the dataset spans several epochs
+    big = DataOrder(2, 5, seed=0)  # a batch larger than the dataset spans several epochs
     assert sorted(big.indices(0).tolist()[:4]) == [0, 0, 1, 1]
 
 

@@ -40,7 +40,7 @@ from tests.train import sharded_worker as W
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.parallel.mesh import make_mesh, put_global
 from tunix_rt.train.checkpointing import Checkpointer
-from tunix_rt.train.data import BatchSampler, SFTExample
+from tunix_rt.train.data import DataOrder, SFTExample
 from tunix_rt.train.errors import TrainingError
 from tunix_rt.train.metrics import read_metrics
 from tunix_rt.train.sft import SFTObjective
@@ -241,9 +241,9 @@ class PoisonedSFT(SFTObjective):
 
 def test_non_finite_loss_stops_with_the_last_good_state(resumed, tmp_path):
     full = resumed("full")  # the same program, and the same data up to step 4
-    sampler = BatchSampler(len(ITEMS), 8, seed=W.config(tmp_path).seed)
-    poisoned = sampler.indices(4)[:1]  # drawn by step 5 only
-    assert not np.isin(poisoned, np.concatenate([sampler.indices(s) for s in range(4)])).any()
+    order = DataOrder(len(ITEMS), 8, seed=W.config(tmp_path).seed)
+    poisoned = order.indices(4)[:1]  # drawn by step 5 only
+    assert not np.isin(poisoned, np.concatenate([order.indices(s) for s in range(4)])).any()
     objective = PoisonedSFT(ITEMS, poisoned, max_length=W.SEQ, pad_id=0)
 
     records, trainer = W.train(tmp_path, ITEMS, stop_after=4, objective=objective)  # saves step 3, stops after 4

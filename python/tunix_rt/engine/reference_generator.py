@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_rt.engine.sampling import sample
+from tunix_rt.engine.sampler import sample
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.models.scoring import bucket
 

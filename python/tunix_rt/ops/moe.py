@@ -158,13 +158,6 @@ def router_topk(logits, k, *, scoring="softmax", renormalize=False, n_groups=1, 
 # ---- permute / unpermute -----------------------------------------------------------------------
 
 
-def capacity_for(tokens: int, k: int, num_experts: int, factor: float) -> int:
-    """Rows each expert keeps under a capacity factor: ceil(factor * tokens * k / experts)."""
-    if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
-        raise ValueError(f"capacity factor must be a positive number, got {factor!r}")
-    return max(1, math.ceil(factor * tokens * k / num_experts))
-
-
 def _check_permute(x, expert_ids, num_experts, capacity):
     require_array("permute", "x", x)
     require_array("permute", "expert_ids", expert_ids)

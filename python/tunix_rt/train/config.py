@@ -131,10 +131,6 @@ class TrainConfig:
             return self.learning_rate
         return 1e-4 if self.lora_rank else 2e-5
 
-    @property
-    def warmup(self) -> int:
-        return self.warmup_steps or int(self.warmup_ratio * (self.steps or 0))
-
 
 def _positive(cfg, name: str) -> None:
     value = getattr(cfg, name)

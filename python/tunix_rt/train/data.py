@@ -440,7 +440,7 @@ def preference_batch(examples: Sequence[PreferenceExample], seq_len: int, *, pad
     return sft_batch(preference_rows(examples), seq_len, pad_id=pad_id)
 
 
-class BatchSampler:
+class DataOrder:
     """Which items each global step trains on. Epochs are fresh permutations (from (seed, epoch)) laid end to end
     as one endless stream, and step s takes items [s*B, (s+1)*B) of it: a pure function of the step, so resuming
     needs only the step, and every batch is full."""

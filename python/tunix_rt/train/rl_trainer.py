@@ -100,7 +100,7 @@ class RLTrainer(Trainer):
         return super()._steps_per_pass() * self.cfg.num_iterations
 
     def _epoch(self, steps_done: int) -> float:
-        return self.sampler.epoch(-(-steps_done // self.cfg.num_iterations))
+        return self.data_order.epoch(-(-steps_done // self.cfg.num_iterations))
 
     # --- the scoring pass --------------------------------------------------------------------------
 
@@ -144,7 +144,7 @@ class RLTrainer(Trainer):
         self._sync_engine()
         times["time/sync"] = time.perf_counter() - start
         start = time.perf_counter()
-        host, metrics = self.objective.rollout(self.engine, self.sampler.indices(index), self.cfg.seed + index)
+        host, metrics = self.objective.rollout(self.engine, self.data_order.indices(index), self.cfg.seed + index)
         if self.cfg.sleep_engine:
             self.engine.sleep()
         times["time/rollout"] = time.perf_counter() - start

@@ -34,7 +34,7 @@ from tunix_rt.models.quant_layers import QuantEmbed, set_int8_rows
 from tunix_rt.parallel.mesh import batch_sharding, make_mesh, put_global, state_shardings
 from tunix_rt.train.checkpointing import Checkpointer
 from tunix_rt.train.config import TrainConfig
-from tunix_rt.train.data import BatchSampler, harmonized_lengths
+from tunix_rt.train.data import DataOrder, harmonized_lengths
 from tunix_rt.train.errors import TrainingError
 from tunix_rt.train.lora import HeadParam, apply_lora, has_lora
 from tunix_rt.train.metrics import MetricsWriter
@@ -190,7 +190,7 @@ class Trainer:
         self._eval_step = jax.jit(self._eval)
         self._score_fn = None
         self._planned_lengths: dict[int, tuple[int, ...]] | None = None
-        self.sampler = BatchSampler(objective.num_items, self._items_per_step(), seed=cfg.seed, shuffle=cfg.shuffle)
+        self.data_order = DataOrder(objective.num_items, self._items_per_step(), seed=cfg.seed, shuffle=cfg.shuffle)
 
     def _items_per_step(self) -> int:
         """Dataset items one optimizer step consumes."""
@@ -202,7 +202,7 @@ class Trainer:
 
     def _epoch(self, steps_done: int) -> float:
         """Passes over the data that `steps_done` steps made."""
-        return self.sampler.epoch(steps_done)
+        return self.data_order.epoch(steps_done)
 
     @staticmethod
     def _graphdef_in_eval_mode(model: nnx.Module):
@@ -304,7 +304,7 @@ class Trainer:
         return {key: put_global(value, batch_sharding(self.mesh, value.ndim, batch_axis)) for key, value in host.items()}
 
     def _micro_batches(self, step: int) -> list[np.ndarray]:
-        return np.split(self.sampler.indices(step), self.cfg.gradient_accumulation_steps)
+        return np.split(self.data_order.indices(step), self.cfg.gradient_accumulation_steps)
 
     def _needed_lengths(self, step: int) -> tuple[int, ...]:
         """The bucketed lengths the step's largest micro-batch needs (they all take one shape)."""
@@ -362,8 +362,8 @@ class Trainer:
         batches = tqdm(self._walk(objective), total=-(-objective.num_items // self.cfg.batch_size), desc="precompute",
                        unit="batch", file=sys.stderr, disable=not (self.cfg.progress and jax.process_index() == 0),
                        dynamic_ncols=True)
-        return [jax.device_get(self._score_fn(fn, self.params, self.rngs, self.frozen_compute, self.rest, self._aux(), batch))
-                for batch in batches]
+        args = (self.params, self.rngs, self.frozen_compute, self.rest, self._aux())
+        return [jax.device_get(self._score_fn(fn, *args, batch)) for batch in batches]
 
     def _scored(self, fn, params, rngs, frozen, rest, aux, batch):
         model = self._model(self.eval_graphdef, params, rngs, frozen, rest)

@@ -563,6 +563,18 @@ def test_unknown_loss_type(tmp_path, tiny, dpo_strings, capsys):
     assert "kto" in message and "sigmoid" in message
 
 
+def test_bad_preference_options_fail_before_the_model_loads(tmp_path, dpo_strings, capsys):
+    """The loss's options are checked with the config: a model path that does not exist is never reached."""
+    capsys.readouterr()
+    for extra, word in ((["loss_type=kto"], "kto"), (["beta=0"], "beta"),
+                        (["loss_type=robust", "label_smoothing=0.7"], "label_smoothing")):
+        assert cli("dpo", "--model", tmp_path / "no_model", "--data", dpo_strings, "--output", tmp_path / "out",
+                   *extra, *COMMON) == 2
+        message = _one_line_error(capsys, "dpo")
+        assert word in message and "no_model" not in message, message
+    assert not (tmp_path / "out").exists()
+
+
 def test_output_that_is_a_file(tmp_path, tiny, sft_data, capsys):
     (tmp_path / "taken").write_text("mine")
     capsys.readouterr()

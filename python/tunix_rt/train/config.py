@@ -18,6 +18,7 @@ import yaml
 
 from tunix_rt.ops.bf16_matmul import KERNELS as MATMUL_KERNELS, default_kernel
 from tunix_rt.train.lora import ALL_TARGETS
+from tunix_rt.train.losses import PreferenceConfig
 
 SCHEDULES = ("linear", "cosine", "constant")
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -154,6 +155,15 @@ class DPOConfig(TrainConfig):
     max_prompt_length: int | None = None
     ref_model: str | None = None  # None: the LoRA-disabled base with LoRA, the initial weights without
     precompute_ref_log_probs: bool = True  # the reference's log-probs once per pair up front, not in every step
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.preference()  # a bad loss_type, beta, ... fails here, before any model loads
+
+    def preference(self) -> PreferenceConfig:
+        """The preference loss's own config (train/losses.py), from these fields."""
+        return PreferenceConfig(loss_type=self.loss_type, beta=self.beta, label_smoothing=self.label_smoothing,
+                                simpo_gamma=self.simpo_gamma)
 
     @property
     def lr(self) -> float:  # TRL's DPO default is 1e-6 for full fine-tuning

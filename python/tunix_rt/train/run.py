@@ -44,10 +44,8 @@ def build_objective(cfg: TrainConfig, loaded: LoadedModel, data: str):
     tok, pad = loaded.tokenizer, _pad_id(loaded.tokenizer)
     if isinstance(cfg, DPOConfig):
         from tunix_rt.train.dpo import DPOObjective
-        from tunix_rt.train.losses import PreferenceConfig
 
-        pref = PreferenceConfig(loss_type=cfg.loss_type, beta=cfg.beta, label_smoothing=cfg.label_smoothing,
-                                simpo_gamma=cfg.simpo_gamma)
+        pref = cfg.preference()
         examples = load_preferences(data, tok, max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length)
         ref = load_model(cfg.ref_model).model if cfg.ref_model and not pref.reference_free else None
         return DPOObjective(examples, pref, max_length=cfg.max_length, pad_id=pad, ref_model=ref,

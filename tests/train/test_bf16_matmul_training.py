@@ -58,3 +58,7 @@ def test_a_lora_base_is_cast_once_and_exported_in_f32(tmp_path):
     assert all(np.isfinite(r["loss"]) for r in records)
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, trainer.frozen_compute))
     assert dtypes(nnx.state(trainer.model(), nnx.Param)) == {jnp.dtype(jnp.float32)}
+    # With gradient checkpointing the layers cast their own weights one at a time: no whole cast copy is kept.
+    checkpointed = Trainer(W.config(tmp_path / "gc", steps=2, compute_dtype="bfloat16", lora_rank=4,
+                                    gradient_checkpointing=True), W.new_model(), objective)
+    assert checkpointed.frozen_compute is checkpointed.frozen

@@ -18,10 +18,6 @@ import numpy as np
 from flax import nnx
 
 from tunix_rt.engine.detokenizer import IncrementalDetokenizer
-from tunix_rt.engine.kv_cache_manager import KVCacheManager
-from tunix_rt.engine.params import RequestOutput, SamplingParams
-from tunix_rt.engine.request import Request, Status
-from tunix_rt.engine.runner import ModelRunner
 from tunix_rt.engine.errors import (
     ContextLengthExceededError,
     DuplicateRequestIdError,
@@ -30,6 +26,10 @@ from tunix_rt.engine.errors import (
     InvalidRequestError,
     RequestTooLargeError,
 )
+from tunix_rt.engine.kv_cache_manager import KVCacheManager
+from tunix_rt.engine.params import RequestOutput, SamplingParams
+from tunix_rt.engine.request import Request, Status
+from tunix_rt.engine.runner import ModelRunner
 from tunix_rt.engine.scheduler import Scheduler
 from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.decoder import Decoder
@@ -112,7 +112,8 @@ class Engine:
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidPromptError("a text prompt needs a tokenizer: pass token ids or give the Engine a tokenizer")
+                raise InvalidPromptError(
+                    "a text prompt needs a tokenizer: pass token ids or give the Engine a tokenizer")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
@@ -143,9 +144,9 @@ class Engine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         need = self.kv.blocks_needed(len(ids) + max_tokens)
         if need > self.kv.pool.num_blocks:
-            raise RequestTooLargeError(f"request needs up to {need} KV blocks ({len(ids)} prompt + {max_tokens} new tokens) but "
-                             f"the pool has {self.kv.pool.num_blocks}: it can never fit (lower max_tokens or enlarge "
-                             f"the KV cache)")
+            raise RequestTooLargeError(
+                f"request needs up to {need} KV blocks ({len(ids)} prompt + {max_tokens} new tokens) but the pool has "
+                f"{self.kv.pool.num_blocks}: it can never fit (lower max_tokens or enlarge the KV cache)")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer to detokenize with", param="stop")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)

@@ -164,8 +164,10 @@ class Trainer:
         shard = lambda tree: put_global(tree, state_shardings(tree, self.mesh))
         self.params, self.rngs, self.frozen, self.rest = shard(params), shard(rngs), shard(frozen), shard(rest)
         # What the steps read of the frozen weights (a LoRA base): cast to the compute dtype once, not in every
-        # step (those casts were 12 % of a bf16 LoRA step); self.frozen keeps the f32 masters for export.
-        self.frozen_compute = _cast(self.frozen, self.compute_dtype)
+        # step (those casts were 12 % of a bf16 LoRA step); self.frozen keeps the f32 masters for export. Not
+        # where checkpointed layers cast their own weights one layer at a time: a whole cast copy held for the
+        # run is the memory they save.
+        self.frozen_compute = self.frozen if self._layers_cast_themselves else _cast(self.frozen, self.compute_dtype)
         param_shardings, rng_shardings = state_shardings(params, self.mesh), state_shardings(rngs, self.mesh)
         self.initial_params, self._reference_graphdef = None, None
         if objective.needs_reference and not self.lora:

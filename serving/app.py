@@ -19,6 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from tunix_rt.engine.config import EngineConfig
+
 from serving import handlers
 from serving import protocol as p
 from serving.errors import APIError, error_body, install as install_errors
@@ -35,15 +37,12 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    max_model_len: int | None = None
     served_model_name: str | None = None
     allowed_origins: tuple[str, ...] = ()
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
     max_waiting: int = 256  # sequences queued beyond max_num_seqs before 429
     max_body_bytes: int = 8 << 20
-    kv_cache_memory: int = 1 << 30
     dequantize: bool = False
+    engine: EngineConfig = EngineConfig()  # the engine's limits and sizing
 
 
 class _BodyLimit:
@@ -197,7 +196,7 @@ def build_state(options: ServeOptions) -> ServerState:
     name = options.served_model_name or options.model
     state = ServerState(engine=None, tokenizer=None, model_name=name, max_model_len=0,
                         tool_format=tool_format_for(None), metrics=None,
-                        capacity=options.max_num_seqs + options.max_waiting)
+                        capacity=options.engine.max_num_seqs + options.max_waiting)
     state.metrics = ServerMetrics(lambda: None if state.engine is None else state.engine.stats(), name)
     return state
 
@@ -206,9 +205,7 @@ def load_engine(state: ServerState, options: ServeOptions) -> None:
     from tunix_rt.engine.async_engine import AsyncEngine
     from tunix_rt.engine.engine import Engine
 
-    engine = Engine(options.model, max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
-                    max_num_batched_tokens=options.max_num_batched_tokens, kv_cache_memory=options.kv_cache_memory,
-                    dequantize=options.dequantize)
+    engine = Engine(options.model, None, options.engine, dequantize=options.dequantize)
     state.tokenizer = engine.tokenizer
     if state.tokenizer is None:
         raise ValueError(f"{options.model} has no tokenizer; the server needs one to read and write text")

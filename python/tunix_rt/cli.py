@@ -10,6 +10,7 @@ import sys
 import time
 
 from tunix_rt.checkpoints.loader import DEFAULT
+from tunix_rt.engine.config import EngineConfig
 from tunix_rt.ops.quant import FORMATS
 
 log = logging.getLogger("tunix_rt")
@@ -55,15 +56,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
-    serve.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's, <= 4096)")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     serve.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins to allow (default: none)")
-    serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
-    serve.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="sequences queued beyond --max-num-seqs before requests get 429")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
-    serve.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for the paged KV cache")
+    for field in EngineConfig.flags():  # the engine's own options, named and defaulted as EngineConfig has them
+        flag = "--" + field.name.replace("_", "-")
+        if field.type in (bool, "bool"):
+            serve.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
+                               help=field.metadata["flag"])
+        else:
+            serve.add_argument(flag, type=int, default=field.default, help=field.metadata["flag"])
 
     for name, what in (("sft", "supervised fine-tuning (full, LoRA, QLoRA)"),
                        ("dpo", "preference optimisation: DPO, IPO, hinge, robust, ORPO, SimPO"),
@@ -200,18 +204,17 @@ def _info(args) -> int:
 def _serve(args) -> int:
     from serving.app import ServeOptions, serve
 
-    for name in ("port", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes", "kv_cache_memory"):
+    for name in ("port", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    engine = EngineConfig(**{f.name: getattr(args, f.name) for f in EngineConfig.flags()})  # checks them
     logging.getLogger("tunix_rt").setLevel(logging.INFO)  # a server logs its loading and compiles
     serve(ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-                       max_model_len=args.max_model_len, served_model_name=args.served_model_name,
-                       allowed_origins=tuple(args.allowed_origins), max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
-                       max_body_bytes=args.max_body_bytes, kv_cache_memory=args.kv_cache_memory,
-                       dequantize=args.dequantize))
+                       served_model_name=args.served_model_name, allowed_origins=tuple(args.allowed_origins),
+                       max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, dequantize=args.dequantize,
+                       engine=engine))
     return 0
 
 

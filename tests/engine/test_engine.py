@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tunix_rt.engine.config import EngineConfig
 from tunix_rt.engine.engine import Engine
 from tunix_rt.engine.errors import (
     ContextLengthExceededError,
@@ -397,6 +398,26 @@ def test_bad_engine_arguments(llama, kw):
     model, _ = llama
     with pytest.raises(ValueError, match=next(iter(kw))):
         Engine(model, **kw)
+
+
+def test_engine_config_and_keyword_options_are_one_thing(llama):
+    """Engine(model, tok, config) and keyword options (each replacing one EngineConfig field) build the same
+    engine; an unknown option is named; the serve command's flags are EngineConfig's flagged fields."""
+    model, _ = llama
+    config = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_kv_blocks=8,
+                          token_buckets=(16, 4, 4))
+    assert config.token_buckets == (4, 16)
+    engine = Engine(model, None, config, decode_steps=2)
+    assert engine.config == dataclasses.replace(config, decode_steps=2)
+    assert (engine.max_model_len, engine.kv.pool.num_blocks, engine.runner.token_buckets) == (64, 8, (4, 16))
+    with pytest.raises(ValueError, match="unknown option.*max_num_sequences"):
+        Engine(model, None, config, max_num_sequences=4)
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
+        dataclasses.replace(config, max_num_seqs=0)
+    from tunix_rt.cli import _parser
+
+    serve = _parser().parse_args(["serve", "--max-num-seqs", "3", "--no-enable-prefix-caching"])
+    assert (serve.max_num_seqs, serve.enable_prefix_caching, serve.decode_steps) == (3, False, EngineConfig().decode_steps)
 
 
 def test_zero_max_model_len_is_refused(llama):

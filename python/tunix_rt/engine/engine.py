@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from flax import nnx
 
+from tunix_rt.engine.config import EngineConfig
 from tunix_rt.engine.detokenizer import IncrementalDetokenizer
 from tunix_rt.engine.errors import (
     ContextLengthExceededError,
@@ -56,52 +57,48 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: Decoder | str | os.PathLike | None = "default", tokenizer=None, *,
-                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int = 1 << 30,
-                 enable_prefix_caching: bool = True, dequantize: bool = False, seed: int = 0,
-                 token_buckets: Sequence[int] | None = None, decode_steps: int = 8):
+    def __init__(self, model: Decoder | str | os.PathLike | None = "default", tokenizer=None,
+                 config: EngineConfig | None = None, *, dequantize: bool = False, **options):
+        """`config` sizes the engine (engine/config.py); keyword `options` replace its fields one by one
+        (`Engine(model, tok, max_num_seqs=8)`). A model path or "default" is loaded (packed weights stay
+        packed unless `dequantize`)."""
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(EngineConfig)})
+        if unknown:
+            raise ValueError(f"Engine: unknown option(s) {', '.join(unknown)} (EngineConfig's fields are the options)")
+        config = dataclasses.replace(config or EngineConfig(), **options)
         if not isinstance(model, Decoder):
             from tunix_rt.checkpoints.loader import load_model
 
             loaded = load_model(model, dequantize=dequantize)
             model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
         cfg = model.config
-        if max_model_len is None:
-            max_model_len = min(cfg.max_position_embeddings, 4096)
-        for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size),
-                            ("decode_steps", decode_steps)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Engine: {name} must be a positive integer, got {value!r}")
-        if token_buckets is not None:
-            token_buckets = tuple(token_buckets)
-            if not all(isinstance(t, int) and t >= 1 for t in token_buckets) or \
-                    max(token_buckets, default=0) != max_num_batched_tokens:
-                raise ValueError(f"Engine: token_buckets must be positive integers, the largest equal to "
-                                 f"max_num_batched_tokens ({max_num_batched_tokens}), got {token_buckets!r}")
-            token_buckets = tuple(sorted(set(token_buckets)))
+        max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
+        block_size, max_num_seqs = config.block_size, config.max_num_seqs
+        num_kv_blocks = config.num_kv_blocks
         if num_kv_blocks is None:  # no more than max_num_seqs full-length sequences could ever use
-            num_kv_blocks = min(kv_cache_memory // ModelRunner.block_bytes(model, block_size),
+            num_kv_blocks = min(config.kv_cache_memory // ModelRunner.block_bytes(model, block_size),
                                 max_num_seqs * -(-max_model_len // block_size))
         if num_kv_blocks < 1:
             raise ValueError(f"Engine: the KV cache needs at least one block of {block_size} tokens, "
                              f"got {num_kv_blocks} (raise kv_cache_memory or num_kv_blocks)")
+        self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   decode_steps=decode_steps)
+        self.kv = KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   decode_steps=config.decode_steps)
         eos = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, eos)
         self.runner = ModelRunner(model, num_blocks=num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                  grammars=self.grammars, token_buckets=token_buckets, decode_steps=decode_steps)
+                                  max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+                                  grammars=self.grammars, token_buckets=config.token_buckets,
+                                  decode_steps=config.decode_steps)
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
-        self._seeds = np.random.default_rng(seed)
+        self._seeds = np.random.default_rng(config.seed)
         self._prompt_tokens = 0
         self._generation_tokens = 0
         log.info("engine: %d KV blocks of %d tokens (%.0f MiB), max_model_len %d", num_kv_blocks, block_size,

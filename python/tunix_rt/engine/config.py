@@ -1,0 +1,54 @@
+"""EngineConfig: the rollout engine's limits and sizing (vLLM's names), checked once when made.
+
+The engine takes one (`Engine(model, tokenizer, config)`), the server's options embed one and the CLI's serve
+flags are read off its fields, so each default is written here only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+
+def _flag(default, help: str):
+    return dataclasses.field(default=default, metadata={"flag": help})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    # Fields with a "flag" help text are `tunix-rt serve` flags of the same name (--max-num-seqs ...).
+    max_model_len: int | None = _flag(None, "context window (default: the model's, at most 4096)")
+    max_num_seqs: int = _flag(64, "sequences decoded together")
+    max_num_batched_tokens: int = _flag(512, "tokens per engine step")
+    block_size: int = _flag(16, "tokens per KV-cache block")
+    num_kv_blocks: int | None = None  # None: what kv_cache_memory holds (no more than max_num_seqs full sequences)
+    kv_cache_memory: int = _flag(1 << 30, "bytes for the paged KV cache")
+    enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of prompt prefixes seen before")
+    seed: int = 0  # seeds the requests that name none
+    token_buckets: Sequence[int] | None = None  # step sizes compiled (the largest = max_num_batched_tokens)
+    decode_steps: int = _flag(8, "decode steps run as one program when a step has only decodes")
+
+    def __post_init__(self):
+        def positive(name, value):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Engine: {name} must be a positive integer, got {value!r}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "decode_steps"):
+            positive(name, getattr(self, name))
+        for name in ("max_model_len", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                positive(name, getattr(self, name))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"Engine: seed must be an integer, got {self.seed!r}")
+        if self.token_buckets is not None:
+            buckets = tuple(self.token_buckets)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in buckets) or \
+                    max(buckets, default=0) != self.max_num_batched_tokens:
+                raise ValueError(f"Engine: token_buckets must be positive integers, the largest equal to "
+                                 f"max_num_batched_tokens ({self.max_num_batched_tokens}), got {self.token_buckets!r}")
+            object.__setattr__(self, "token_buckets", tuple(sorted(set(buckets))))
+
+    @classmethod
+    def flags(cls) -> list[dataclasses.Field]:
+        """The fields the serve command exposes as flags (each field's metadata["flag"] is its help)."""
+        return [f for f in dataclasses.fields(cls) if "flag" in f.metadata]

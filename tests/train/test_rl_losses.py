@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tunix_rt.train import rl_losses as rl
 
-SETTINGS = settings(max_examples=40, deadline=None)
+SETTINGS = settings(max_examples=40)
 
 
 # --- NumPy references ------------------------------------------------------------------------------------
@@ -112,7 +112,7 @@ def test_equal_rewards_give_zero_advantage(estimator):
     assert np.all(np.asarray(rl.group_advantages(rewards, 3, estimator)) == 0)
 
 
-def test_equal_rewards_give_zero_advantage():
+def test_equal_integer_rewards_give_zero_advantage_for_every_estimator():
     for estimator in rl.ADVANTAGE_ESTIMATORS:
         assert np.all(np.asarray(rl.group_advantages(jnp.full((8,), 3.0), 4, estimator)) == 0)
 

@@ -55,10 +55,9 @@ def dr_grpo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
 
 
 def rloo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
-    """RLOO: r_i minus the mean reward of the other G-1 completions of its prompt."""
-    g = _grouped(rewards, group_size)
-    others = (g.sum(axis=1, keepdims=True) - g) / (group_size - 1)
-    return (g - others).reshape(-1)
+    """RLOO: r_i minus the mean reward of the other G-1 completions of its prompt, which is G/(G-1) times
+    r_i minus the group mean (taken as `_centred` takes it: equal rewards give exactly 0)."""
+    return (_centred(_grouped(rewards, group_size)) * (group_size / (group_size - 1))).reshape(-1)
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[jax.Array, int], jax.Array]] = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import gguf
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tunix_rt.checkpoints.default_model import DefaultModelMissing, default_model_path
@@ -25,7 +25,7 @@ TEXTS = [
     "mixed: naïve café 東京 🍣\n  ok.",
 ]
 
-HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HYPOTHESIS = settings(max_examples=60)
 
 # --- tokenizers ----------------------------------------------------------------------------------------------------
 

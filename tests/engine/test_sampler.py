@@ -10,14 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tunix_rt.engine.sampler import (
-    NEUTRAL, SamplerOutput, SamplingTensors, apply_penalties, categorical, filter_logits, sample_tokens,
+    SamplerOutput, SamplingTensors, apply_penalties, categorical, filter_logits, sample_tokens,
 )
 
-HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 B, V, LP, LO, K = 6, 24, 10, 12, 5  # the fixed shapes most tests use: one compile each
 
 _sample = jax.jit(functools.partial(sample_tokens, num_top_logprobs=K))  # K = 0 only via eval_shape: one compile
@@ -90,7 +89,7 @@ def _np_filter(row, top_k, top_p, min_p):
 # penalties
 
 
-@settings(max_examples=25, **HYP)
+@settings(max_examples=25)
 @given(which=st.sampled_from(["presence", "frequency", "repetition", "all"]), seed=st.integers(0, 2**32 - 1))
 def test_penalties_match_numpy(which, seed):
     rng = np.random.default_rng(seed)
@@ -127,7 +126,7 @@ def test_penalties_neutral_rows_unchanged():
 # filtering
 
 
-@settings(max_examples=30, **HYP)
+@settings(max_examples=30)
 @given(seed=st.integers(0, 2**32 - 1), top_k=st.sampled_from([0, 1, 3, 10, 100]),
        top_p=st.sampled_from([1.0, 0.95, 0.6, 0.2]), min_p=st.sampled_from([0.0, 0.01, 0.1, 0.5, 1.0]))
 def test_min_p_top_k_top_p_match_numpy(seed, top_k, top_p, min_p):
@@ -164,7 +163,7 @@ def _random_case(rng, greedy_frac=0.5):
     return logits, params, prompt, output
 
 
-@settings(max_examples=20, **HYP)
+@settings(max_examples=20)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_greedy_rows_take_argmax_of_penalised_logits(seed):
     logits, params, prompt, output = _random_case(np.random.default_rng(seed))
@@ -187,7 +186,7 @@ def test_all_greedy_batch():
     np.testing.assert_array_equal(np.asarray(out.tokens), penalised.argmax(-1))
 
 
-@settings(max_examples=15, **HYP)
+@settings(max_examples=15)
 @given(seed=st.integers(0, 2**32 - 1), where=st.integers(0, B - 1), neighbours_greedy=st.booleans())
 def test_row_draw_independent_of_batch(seed, where, neighbours_greedy):
     rng = np.random.default_rng(seed)
@@ -224,7 +223,7 @@ def test_seeds_and_steps_change_the_draw():
     assert _sample._cache_size() <= compiled + 1  # changing seeds, steps, temperatures never recompiles
 
 
-@settings(max_examples=15, **HYP)
+@settings(max_examples=15)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_logprobs_are_raw(seed):
     logits, params, prompt, output = _random_case(np.random.default_rng(seed), greedy_frac=0.3)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -36,7 +36,6 @@ from tunix_rt.engine.structured import GrammarCompiler, StructuredOutputsParams
 from tests.engine.idle import assert_idle
 
 GREEDY = dict(temperature=0.0)
-HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Every output of this schema is short, whatever the model prefers: the string is at most 8
 # characters, the integer at most 3 digits (maximum 120), the enum one of three words, no other key
@@ -372,7 +371,7 @@ def _masks_and_vocab(draw):
 _allowed_tokens = jax.jit(allowed_tokens, static_argnums=1)
 
 
-@settings(max_examples=60, **HYP)
+@settings(max_examples=60)
 @given(_masks_and_vocab())
 def test_allowed_tokens_matches_numpy(case):
     mask, vocab = case

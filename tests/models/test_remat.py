@@ -37,7 +37,7 @@ def _loss(ws, x, mode):
     return jnp.sum(jnp.sin(x))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=12)
 @given(n=st.integers(1, 4), t=st.integers(1, 9), d=st.integers(1, 12), f=st.integers(1, 20), seed=st.integers(0, 99))
 def test_gradients_equal_no_checkpointing(n, t, d, f, seed):
     ws = _stack(n, d, f, seed)

@@ -10,14 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.isa_tiers import expected_tier, run_tiers
 from tunix_rt.ops import _ffi
 from tunix_rt.ops.attention import attention, attention_mask, attention_reference
 
-HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 needs_ffi = pytest.mark.skipif(not _ffi.has_cpu_target("tunix_rt_attention_fwd"),
                                reason="tunix_rt._ext is not built: no FFI op to test")
 
@@ -113,7 +112,7 @@ def _magnitudes(q, k, v, dout, scale):
 
 
 @needs_ffi
-@settings(max_examples=60, **HYP)
+@settings(max_examples=60)
 @given(case=cases())
 def test_matches_reference_forward_and_backward(case):
     """Against the reference in f32 on the same inputs: a bf16 reference would round its

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.isa_tiers import expected_tier, run_tiers
@@ -23,7 +23,6 @@ from tunix_rt.ops.bf16_matmul import (bf16_dot_general, bf16_matmul, bf16_matmul
 
 pytestmark = pytest.mark.skipif(not _ffi.has_cpu_target("tunix_rt_bf16_matmul"),
                                 reason="tunix_rt._ext is not built: no FFI op to test")
-HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 BF16 = jnp.bfloat16
 
 
@@ -49,7 +48,7 @@ def cases(draw):
 
 
 @pytest.mark.parametrize("kernel", ["ffi", "xla"])
-@settings(max_examples=40, **HYP)
+@settings(max_examples=40)
 @given(case=cases())
 def test_matches_reference_forward_and_backward(kernel, case):
     x, w, out_dtype, transpose_w = case

@@ -9,13 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tunix_rt.ops.fused_head import (default_chunk, head_distill, head_distill_reference, head_logprobs,
                                      head_logprobs_reference)
 
-HYP = dict(deadline=None, max_examples=10, suppress_health_check=[HealthCheck.too_slow])
 
 
 def close(actual, expected, rtol):
@@ -34,7 +33,7 @@ def draw_case(seed: int, lead: tuple, d: int, v: int, transpose_w: bool, dtype, 
     return h, w, targets, cot
 
 
-@settings(**HYP)
+@settings(max_examples=10)
 @given(seed=st.integers(0, 2**16), tokens=st.integers(0, 40), d=st.integers(1, 12), v=st.integers(2, 70),
        chunk=st.sampled_from([1, 3, 8, 16, None]), transpose_w=st.booleans(),
        temperature=st.sampled_from([1.0, 0.7, 1.9]), softcap=st.sampled_from([None, 3.0]),
@@ -58,7 +57,7 @@ def test_logprobs_and_entropy_match_the_dense_head(seed, tokens, d, v, chunk, tr
         close(grad, grad_ref, 1e-5)
 
 
-@settings(**HYP)
+@settings(max_examples=10)
 @given(seed=st.integers(0, 2**16), tokens=st.integers(1, 30), v=st.integers(2, 50), top_k=st.integers(0, 50),
        chunk=st.sampled_from([1, 4, 7, None]), transpose_w=st.booleans(), teacher_transpose_w=st.booleans(),
        temperature=st.sampled_from([1.0, 2.0, 0.5]), softcap=st.sampled_from([None, 4.0]))

@@ -4,7 +4,6 @@ expert, capacity drops), plus bad-index FFI errors, argument checks and the auxi
 
 from __future__ import annotations
 
-import json
 import re
 import textwrap
 
@@ -12,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.isa_tiers import expected_tier, hardware_tier, run_tiers
@@ -20,7 +19,6 @@ from tunix_rt.ops import _ffi, moe
 
 pytestmark = pytest.mark.skipif(not _ffi.has_cpu_target("tunix_rt_grouped_matmul"),
                                 reason="tunix_rt._ext is not built: no FFI op to test")
-HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 FFI_ERROR = (jax.errors.JaxRuntimeError, ValueError)
 
 
@@ -58,7 +56,7 @@ def route_cases(draw):
     return logits, k, kw
 
 
-@settings(max_examples=60, **HYP)
+@settings(max_examples=60)
 @given(case=route_cases())
 def test_router_topk_matches_reference(case):
     logits, k, kw = case
@@ -140,7 +138,7 @@ def permute_cases(draw):
     return x, jnp.asarray(ids), e, capacity, w
 
 
-@settings(max_examples=40, **HYP)
+@settings(max_examples=40)
 @given(case=permute_cases())
 def test_permute_and_unpermute_match_reference(case):
     x, ids, e, capacity, w = case
@@ -252,7 +250,7 @@ def _gmm_check(x, w, sizes, transpose_w):
         np.testing.assert_allclose(_np(a), _np(b), **{**tol, "atol": tol["atol"] * 3})
 
 
-@settings(max_examples=40, **HYP)
+@settings(max_examples=40)
 @given(case=gmm_cases())
 def test_grouped_matmul_matches_ragged_dot(case):
     _gmm_check(*case)

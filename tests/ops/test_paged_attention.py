@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.isa_tiers import expected_tier, hardware_tier, run_tiers
@@ -36,7 +36,6 @@ pytestmark = pytest.mark.skipif(
     reason="tunix_rt._ext is not built: no FFI op to test",
 )
 
-HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,7 +233,7 @@ def check_forward(case: Case, q_dtype, cache_dtype):
     return out
 
 
-@settings(max_examples=32, **HYP)
+@settings(max_examples=32)
 @given(case_dtypes=attention_cases())
 def test_forward_matches_reference_and_oracle(case_dtypes):
     case, (q_dtype, cache_dtype) = case_dtypes
@@ -443,7 +442,7 @@ def _write_numpy(cache, rows, slots):
     return flat.reshape(cache.shape)
 
 
-@settings(max_examples=15, **HYP)
+@settings(max_examples=15)
 @given(case=write_cases())
 def test_write_kv_matches_reference(case):
     kc, vc, k, v, slots, dtype = case
@@ -543,7 +542,7 @@ def assert_grad_close(actual, expected, what, *, rtol=3e-5, frac=5e-6):
     np.testing.assert_array_less(np.abs(a - e), rtol * np.abs(e) + frac * scale + 1e-30, err_msg=what)
 
 
-@settings(max_examples=6, **HYP)
+@settings(max_examples=6)
 @given(case_dtypes=attention_cases(dtype_pairs=((F32, F32),)), seed=st.integers(0, 2**32 - 1))
 def test_gradients_match_dense_jax(case_dtypes, seed):
     case, _ = case_dtypes

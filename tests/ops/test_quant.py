@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.isa_tiers import expected_tier, hardware_tier, run_tiers
@@ -58,7 +58,6 @@ pytestmark = pytest.mark.skipif(
     reason="tunix_rt._ext is not built: no FFI op to test",
 )
 
-HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,7 +252,7 @@ def check_gguf_parity(w, w32, fmt, *, eager_reference=False):
     assert_bits_equal(ref_dq(qt_ref) if eager_reference else ref_dq(qt_ref, F32), g_deq, f"{fmt} reference dequantize vs gguf")
 
 
-@settings(max_examples=25, **HYP)
+@settings(max_examples=25)
 @given(case=weight_cases())
 def test_gguf_parity_hypothesis(case):
     fmt, _, k, n, kinds, seed, dtype = case
@@ -422,7 +421,7 @@ def test_numpy_input_accepted():
 # 1b/2. FFI == reference, packed bytes, for all five formats; int8/int4 error bounds
 
 
-@settings(max_examples=30, **HYP)
+@settings(max_examples=30)
 @given(case=weight_cases(fmts=ALL_FMTS))
 def test_ffi_quantize_matches_reference_bytes(case):
     fmt, group, k, n, kinds, seed, dtype = case
@@ -453,7 +452,7 @@ def test_default_group_is_the_first():
         assert quantize(w, fmt).group == FORMATS[fmt].groups[0] == 32
 
 
-@settings(max_examples=25, **HYP)
+@settings(max_examples=25)
 @given(
     fmt=st.sampled_from(["int8", "int4"]),
     group=st.sampled_from([32, 64, 128]),
@@ -588,7 +587,7 @@ def _column(qt: QuantizedTensor, c: int) -> QuantizedTensor:
 # 3. dequantize to bf16
 
 
-@settings(max_examples=20, **HYP)
+@settings(max_examples=20)
 @given(case=weight_cases(fmts=ALL_FMTS))
 def test_dequantize_bf16_is_rounded_f32(case):
     fmt, group, k, n, kinds, seed, dtype = case
@@ -654,7 +653,7 @@ LEAD_SHAPES = st.one_of(
 )
 
 
-@settings(max_examples=30, **HYP)
+@settings(max_examples=30)
 @given(
     fmt_group=st.sampled_from(FMT_GROUPS),
     k_mult=st.sampled_from([1, 2, 3]),  # group 32: 1 and 3 blocks, odd counts for paired kernels

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.isa_tiers import expected_tier, hardware_tier, run_tiers
@@ -33,7 +33,6 @@ pytestmark = pytest.mark.skipif(
     not _ffi.has_cpu_target(FWD_TARGET), reason="tunix_rt._ext is not built: no FFI op to test"
 )
 
-HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,7 +176,7 @@ OFFSET = st.sampled_from([0.0, 1.0])
 # forward
 
 
-@settings(max_examples=60, **HYP)
+@settings(max_examples=60)
 @given(
     shape=shapes(),
     kind=st.sampled_from(ROW_KINDS + ("mixed", "mixed")),
@@ -235,7 +234,7 @@ def test_special_rows_exact_values():
 # gradients
 
 
-@settings(max_examples=35, **HYP)
+@settings(max_examples=35)
 @given(
     shape=shapes(max_rank=3, max_lead=6),
     kind=st.sampled_from(("normal", "normal", "mixed_safe")),

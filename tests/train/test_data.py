@@ -8,7 +8,7 @@ import logging
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
@@ -365,7 +365,7 @@ def test_unpacked_batch_has_one_example_per_row_cut_to_seq_len():
     assert batch["loss_mask"].tolist() == [[1, 0, 0, 0], [1, 1, 1, 0]]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60)
 @given(
     masks=st.lists(st.lists(st.booleans(), min_size=1, max_size=20), min_size=1, max_size=12),
     seq_len=st.integers(1, 24),
@@ -444,7 +444,7 @@ def test_harmonized_lengths_give_one_shape_per_row_length():
     assert harmonized_lengths([(64, 128), (128, 256), (64, 192), (64, 96)]) == {64: (64, 192), 128: (128, 256)}
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50)
 @given(masks=st.lists(st.lists(st.booleans(), min_size=1, max_size=12), min_size=1, max_size=5),
        extra=st.integers(0, 5))
 def test_head_window_holds_every_trained_target(masks, extra):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tunix_rt.train.losses import (
@@ -17,7 +17,7 @@ from tunix_rt.train.losses import (
     preference_loss, sequence_logprobs, teacher_topk, token_logprobs, topk_distillation_loss,
 )
 
-HYP = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HYP = settings(max_examples=25)
 TOL = dict(rtol=1e-5, atol=1e-5)
 # (B, T, V) drawn from a few shapes spanning B 1..4, T 1..6, V 2..11: each new shape compiles every op
 # again, so random shapes per example would dominate the run time.

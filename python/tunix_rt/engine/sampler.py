@@ -21,7 +21,6 @@ penalty scatters, the draw (and its vocab sort), and statically the top-k logpro
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 

@@ -30,58 +30,136 @@ struct Bf16Matrix {
   int64_t row_stride, col_stride;
 };
 
-constexpr int64_t kSlabK = 256;       // k per packed slab (even)
-constexpr int64_t kBlockRows = 192;   // rows per work item (a multiple of kMR)
-constexpr int64_t kBlockCols = 256;   // columns per work item (a multiple of kMaxNR)
+constexpr int64_t kSlabK = 512;       // k per packed slab (even)
+constexpr int64_t kBlockRows = 192;     // most rows per work item (a multiple of kMR)
+constexpr int64_t kBlockCols = 256;     // most columns per work item (a multiple of kMaxNR)
+constexpr int64_t kItemsPerWorker = 8;  // work items wanted per worker: equal items claimed one at a
+                                        // time leave no worker idle for long
+
+// A row-major with even k is read in place by the micro-kernel: its k pairs are aligned 32-bit words.
+bool ReadsAInPlace(Bf16Matrix a) { return a.col_stride == 1 && a.row_stride % 2 == 0; }
+
+struct Partition {
+  int64_t block_rows, block_cols;
+};
+
+// Work items of at most kBlockRows x kBlockCols, about kItemsPerWorker per worker, cut where the
+// packing they repeat is least: every row block packs all of B (a gather costs twice an interleave
+// when B is transposed), every column block packs all of A unless A is read in place.
+Partition ChoosePartition(int64_t m, int64_t n, int64_t workers, bool packs_a, bool gathers_b) {
+  const int64_t tiles = (m + kMR - 1) / kMR, wanted = kItemsPerWorker * workers;
+  Partition best{0, 0};
+  double best_cost = 0;
+  for (int64_t cols = kBlockCols; cols >= kMaxNR; cols /= 2) {
+    const int64_t col_blocks = (n + cols - 1) / cols;
+    const int64_t row_blocks = std::min(tiles, std::max((m + kBlockRows - 1) / kBlockRows,
+                                                        (wanted + col_blocks - 1) / col_blocks));
+    const double cost = double(row_blocks) * n * (gathers_b ? 2 : 1) + (packs_a ? double(col_blocks) * m : 0.0);
+    if (best.block_cols == 0 || cost < best_cost) {
+      best = {kMR * ((tiles + row_blocks - 1) / row_blocks), cols};
+      best_cost = cost;
+    }
+  }
+  return best;
+}
 
 #ifdef TUNIX_RT_X86
 #define BF16_FN __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
-// A rows [r0, r0 + rows) x k [k0, k0 + kk) as kMR-row tiles of k pairs: tile t, pair q, row r holds
-// (A[r, 2q], A[r, 2q + 1]) at out[((t * pairs + q) * kMR + r) * 2]; padding is zero.
-void PackPairsA(Bf16Matrix a, int64_t r0, int64_t rows, int64_t k0, int64_t kk, uint16_t* out) {
-  const int64_t pairs = (kk + 1) / 2, tiles = (rows + kMR - 1) / kMR;
-  if (kk & 1 || rows % kMR) std::fill(out, out + tiles * pairs * kMR * 2, 0);
-  for (int64_t i = 0; i < rows; ++i) {
-    uint16_t* dst = out + (i / kMR) * pairs * kMR * 2 + (i % kMR) * 2;
-    const uint16_t* src = a.data + (r0 + i) * a.row_stride + k0 * a.col_stride;
-    for (int64_t p = 0; p + 1 < kk; p += 2, dst += kMR * 2) {
-      dst[0] = src[p * a.col_stride];
-      dst[1] = src[(p + 1) * a.col_stride];
+// out[2i], out[2i + 1] = lo[i], hi[i] for i < width (<= 32): two bf16 rows interleaved into k pairs
+// (hi null: zeros). With `pad`, all 32 pairs are written, zero past width.
+BF16_FN void InterleaveRows(const uint16_t* lo, const uint16_t* hi, int width, uint32_t* out, bool pad) {
+  const __mmask32 mask = static_cast<__mmask32>(width >= 32 ? ~0u : (1u << width) - 1u);
+  const __m512i a = _mm512_maskz_loadu_epi16(mask, lo);
+  const __m512i b = hi ? _mm512_maskz_loadu_epi16(mask, hi) : _mm512_setzero_si512();
+  alignas(64) static constexpr uint16_t kFirst[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kSecond[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i first = _mm512_permutex2var_epi16(a, _mm512_load_si512(kFirst), b);
+  const __m512i second = _mm512_permutex2var_epi16(a, _mm512_load_si512(kSecond), b);
+  const __mmask16 m0 = pad ? 0xffff : static_cast<__mmask16>((1u << std::clamp(width, 0, 16)) - 1u);
+  const __mmask16 m1 = pad ? 0xffff : static_cast<__mmask16>((1u << std::clamp(width - 16, 0, 16)) - 1u);
+  _mm512_mask_storeu_epi32(out, m0, first);
+  _mm512_mask_storeu_epi32(out + 16, m1, second);
+}
+
+// A rows [r0, r0 + rows) x k [k0, k0 + kk) as k pairs, pair-major: out[q * rows + r] holds
+// (A[r, 2q], A[r, 2q + 1]), the second zero past kk.
+BF16_FN void PackPairsA(Bf16Matrix a, int64_t r0, int64_t rows, int64_t k0, int64_t kk, uint32_t* out) {
+  const int64_t pairs = (kk + 1) / 2;
+  if (a.row_stride == 1) {  // A transposed: each k is a contiguous run of rows
+    for (int64_t q = 0; q < pairs; ++q) {
+      const uint16_t* lo = a.data + r0 + (k0 + 2 * q) * a.col_stride;
+      const uint16_t* hi = 2 * q + 1 < kk ? lo + a.col_stride : nullptr;
+      for (int64_t i = 0; i < rows; i += 32)
+        InterleaveRows(lo + i, hi ? hi + i : nullptr, static_cast<int>(std::min<int64_t>(32, rows - i)),
+                       out + q * rows + i, false);
     }
-    if (kk & 1) dst[0] = src[(kk - 1) * a.col_stride];
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* src = a.data + (r0 + r) * a.row_stride + k0 * a.col_stride;
+    for (int64_t q = 0; q < pairs; ++q) {
+      const uint32_t lo = src[2 * q * a.col_stride];
+      const uint32_t hi = 2 * q + 1 < kk ? src[(2 * q + 1) * a.col_stride] : 0;
+      out[q * rows + r] = lo | hi << 16;
+    }
   }
 }
 
 // B k [k0, k0 + kk) x columns [c0, c0 + cols) as 32-column panels of k pairs: panel s, pair q,
-// column j holds (B[2q, j], B[2q + 1, j]) at out[((s * pairs + q) * 32 + j) * 2].
-void PackPairsB(Bf16Matrix b, int64_t k0, int64_t kk, int64_t c0, int64_t cols, uint16_t* out) {
+// column j holds (B[2q, j], B[2q + 1, j]) at out[(s * pairs + q) * 32 + j]; padding is zero.
+BF16_FN void PackPairsB(Bf16Matrix b, int64_t k0, int64_t kk, int64_t c0, int64_t cols, uint32_t* out) {
   const int64_t pairs = (kk + 1) / 2, panels = (cols + kMaxNR - 1) / kMaxNR;
-  if (kk & 1 || cols % kMaxNR) std::fill(out, out + panels * pairs * kMaxNR * 2, 0);
   for (int64_t s = 0; s < panels; ++s) {
-    const int64_t width = std::min<int64_t>(kMaxNR, cols - s * kMaxNR);
-    uint16_t* panel = out + s * pairs * kMaxNR * 2;
-    for (int64_t p = 0; p < kk; ++p) {
-      const uint16_t* src = b.data + (k0 + p) * b.row_stride + (c0 + s * kMaxNR) * b.col_stride;
-      uint16_t* dst = panel + (p / 2) * kMaxNR * 2 + (p & 1);
-      for (int64_t j = 0; j < width; ++j) dst[j * 2] = src[j * b.col_stride];
+    const int width = static_cast<int>(std::min<int64_t>(kMaxNR, cols - s * kMaxNR));
+    uint32_t* panel = out + s * pairs * kMaxNR;
+    const uint16_t* base = b.data + k0 * b.row_stride + (c0 + s * kMaxNR) * b.col_stride;
+    if (b.col_stride == 1) {  // row-major B: interleave rows 2q and 2q + 1
+      for (int64_t q = 0; q < pairs; ++q)
+        InterleaveRows(base + 2 * q * b.row_stride, 2 * q + 1 < kk ? base + (2 * q + 1) * b.row_stride : nullptr,
+                       width, panel + q * kMaxNR, true);
+      continue;
     }
+    // B transposed (row_stride 1): a pair is one 32-bit word of a column, gathered 16 columns at a time.
+    const int64_t full = kk / 2;
+    const __m512i step = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int32_t>(b.col_stride * 2)));
+    for (int half = 0; half < 2; ++half) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << std::clamp(width - 16 * half, 0, 16)) - 1u);
+      const uint16_t* col = base + 16 * half * b.col_stride;
+      for (int64_t q = 0; q < full; ++q)
+        _mm512_storeu_si512(panel + q * kMaxNR + 16 * half,
+                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, step, col + 2 * q, 1));
+    }
+    if (kk & 1)
+      for (int j = 0; j < kMaxNR; ++j)
+        panel[full * kMaxNR + j] = j < width ? base[j * b.col_stride + (kk - 1)] : 0;
   }
 }
 
+// c (R x cols, row stride ldc) += A tile x B panel over `pairs` k pairs; A's pair q of row r is the
+// word a[r * a_row + q * a_pair].
 template <int R>
-BF16_FN void MicroBf16(const uint16_t* ap, const uint16_t* bp, int64_t pairs, float* c, int64_t ldc, int cols) {
+BF16_FN void MicroBf16(const uint32_t* a, int64_t a_row, int64_t a_pair, const uint32_t* bp, int64_t pairs,
+                       float* c, int64_t ldc, int cols) {
   __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  for (int64_t q = 0; q < pairs; ++q) {
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + q * kMaxNR * 2);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + q * kMaxNR * 2 + 32);
-    const int32_t* a = reinterpret_cast<const int32_t*>(ap + q * kMR * 2);
-#define TUNIX_RT_ROW(r, lo, hi)                                   \
-  if constexpr (R > r) {                                          \
-    const __m512bh ar = (__m512bh)_mm512_set1_epi32(a[r]);        \
-    lo = _mm512_dpbf16_ps(lo, ar, b0);                            \
-    hi = _mm512_dpbf16_ps(hi, ar, b1);                            \
+  const uint32_t* a0 = a;
+  const uint32_t* a1 = a + a_row;
+  const uint32_t* a2 = a + 2 * a_row;
+  const uint32_t* a3 = a + 3 * a_row;
+  const uint32_t* a4 = a + 4 * a_row;
+  const uint32_t* a5 = a + 5 * a_row;
+  for (int64_t q = 0, off = 0; q < pairs; ++q, off += a_pair) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + q * kMaxNR);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + q * kMaxNR + 16);
+#define TUNIX_RT_ROW(r, lo, hi)                                              \
+  if constexpr (R > r) {                                                     \
+    const __m512bh ar = (__m512bh)_mm512_set1_epi32(static_cast<int>(a##r[off])); \
+    lo = _mm512_dpbf16_ps(lo, ar, b0);                                       \
+    hi = _mm512_dpbf16_ps(hi, ar, b1);                                       \
   }
     TUNIX_RT_ROW(0, c00, c01)
     TUNIX_RT_ROW(1, c10, c11)
@@ -101,26 +179,60 @@ BF16_FN void MicroBf16(const uint16_t* ap, const uint16_t* bp, int64_t pairs, fl
   }
 }
 
+// c (rows x cols, row stride ldc) = rows [r0, r0 + rows) x columns [c0, c0 + cols) of A @ B, in k slabs.
+// A row-major with even k is read in place (its k pairs are 32-bit words); otherwise it is packed.
 void BlockBf16(Bf16Matrix a, Bf16Matrix b, int64_t r0, int64_t rows, int64_t c0, int64_t cols, int64_t k, float* c,
-               int64_t n) {
-  using Micro = void (*)(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, int);
+               int64_t ldc) {
+  using Micro = void (*)(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, float*, int64_t, int);
   static constexpr Micro kTable[kMR] = {MicroBf16<1>, MicroBf16<2>, MicroBf16<3>,
                                         MicroBf16<4>, MicroBf16<5>, MicroBf16<6>};
+  const bool a_in_place = ReadsAInPlace(a);
   const int64_t tiles = (rows + kMR - 1) / kMR, panels = (cols + kMaxNR - 1) / kMaxNR;
-  std::vector<uint16_t> ap(tiles * (kSlabK / 2) * kMR * 2), bp(panels * (kSlabK / 2) * kMaxNR * 2);
-  for (int64_t i = 0; i < rows; ++i) std::fill(c + (r0 + i) * n + c0, c + (r0 + i) * n + c0 + cols, 0.0f);
-  for (int64_t k0 = 0; k0 < k; k0 += kSlabK) {
-    const int64_t kk = std::min(kSlabK, k - k0), pairs = (kk + 1) / 2;
-    PackPairsA(a, r0, rows, k0, kk, ap.data());
+  // Per-thread scratch, reused across calls: packing never waits on the allocator.
+  thread_local std::vector<uint32_t> ap, bp;
+  if (!a_in_place && ap.size() < static_cast<size_t>(rows * (kSlabK / 2))) ap.resize(rows * (kSlabK / 2));
+  if (bp.size() < static_cast<size_t>(panels * (kSlabK / 2) * kMaxNR)) bp.resize(panels * (kSlabK / 2) * kMaxNR);
+  for (int64_t i = 0; i < rows; ++i) std::fill(c + i * ldc, c + i * ldc + cols, 0.0f);
+  // Slabs of equal even depth (at most kSlabK): K = 576 runs as 3 x 192, not 256 + 256 + 64.
+  const int64_t slabs = (k + kSlabK - 1) / kSlabK, depth = 2 * ((k + 2 * slabs - 1) / (2 * slabs));
+  for (int64_t k0 = 0; k0 < k; k0 += depth) {
+    const int64_t kk = std::min(depth, k - k0), pairs = (kk + 1) / 2;
     PackPairsB(b, k0, kk, c0, cols, bp.data());
+    const uint32_t* a_words;
+    int64_t a_row, a_pair;
+    if (a_in_place) {
+      a_words = reinterpret_cast<const uint32_t*>(a.data + r0 * a.row_stride + k0);
+      a_row = a.row_stride / 2;
+      a_pair = 1;
+    } else {
+      PackPairsA(a, r0, rows, k0, kk, ap.data());
+      a_words = ap.data();
+      a_row = 1;
+      a_pair = rows;
+    }
     for (int64_t t = 0; t < tiles; ++t) {
       const int tile_rows = static_cast<int>(std::min<int64_t>(kMR, rows - t * kMR));
       for (int64_t s = 0; s < panels; ++s)
-        kTable[tile_rows - 1](ap.data() + t * pairs * kMR * 2, bp.data() + s * pairs * kMaxNR * 2, pairs,
-                              c + (r0 + t * kMR) * n + c0 + s * kMaxNR, n,
+        kTable[tile_rows - 1](a_words + t * kMR * a_row, a_row, a_pair, bp.data() + s * pairs * kMaxNR, pairs,
+                              c + t * kMR * ldc + s * kMaxNR, ldc,
                               static_cast<int>(std::min<int64_t>(kMaxNR, cols - s * kMaxNR)));
     }
   }
+}
+
+// dst[j] = bf16(src[j]) for j < count, rounded as F32ToBf16 rounds (to nearest even; NaN stays NaN).
+BF16_FN void RoundToBf16(const float* src, int64_t count, uint16_t* dst) {
+  int64_t j = 0;
+  for (; j + 16 <= count; j += 16) {
+    const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + j));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm512_cvtepi32_epi16(r));
+  }
+  for (; j < count; ++j) dst[j] = F32ToBf16(src[j]);
 }
 #endif
 
@@ -146,8 +258,7 @@ ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buff
   const Bf16Matrix am = transpose_a ? Bf16Matrix{ap, 1, m} : Bf16Matrix{ap, k, 1};
   const Bf16Matrix bm = transpose_b ? Bf16Matrix{bp, 1, k} : Bf16Matrix{bp, n, 1};
   const bool out_f32 = c->element_type() == ffi::DataType::F32;
-  auto scratch = std::make_shared<std::vector<float>>(out_f32 ? 0 : m * n);
-  float* cf = out_f32 ? static_cast<float*>(c->untyped_data()) : scratch->data();
+  float* cf = out_f32 ? static_cast<float*>(c->untyped_data()) : nullptr;
   uint16_t* c16 = out_f32 ? nullptr : static_cast<uint16_t*>(c->untyped_data());
   // Without BF16 kernels both operands are widened once and every block runs the f32 GEMM on them.
   const bool bf16_kernels = HasBf16Kernels();
@@ -157,30 +268,43 @@ ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buff
     bf = WidenBf16(bp, b.element_count());
   }
   if (k == 0) {
-    std::fill(cf, cf + m * n, 0.0f);
+    if (cf) std::fill(cf, cf + m * n, 0.0f);
     if (c16) std::fill(c16, c16 + m * n, 0);
     return ReadyFuture(ffi::Error::Success());
   }
-  const int64_t row_blocks = (m + kBlockRows - 1) / kBlockRows, col_blocks = (n + kBlockCols - 1) / kBlockCols;
-  const int64_t items = row_blocks * col_blocks;
-  return ParallelFor(pool, items, NumChunks(pool, items, 1), [=](int64_t, int64_t begin, int64_t end) {
+  const Partition part = ChoosePartition(m, n, Workers(pool), bf16_kernels && !ReadsAInPlace(am),
+                                         bf16_kernels && bm.col_stride != 1);
+  const int64_t block_rows = part.block_rows, block_cols = part.block_cols;
+  const int64_t col_blocks = (n + block_cols - 1) / block_cols, items = ((m + block_rows - 1) / block_rows) * col_blocks;
+  return ParallelFor(pool, items, items, [=](int64_t, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t r0 = (i / col_blocks) * kBlockRows, c0 = (i % col_blocks) * kBlockCols;
-      const int64_t rows = std::min(kBlockRows, m - r0), cols = std::min(kBlockCols, n - c0);
+      const int64_t r0 = (i / col_blocks) * block_rows, c0 = (i % col_blocks) * block_cols;
+      const int64_t rows = std::min(block_rows, m - r0), cols = std::min(block_cols, n - c0);
+      // An f32 result is summed in place; a bf16 one in a per-thread block, rounded once at the end.
+      thread_local std::vector<float> sums;
+      if (c16 && sums.size() < static_cast<size_t>(rows * cols)) sums.resize(rows * cols);
+      float* block = c16 ? sums.data() : cf + r0 * n + c0;
+      const int64_t ldc = c16 ? cols : n;
       if (bf16_kernels) {
 #ifdef TUNIX_RT_X86
-        BlockBf16(am, bm, r0, rows, c0, cols, k, cf, n);
+        BlockBf16(am, bm, r0, rows, c0, cols, k, block, ldc);
 #endif
       } else {
-        for (int64_t r = r0; r < r0 + rows; ++r) std::fill(cf + r * n + c0, cf + r * n + c0 + cols, 0.0f);
+        for (int64_t r = 0; r < rows; ++r) std::fill(block + r * ldc, block + r * ldc + cols, 0.0f);
         GemmAccumulate({af->data() + r0 * am.row_stride, am.row_stride, am.col_stride},
-                       {bf->data() + c0 * bm.col_stride, bm.row_stride, bm.col_stride}, rows, cols, k, cf + r0 * n + c0, n);
+                       {bf->data() + c0 * bm.col_stride, bm.row_stride, bm.col_stride}, rows, cols, k, block, ldc);
       }
       if (c16)
-        for (int64_t r = r0; r < r0 + rows; ++r)
-          for (int64_t j = c0; j < c0 + cols; ++j) c16[r * n + j] = F32ToBf16(cf[r * n + j]);
+        for (int64_t r = 0; r < rows; ++r) {
+#ifdef TUNIX_RT_X86
+          if (bf16_kernels) {
+            RoundToBf16(block + r * ldc, cols, c16 + (r0 + r) * n + c0);
+            continue;
+          }
+#endif
+          for (int64_t j = 0; j < cols; ++j) c16[(r0 + r) * n + c0 + j] = F32ToBf16(block[r * ldc + j]);
+        }
     }
-    (void)scratch;
     (void)af;
     (void)bf;
     return ffi::Error::Success();

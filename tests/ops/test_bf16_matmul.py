@@ -1,5 +1,5 @@
 """bf16_matmul vs its reference (XLA's bf16 dot with f32 sums), on both kernels (the FFI op and XLA's
-dot under the op's own custom_vjp): hypothesis shapes (K odd, past one 256-deep slab, M and N past one
+dot under the op's own custom_vjp): hypothesis shapes (K odd, past one 512-deep slab, M and N past one
 work block, empty dimensions), w plain or transposed, forward and backward, both output dtypes, every
 ISA tier, argument errors and the dot_general hook of nnx.Linear and the decoder's tied head."""
 
@@ -38,7 +38,7 @@ def _tol(k):
 @st.composite
 def cases(draw):
     lead = draw(st.sampled_from([(), (0,), (3,), (2, 5), (197,)]))
-    k = draw(st.sampled_from([1, 2, 7, 64, 257, 300]))
+    k = draw(st.sampled_from([1, 2, 7, 64, 257, 300, 1030, 1101]))
     n = draw(st.sampled_from([1, 5, 31, 33, 260]))
     rng = np.random.default_rng(draw(st.integers(0, 2**31)))
     transpose_w = draw(st.booleans())
@@ -86,6 +86,45 @@ def test_exact_on_small_integers(kernel):
         x, w, out_dtype=jnp.float32, kernel=kernel)), want)
     np.testing.assert_array_equal(np.asarray(bf16_matmul(x, w.T, out_dtype=jnp.float32, transpose_w=True,
                                                          kernel=kernel)), want)
+
+
+@pytest.mark.parametrize("k", [1030, 1101])
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_exact_products_in_every_layout(transpose_w, k):
+    """Ternary operands make every sum an integer that f32 (forward) and bf16 (gradients, |sum| <= 256)
+    hold exactly, so the forward product and both backward products (A transposed, B transposed) must
+    equal numpy's whatever the kernel's order: K even (A read in place) and odd (A packed), over two
+    slabs, M over many row tiles."""
+    rng = np.random.default_rng(k)
+    x = jnp.asarray(rng.integers(-1, 2, (197, k)), BF16)
+    w_kn = rng.integers(-1, 2, (k, 70)).astype(np.float32)
+    w = jnp.asarray(w_kn.T if transpose_w else w_kn, BF16)
+    dy = rng.integers(-1, 2, (197, 70)).astype(np.float32)
+    y, vjp = jax.vjp(lambda a, b: bf16_matmul(a, b, out_dtype=jnp.float32, transpose_w=transpose_w), x, w)
+    np.testing.assert_array_equal(np.asarray(y), _f32(x) @ w_kn)
+    dx, dw = vjp(jnp.asarray(dy))
+    np.testing.assert_array_equal(_f32(dx), dy @ w_kn.T)
+    np.testing.assert_array_equal(_f32(dw), (dy.T @ _f32(x)) if transpose_w else (_f32(x).T @ dy))
+
+
+@pytest.mark.parametrize("k", [300, 301])
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_non_finite_values_stay_in_their_row_and_column(transpose_w, k):
+    """An inf in x's last row and in w's last column (at the last k, where odd K pads the final pair)
+    reaches only that row and that column; NaN survives the rounding to a bf16 output."""
+    rng = np.random.default_rng(3)
+    x = np.asarray(rng.integers(-4, 5, (40, k)), np.float32)
+    w_kn = np.asarray(rng.integers(-4, 5, (k, 40)), np.float32)
+    x[-1, -1], w_kn[-1, -1] = np.inf, np.inf
+    w = w_kn.T if transpose_w else w_kn
+    for out_dtype in (jnp.float32, BF16):
+        y = _f32(bf16_matmul(jnp.asarray(x, BF16), jnp.asarray(w, BF16), out_dtype=out_dtype,
+                             transpose_w=transpose_w))
+        with np.errstate(invalid="ignore"):
+            want = _f32(jnp.asarray(x @ w_kn, out_dtype))  # integers exact in f32, rounded once to out_dtype
+        np.testing.assert_array_equal(y[:-1, :-1], want[:-1, :-1])
+        assert not np.isfinite(y[-1]).any() and not np.isfinite(y[:, -1]).any()
+        np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
 
 
 @pytest.mark.parametrize("call, pattern", [

@@ -18,8 +18,9 @@ from tunix_rt.train.trainer import Trainer
 def _steps(tmp_path, **overrides) -> list[dict[str, float]]:
     objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
     trainer = Trainer(W.config(tmp_path, steps=2, compute_dtype="bfloat16", **overrides), W.new_model(), objective)
-    hlo = trainer._train_step.lower(trainer.params, trainer.opt_state, trainer.rngs, trainer.frozen_compute, trainer.rest,
-                                    trainer._aux(), trainer.train_batch(0)).as_text()
+    hlo = trainer._train_step.lower(trainer.params, trainer.params_compute, trainer.opt_state, trainer.rngs,
+                                    trainer.frozen_compute, trainer.rest, trainer._aux(),
+                                    trainer.train_batch(0)).as_text()
     assert ("tunix_rt_bf16_matmul" in hlo) == (trainer.cfg.bf16_matmul_kernel == "ffi")
     return [trainer.run_step(step) for step in range(2)]
 
@@ -62,3 +63,25 @@ def test_a_lora_base_is_cast_once_and_exported_in_f32(tmp_path):
     checkpointed = Trainer(W.config(tmp_path / "gc", steps=2, compute_dtype="bfloat16", lora_rank=4,
                                     gradient_checkpointing=True), W.new_model(), objective)
     assert checkpointed.frozen_compute is checkpointed.frozen
+
+
+def test_full_fine_tuning_keeps_a_bf16_copy_the_update_writes(tmp_path):
+    """The trained weights reach the step as a bf16 copy that the optimizer update writes beside the f32
+    masters: after every step (and after a restore) it is the masters rounded to bf16, and the run trains
+    as one whose checkpointed layers cast the masters themselves."""
+    objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
+    trainer = Trainer(W.config(tmp_path, steps=3, compute_dtype="bfloat16"), W.new_model(), objective)
+    rounded = lambda: jax.tree.map(lambda x: np.asarray(x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x),
+                                   trainer.params)
+    records = []
+    for step in range(3):
+        records.append(trainer.run_step(step))
+        jax.tree.map(np.testing.assert_array_equal, rounded(), jax.tree.map(np.asarray, trainer.params_compute))
+    trainer.params_compute = None
+    trainer.load_state(trainer.state())
+    jax.tree.map(np.testing.assert_array_equal, rounded(), jax.tree.map(np.asarray, trainer.params_compute))
+    checkpointed = Trainer(W.config(tmp_path / "gc", steps=3, compute_dtype="bfloat16", gradient_checkpointing=True),
+                           W.new_model(), objective)
+    assert checkpointed.params_compute is None
+    for step, record in enumerate(records):
+        np.testing.assert_allclose(checkpointed.run_step(step)["loss"], record["loss"], rtol=1e-3)

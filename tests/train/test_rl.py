@@ -104,7 +104,7 @@ def test_grpo_writes_metrics_checkpoints_and_final(grpo_run):
         assert 0 <= r["clip_ratio"] <= 1 and r["kl"] >= 0
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
-    assert trainer.lora and trainer.engine is not None
+    assert trainer.lora and trainer.objective.rollout.engine is not None
     np.testing.assert_allclose(logits(load_model(out / "final").model), logits(run_module.merge_lora(trainer.model())),
                                atol=1e-4)
 
@@ -152,7 +152,7 @@ def test_engine_logprobs_align_with_the_trainers(tiny, prompts, root):
 
 def test_engine_greedy_equals_trainer_greedy_after_a_step(tiny, prompts, root):
     cfg = build_config(GRPOConfig, overrides=[*COMMON, "learning_rate=1e-2"], model=str(tiny), data=prompts,
-                       output=str(root / "sync"), reward=["brevity"], lora_rank=4)
+                       output=str(root / "sync"), reward=["tests.train.rl_rewards:low_ids"], lora_rank=4)
     loaded = load_model(cfg.model)
     trainer = RLTrainer(cfg, loaded.model, run_module.build_objective(cfg, loaded, cfg.data))
     ids = [[1, 80, 81, 82], [1, 70, 71]]
@@ -160,13 +160,13 @@ def test_engine_greedy_equals_trainer_greedy_after_a_step(tiny, prompts, root):
     before = [g.token_ids for g in reference_generate(trainer.model(), ids, config)]
     for step in range(2):
         trainer.run_step(step)
-    compiled = trainer.engine.stats().num_compiles
-    trainer._sync_engine()
-    engine_out = trainer.engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=8))
+    rollout = trainer.objective.rollout
+    compiled = rollout.num_compiles
+    engine_out = rollout.generate(ids, SamplingParams(temperature=0.0, max_tokens=8))  # takes the last step's weights
     after = [g.token_ids for g in reference_generate(trainer.model(), ids, config)]
     assert [o.token_ids for o in engine_out] == after
     assert after != before  # the steps changed the model, and the engine follows
-    assert trainer.engine.stats().num_compiles == compiled  # syncing weights compiled nothing
+    assert rollout.num_compiles == compiled  # syncing weights compiled nothing
 
 
 @pytest.mark.parametrize("kernel", ["xla", "ffi"])
@@ -181,17 +181,18 @@ def test_bf16_training_engine_dtype(tiny, prompts, root, kernel):
     loaded = load_model(cfg.model)
     trainer = RLTrainer(cfg, loaded.model, run_module.build_objective(cfg, loaded, cfg.data))
     trainer.run_step(0)
-    linears = [m for _, m in nnx.iter_modules(trainer.engine.model) if isinstance(m, nnx.Linear)]
+    engine = trainer.objective.rollout.engine
+    linears = [m for _, m in nnx.iter_modules(engine.model) if isinstance(m, nnx.Linear)]
     want_dtype, want_dot = ((jnp.bfloat16, bf16_dot_general("xla")) if kernel == "xla"
                             else (jnp.float32, jax.lax.dot_general))
     assert linears and all(m.dtype == want_dtype and m.dot_general is want_dot for m in linears)
-    assert all(leaf.dtype != jnp.float32 for leaf in jax.tree.leaves(nnx.state(trainer.engine.model, nnx.Param))) \
+    assert all(leaf.dtype != jnp.float32 for leaf in jax.tree.leaves(nnx.state(engine.model, nnx.Param))) \
         == (kernel == "xla")
     trained = [m for _, m in nnx.iter_modules(trainer.model()) if isinstance(m, nnx.Linear)]
     assert all(m.dtype == jnp.bfloat16 and m.dot_general is bf16_dot_general(kernel) for m in trained)
     ids = [[1, 80, 81, 82], [1, 70, 71]]
-    trainer._sync_engine()  # the step's weights, as the next rollout takes them
-    engine_out = trainer.engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=8))
+    # The step's weights, which the next generate takes first.
+    engine_out = trainer.objective.rollout.generate(ids, SamplingParams(temperature=0.0, max_tokens=8))
     want = reference_generate(trainer.inference_model(), ids, GenerationConfig(max_tokens=8))
     assert [o.token_ids for o in engine_out] == [g.token_ids for g in want]
 
@@ -222,17 +223,18 @@ def test_grpo_variants_run(root, tiny, prompts):
     records = read_metrics(out)
     assert all(math.isfinite(r["loss"]) for r in records)
     assert {"dynamic_sampling/rounds", "dynamic_sampling/filled_groups", "rewards/format/mean"} <= set(records[0])
-    assert trainer.engine.is_sleeping and not trainer.lora
+    assert trainer.objective.rollout.engine.is_sleeping and not trainer.lora
 
 
 @pytest.mark.parametrize("algo,steps,extra", [
-    ("grpo", 16, ("learning_rate=1e-2",)),
+    ("grpo", 16, ("learning_rate=2e-2",)),
     ("ppo", 32, ("learning_rate=3e-2", "num_iterations=2", "save_steps=2", "kl_coef=0.0")),
 ])
 def test_learnable_reward_rises(root, tiny, prompts, algo, steps, extra):
     """A dense learnable reward (the fraction of low token ids, ~0.2 for the random model) rises clearly over
     16 rollouts with LoRA (PPO's two iterations per rollout make that 32 steps; over 8 rollouts its gain
-    depended on the seed: from 0.0 to +0.17 over seeds 0..5 and 42). The default model's brevity run is in
+    depended on the seed: from 0.0 to +0.17 over seeds 0..5 and 42). GRPO at learning rate 2e-2 gains
+    +0.13 to +0.48 over seeds 42, 0, 1, 2 (at 1e-2 one seed gave +0.038). The default model's brevity run is in
     benchmarks/grpo.py (too slow for the tests)."""
     out = root / f"learn_{algo}"
     grpo(tiny, prompts, out, "--steps", str(steps), "--lora-rank", "8", "batch_size=32", *extra, algo=algo,

@@ -173,7 +173,22 @@ class DPOConfig(TrainConfig):
 
 
 @dataclasses.dataclass(kw_only=True)
-class DistillConfig(TrainConfig):
+class RolloutOptions:
+    """What runs that sample through the embedded engine share (GRPO, PPO, on-policy distillation)."""
+
+    # Engine options (EngineConfig's names: kv_cache_memory, max_num_seqs, max_num_batched_tokens, block_size,
+    # decode_steps, enable_prefix_caching, ...) over the sizing the run derives; rollout.NAME=VALUE sets one.
+    rollout: dict | None = None
+    sleep_engine: bool = False  # free the engine's KV cache while the trainer runs (memory-tight hosts)
+
+    def _check_rollout(self) -> None:
+        from tunix_rt.train.rollout_engine import check_rollout_section
+
+        self.rollout = check_rollout_section(self.rollout)
+
+
+@dataclasses.dataclass(kw_only=True)
+class DistillConfig(TrainConfig, RolloutOptions):
     teacher: str
     temperature: float = 2.0
     alpha: float = 0.5  # alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE
@@ -183,6 +198,8 @@ class DistillConfig(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        self._check_rollout()
+        _positive(self, "max_new_tokens")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
         if not 0.0 <= self.alpha <= 1.0:
@@ -210,7 +227,15 @@ def build_config(cls: type[TrainConfig], *, config_file: str | os.PathLike | Non
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like key=value")
-        values[key.strip().replace("-", "_")] = yaml.safe_load(raw) if raw else None
+        key = key.strip().replace("-", "_")
+        value = yaml.safe_load(raw) if raw else None
+        section, dot, field = key.partition(".")
+        if dot:  # rollout.max_num_seqs=16: one entry of a section
+            if not isinstance(values.get(section), (dict, type(None))):
+                raise ValueError(f"override {item!r}: {section} is not a section")
+            values[section] = {**(values.get(section) or {}), field: value}
+        else:
+            values[key] = value
     values.update({k: v for k, v in explicit.items() if v is not None})
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
@@ -244,6 +269,8 @@ def _coerce(name: str, value: Any, hint) -> Any:
             return value
         if option in (str, bool) and type(value) is option:
             return value
+        if option is dict and isinstance(value, dict):
+            return value
         if typing.get_origin(option) is tuple:
             item = typing.get_args(option)[0]
             items = [value] if isinstance(value, (str, int, float)) else value
@@ -263,7 +290,7 @@ IMPORTANCE_LEVELS = ("token", "sequence")
 
 
 @dataclasses.dataclass(kw_only=True)
-class RLConfig(TrainConfig):
+class RLConfig(TrainConfig, RolloutOptions):
     """What GRPO and PPO share: rollouts through the embedded engine, rewards, the clipped objective.
 
     batch_size counts completions (TRL's convention), so each step samples
@@ -285,8 +312,6 @@ class RLConfig(TrainConfig):
     epsilon_high: float | None = None  # above 1 (DAPO's clip-higher); None: epsilon
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     mask_truncated_completions: bool = False  # completions cut at max_completion_length train on no token
-    sleep_engine: bool = False  # free the engine's KV cache while the trainer runs (memory-tight hosts)
-    kv_cache_memory: int = 256 << 20  # bytes for the engine's KV cache
     # On, as in TRL's GRPOConfig: the engine shares the process, and the layers' activations were a third of
     # the step's memory (default-model PPO peak 3.93 -> 3.52 GB, the train step 14 % slower).
     gradient_checkpointing: bool = True
@@ -294,8 +319,8 @@ class RLConfig(TrainConfig):
     def __post_init__(self):
         super().__post_init__()
         self.reward = (self.reward,) if isinstance(self.reward, str) else tuple(self.reward)
-        for name in ("num_generations", "max_prompt_length", "max_completion_length", "num_iterations",
-                     "kv_cache_memory"):
+        self._check_rollout()
+        for name in ("num_generations", "max_prompt_length", "max_completion_length", "num_iterations"):
             _positive(self, name)
         if self.reward_weights is not None:
             self.reward_weights = tuple(float(w) for w in self.reward_weights)

@@ -5,14 +5,16 @@ step (frozen, its weights passed in as arrays)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 
+from tunix_rt.engine.params import SamplingParams
 from tunix_rt.ops.fused_head import head_distill
 from tunix_rt.train.data import SFTExample, bucket_length
+from tunix_rt.train.rollout_engine import RolloutEngine, rollout_config
 from tunix_rt.train.sft import SFTObjective, window_hidden
 from tunix_rt.train.trainer import LossContext
 
@@ -65,16 +67,15 @@ def prompt_part(example: SFTExample) -> np.ndarray:
 
 
 class OnPolicyDistillObjective(DistillObjective):
-    """The student writes the completions, sampled through the rollout engine from its current
-    weights, and the teacher scores them: distillation on the student's own distribution (GKD with
-    lambda = 1), so it learns from the states it will actually reach.
-
-    `attach(current_model)` gives it the trainer's model; before each batch the engine takes the
-    new weights in place (no recompile) and samples one completion per prompt.
+    """The student writes the completions, sampled through its RolloutEngine from its current weights (the
+    trainer binds them; each step's first batch takes them in place, no recompile), one per prompt, seeded by
+    the step and the prompt; the teacher scores them: distillation on the student's own distribution (GKD
+    with lambda = 1), so it learns from the states it will actually reach.
     """
 
     def __init__(self, examples: Sequence[SFTExample], teacher: nnx.Module, tokenizer, *, max_length: int,
-                 pad_id: int, temperature: float, alpha: float, top_k: int, max_new_tokens: int, seed: int):
+                 pad_id: int, temperature: float, alpha: float, top_k: int, max_new_tokens: int, seed: int,
+                 batch_size: int, rollout: dict | None = None, sleep_engine: bool = False):
         prompts = [prompt_part(e) for e in examples]
         self.prompts = [p for p in prompts if 0 < len(p) < max_length]
         if not self.prompts:
@@ -82,28 +83,17 @@ class OnPolicyDistillObjective(DistillObjective):
         super().__init__([], teacher, max_length=max_length, pad_id=pad_id, temperature=temperature, alpha=alpha,
                          top_k=top_k)
         self.num_items = len(self.prompts)
-        self.tokenizer, self.max_new_tokens, self.seed = tokenizer, max_new_tokens, seed
-        self.current_model: Callable[[], nnx.Module] | None = None
-        self.engine = None
-        self.batches = 0
+        self.max_new_tokens = max_new_tokens
+        # One micro-batch of prompts at a time; each prompt is new, so no prefix to share.
+        self.rollout = RolloutEngine(tokenizer, rollout_config(
+            rollout, max_model_len=max_length, max_num_seqs=batch_size, kv_cache_memory=64 << 20,
+            enable_prefix_caching=False, seed=seed), seed=seed, sleep=sleep_engine)
 
-    def attach(self, current_model: Callable[[], nnx.Module]) -> None:
-        self.current_model = current_model
-
-    def _sample(self, prompts: list[np.ndarray]) -> list[np.ndarray]:
-        from tunix_rt.engine.engine import Engine
-        from tunix_rt.engine.params import SamplingParams
-
-        model = self.current_model()
-        if self.engine is None:
-            self.engine = Engine(model, self.tokenizer, max_model_len=self.max_length, max_num_seqs=len(prompts),
-                                 kv_cache_memory=64 << 20, enable_prefix_caching=False)
-        else:
-            self.engine.update_weights(model)
-        self.batches += 1
+    def _sample(self, indices: np.ndarray) -> list[np.ndarray]:
+        prompts = [self.prompts[i] for i in indices]
         params = [SamplingParams(temperature=1.0, max_tokens=min(self.max_new_tokens, self.max_length - len(p)),
-                                 seed=self.seed * 1_000_003 + self.batches * 1009 + i) for i, p in enumerate(prompts)]
-        outputs = self.engine.generate([p.tolist() for p in prompts], params)
+                                 seed=self.rollout.seed(int(i))) for i, p in zip(indices, prompts)]
+        outputs = self.rollout.generate([p.tolist() for p in prompts], params)
         return [np.asarray(o.token_ids, np.int32) for o in outputs]
 
     def batch_lengths(self, indices: np.ndarray) -> tuple[int, int]:
@@ -114,8 +104,6 @@ class OnPolicyDistillObjective(DistillObjective):
                 bucket_length(len(indices) * self.max_new_tokens))
 
     def rows(self, indices: np.ndarray) -> list[SFTExample]:
-        if self.current_model is None:
-            raise RuntimeError("OnPolicyDistillObjective.attach(current_model) must be called before training")
         prompts = [self.prompts[i] for i in indices]
         return [SFTExample(np.concatenate([p, c]), np.concatenate([np.zeros(len(p), bool), np.ones(len(c), bool)]))
-                for p, c in zip(prompts, self._sample(prompts))]
+                for p, c in zip(prompts, self._sample(indices))]

@@ -28,21 +28,21 @@ class GRPOObjective(RLObjective):
 
     # --- host: rollouts -------------------------------------------------------------------------------
 
-    def rollout(self, engine, prompt_indices: np.ndarray, seed: int) -> tuple[dict[str, np.ndarray], dict]:
+    def sample_batch(self, prompt_indices: np.ndarray) -> tuple[dict[str, np.ndarray], dict]:
         cfg, g = self.cfg, self.cfg.num_generations
-        first = self.sampler.sample(engine, prompt_indices, seed)
+        first = self.sampler.sample(self.rollout, prompt_indices)
         metrics = self.sampler.metrics(first)
         spread = first.rewards.reshape(-1, g).std(axis=1) > 0
         metrics["frac_reward_zero_std"] = float(1.0 - spread.mean())
         chosen = first
         if cfg.dynamic_sampling:
-            chosen, extra = self._dynamic_sample(engine, first, seed)
+            chosen, extra = self._dynamic_sample(first)
             metrics.update(extra)
         batch = self.sampler.batch(chosen, self.pad_id)
         batch["advantages"] = np.asarray(group_advantages(chosen.rewards, g, cfg.advantage_estimator), np.float32)
         return batch, metrics
 
-    def _dynamic_sample(self, engine, first: Completions, seed: int) -> tuple[Completions, dict]:
+    def _dynamic_sample(self, first: Completions) -> tuple[Completions, dict]:
         """DAPO's dynamic sampling: keep groups whose rewards differ, sample fresh prompts for up to
         max_resample_rounds more rounds until the step's groups are full, then fill any shortfall with
         the agreeing groups (their advantages are 0: they add no policy gradient)."""
@@ -58,9 +58,9 @@ class GRPOObjective(RLObjective):
             if len(kept) >= want or rounds >= cfg.max_resample_rounds:
                 break
             rounds += 1
-            rng = np.random.default_rng((cfg.seed, seed, rounds))
+            rng = np.random.default_rng((cfg.seed % 2**63, self.rollout.index, rounds))
             n = len(self.sampler.examples)
-            current = self.sampler.sample(engine, rng.choice(n, want, replace=n < want), seed * 7919 + rounds)
+            current = self.sampler.sample(self.rollout, rng.choice(n, want, replace=n < want), stream=rounds)
         filled = max(0, want - len(kept))
         groups = kept[:want] + spare[:filled]
         return Completions.concat(groups), {"dynamic_sampling/rounds": float(rounds),

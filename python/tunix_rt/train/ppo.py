@@ -67,8 +67,8 @@ class PPOObjective(RLObjective):
         super().__init__(cfg, sampler, tokenizer, pad_id)
         self.needs_reference = cfg.kl_coef > 0
 
-    def rollout(self, engine, prompt_indices: np.ndarray, seed: int) -> tuple[dict[str, np.ndarray], dict]:
-        completions = self.sampler.sample(engine, prompt_indices, seed)
+    def sample_batch(self, prompt_indices: np.ndarray) -> tuple[dict[str, np.ndarray], dict]:
+        completions = self.sampler.sample(self.rollout, prompt_indices)
         batch = self.sampler.batch(completions, self.pad_id)
         batch["scores"] = completions.rewards.astype(np.float32)
         return batch, self.sampler.metrics(completions)

@@ -1,29 +1,28 @@
 """The RL loop (GRPO, PPO) on the one trainer core: rollouts from the embedded engine feed the jitted step.
 
 Every num_iterations optimizer steps a new rollout runs:
-1. sync: the engine takes the trainer's current weights in place (LoRA applied, no copy through disk,
-   no recompile; the prefix cache is reset); woken first if it sleeps between rollouts;
-2. rollout: the step's prompts are sampled G times each and scored by the reward functions; the
-   objective turns them into fixed-shape rows (advantages for GRPO);
-3. reference: one jitted scoring pass adds what stays fixed over the iterations (reference log-probs,
+1. rollout: the objective samples the step's prompts G times each through its RolloutEngine (which
+   first takes the trainer's current weights in place: LoRA applied, no copy through disk, no recompile;
+   woken first if it sleeps between rollouts) and scores them with the reward functions, then turns them
+   into fixed-shape rows (advantages for GRPO);
+2. reference: one jitted scoring pass adds what stays fixed over the iterations (reference log-probs,
    old log-probs or values, GAE for PPO);
-4. train: num_iterations optimizer steps on that batch, each the trainer core's jitted step.
+3. train: num_iterations optimizer steps on that batch, each the trainer core's jitted step.
 The prompt order is a pure function of the step (as the trainer core's data order), so a run resumes
 from its checkpoints; save_steps is a multiple of num_iterations, so a resumed run starts on a rollout.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 
 import jax
 import jax.numpy as jnp
 
 from tunix_rt.train.config import RLConfig
+from tunix_rt.train.rollout_engine import RolloutEngine, rollout_config
 from tunix_rt.train.trainer import LossContext, Trainer
 
-log = logging.getLogger("tunix_rt.train")
 
 _CORE_KEYS = frozenset({"loss", "grad_norm", "weight", "learning_rate"})  # what the trainer core's step reports
 
@@ -51,7 +50,8 @@ def completion_logprobs(model, batch: dict, temperature: float, *, entropy: bool
 class RLObjective:
     """What GRPO and PPO share: prompts as items, G rows per prompt, a rollout per batch, token metrics.
 
-    Subclasses give `rollout` (host: completions -> rows), `score` (traced once per rollout) and `loss`.
+    A rollout objective of the trainer's protocol (trainer.RolloutObjective): subclasses give `sample_batch`
+    (host: prompts -> completions through `self.rollout` -> rows), `score` (traced once per rollout) and `loss`.
     """
 
     needs_reference = False
@@ -59,9 +59,14 @@ class RLObjective:
     def __init__(self, cfg: RLConfig, sampler, tokenizer, pad_id: int):
         self.cfg, self.sampler, self.tokenizer, self.pad_id = cfg, sampler, tokenizer, pad_id
         self.num_items = len(sampler.examples)
-
-    def host_batch(self, indices, valid, lengths):
-        raise TypeError("RL objectives build their batches from rollouts (RLTrainer), not from dataset rows")
+        rows = cfg.batch_size * cfg.gradient_accumulation_steps
+        budget = (cfg.rollout or {}).get("max_num_batched_tokens", max(512, rows))
+        # Two token buckets, decode steps (up to `rows` sequences) and prefill steps, compiled when the
+        # engine warms up, so no rollout after the first meets a new shape.
+        self.rollout = RolloutEngine(tokenizer, rollout_config(
+            cfg.rollout, max_model_len=sampler.max_model_len, max_num_seqs=rows, max_num_batched_tokens=budget,
+            token_buckets=(min(rows, budget), budget), kv_cache_memory=256 << 20, seed=cfg.seed),
+            seed=cfg.seed, sleep=cfg.sleep_engine)
 
     def aux(self):
         return None
@@ -87,7 +92,6 @@ class RLTrainer(Trainer):
             raise ValueError(f"batch_size / num_generations ({groups} groups, one packed row each) must be a multiple "
                              f"of the fsdp mesh axis ({self.mesh.shape['fsdp']})")
         self._score_step = jax.jit(self._score)
-        self.engine = None
         self._rollout: tuple[int, dict, dict] | None = None  # (rollout index, device batch, host metrics)
         self.score_compiles = 0
 
@@ -112,42 +116,19 @@ class RLTrainer(Trainer):
 
         return jax.lax.map(one, batches)
 
-    # --- the engine ----------------------------------------------------------------------------------
-
-    def _sync_engine(self) -> None:
-        from tunix_rt.engine.engine import Engine
-
-        model = self.inference_model()
-        if self.engine is None:
-            rows = self.cfg.batch_size * self.cfg.gradient_accumulation_steps
-            budget = max(512, rows)
-            # Two token buckets: decode steps (up to `rows` sequences) and prefill steps; compiled up
-            # front, so no rollout after the first step meets a new shape.
-            self.engine = Engine(model, self.objective.tokenizer, max_model_len=self.objective.sampler.max_model_len,
-                                 max_num_seqs=rows, max_num_batched_tokens=budget, token_buckets=(rows, budget),
-                                 kv_cache_memory=self.cfg.kv_cache_memory, seed=self.cfg.seed)
-            log.info("engine: compiled %d step programs", self.engine.warmup())
-        else:
-            self.engine.wake_up()
-            self.engine.update_weights(model)
+    def _rollout_times(self) -> dict[str, float]:
+        return {}  # a rollout's times are reported with its metrics, on the step that sampled it
 
     def num_compiles(self) -> int:
         """Programs compiled so far: train step, scoring pass and the engine's step programs."""
-        engine = self.engine.stats().num_compiles if self.engine is not None else 0
-        return self.compiles + self.score_compiles + engine
+        return self.compiles + self.score_compiles + self.objective.rollout.num_compiles
 
     # --- one step ------------------------------------------------------------------------------------
 
     def _new_rollout(self, index: int) -> tuple[dict, dict]:
-        times = {}
-        start = time.perf_counter()
-        self._sync_engine()
-        times["time/sync"] = time.perf_counter() - start
-        start = time.perf_counter()
-        host, metrics = self.objective.rollout(self.engine, self.data_order.indices(index), self.cfg.seed + index)
-        if self.cfg.sleep_engine:
-            self.engine.sleep()
-        times["time/rollout"] = time.perf_counter() - start
+        self.objective.rollout.begin(index)
+        host, metrics = self.objective.sample_batch(self.data_order.indices(index))
+        times = self.objective.rollout.finish()
         start = time.perf_counter()
         accum = self.cfg.gradient_accumulation_steps
         batch = self._device_batch({k: v.reshape(accum, -1, *v.shape[1:]) for k, v in host.items()}, 1)

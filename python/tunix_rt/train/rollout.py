@@ -62,13 +62,15 @@ class Sampler:
         self.seq_len = -(-(longest + cfg.num_generations * cfg.max_completion_length) // 8) * 8
         self.max_model_len = longest + cfg.max_completion_length  # what the engine holds per sequence
 
-    def sample(self, engine, prompt_indices: np.ndarray, seed: int) -> Completions:
+    def sample(self, rollout, prompt_indices: np.ndarray, stream: int = 0) -> Completions:
+        """G completions of each prompt through the rollout engine (one request with n = G per prompt, seeded
+        by the prompt's position in the rollout and `stream`), scored by the reward functions."""
         cfg, g = self.cfg, self.cfg.num_generations
         prompts = [self.examples[i] for i in prompt_indices]
         params = [SamplingParams(n=g, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                                 max_tokens=cfg.max_completion_length, seed=(seed * 1_000_003 + i * g) % 2**31,
-                                 logprobs=0) for i in range(len(prompts))]
-        outputs = engine.generate([p.prompt_ids.tolist() for p in prompts], params)
+                                 max_tokens=cfg.max_completion_length, seed=rollout.seed(i, stream), logprobs=0)
+                  for i in range(len(prompts))]
+        outputs = rollout.generate([p.prompt_ids.tolist() for p in prompts], params)
         outputs = [o if isinstance(o, list) else [o] for o in outputs]
         rows = [o for group in outputs for o in group]
         repeated = [p for p in prompts for _ in range(g)]

@@ -61,7 +61,8 @@ def build_objective(cfg: TrainConfig, loaded: LoadedModel, data: str):
 
             examples = load_sft(data, tok, max_length=cfg.max_length)
             return OnPolicyDistillObjective(examples, teacher, tok, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
-                                            **kd)
+                                            batch_size=cfg.batch_size, rollout=cfg.rollout,
+                                            sleep_engine=cfg.sleep_engine, **kd)
         return DistillObjective(_sft_items(cfg, tok, data), teacher, **kd)
     if isinstance(cfg, RLConfig):
         return _rl_objective(cfg, loaded, data, pad)
@@ -100,9 +101,6 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
     if cfg.lora_rank == 0 and objective.needs_reference and cfg.dequantize and holds_quantized(cfg.model):
         reference = load_model(cfg.model).model  # the packed weights: what the dequantized ones compute, 7x smaller
     trainer = (RLTrainer if isinstance(cfg, RLConfig) else Trainer)(cfg, loaded.model, objective, reference=reference)
-    for o in (objective, eval_objective):
-        if hasattr(o, "attach"):  # on-policy objectives sample from the model being trained
-            o.attach(trainer.inference_model)
     log.info("training %d steps on %d items (%s)", trainer.steps, objective.num_items,
              "LoRA" if trainer.lora else "full")
     trainer.fit(output=output, eval_objective=eval_objective, stop_after=stop_after)

@@ -31,6 +31,7 @@ class RowsObjective:
     their trained targets gathered into a bucketed head window."""
 
     needs_reference = False
+    rollout = None  # batches come from the dataset, not from sampling
 
     def __init__(self, *, max_length: int, pad_id: int):
         self.max_length, self.pad_id = max_length, pad_id

@@ -38,6 +38,7 @@ from tunix_rt.train.data import DataOrder, harmonized_lengths
 from tunix_rt.train.errors import TrainingError
 from tunix_rt.train.lora import HeadParam, apply_lora, has_lora
 from tunix_rt.train.metrics import MetricsWriter
+from tunix_rt.train.rollout_engine import RolloutEngine
 
 log = logging.getLogger("tunix_rt.train")
 
@@ -52,14 +53,13 @@ class LossContext:
 
 
 class Objective(Protocol):
-    num_items: int  # examples (or packed rows, or pairs) in the dataset
+    """What every objective gives the trainer core: its items, its loss and what the loss reads."""
+
+    num_items: int  # examples (or packed rows, or pairs, or prompts) in the dataset
     needs_reference: bool
-
-    def batch_lengths(self, indices: np.ndarray) -> tuple[int, ...]:
-        """The (bucketed) lengths of the batch axes these items need; a step's micro-batches use the largest."""
-
-    def host_batch(self, indices: np.ndarray, valid: np.ndarray, lengths: tuple[int, ...]) -> dict[str, np.ndarray]:
-        """Arrays for these items at `lengths`; rows with valid False must carry zero weight."""
+    # The engine it samples through (rollout_engine.RolloutEngine: on-policy and RL objectives), or None. The
+    # trainer binds its current weights to it and begins each rollout with the step's index.
+    rollout: RolloutEngine | None
 
     def loss(self, ctx: LossContext, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """(loss summed over weight units, weight, metrics summed over the same units)."""
@@ -71,6 +71,28 @@ class Objective(Protocol):
         """Before training: compute what stays fixed per item (DPO's reference log-probs) with
         `score(fn, objective)`, which runs fn(LossContext, batch) over every batch of the objective's
         items and returns the host results per batch; most objectives have nothing to do."""
+
+
+class DatasetObjective(Objective, Protocol):
+    """An objective whose batches are built from its dataset's items (SFT, DPO, distillation): the Trainer."""
+
+    def batch_lengths(self, indices: np.ndarray) -> tuple[int, ...]:
+        """The (bucketed) lengths of the batch axes these items need; a step's micro-batches use the largest."""
+
+    def host_batch(self, indices: np.ndarray, valid: np.ndarray, lengths: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """Arrays for these items at `lengths`; rows with valid False must carry zero weight."""
+
+
+class RolloutObjective(Objective, Protocol):
+    """An objective whose batches are rollouts of its prompts (GRPO, PPO): the RLTrainer."""
+
+    rollout: RolloutEngine
+
+    def sample_batch(self, prompt_indices: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """Rows (one packed row per group) and metrics from sampling these prompts through `rollout`."""
+
+    def score(self, ctx: LossContext, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """What stays fixed over a rollout's iterations (reference or old log-probs, values), traced once."""
 
 
 def set_compute_dtype(model: nnx.Module, dtype, *, matmul_kernel: str | None = None) -> None:
@@ -127,7 +149,7 @@ def clip_factor(grad_norm: jax.Array, max_norm: float | None) -> jax.Array:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, model: Decoder, objective: Objective, *, mesh=None,
+    def __init__(self, cfg: TrainConfig, model: Decoder, objective: DatasetObjective, *, mesh=None,
                  reference: Decoder | None = None):
         """`reference`: for full fine-tuning, a frozen model computing what `model` computes at the start
         (its packed quantized weights as loaded, a seventh of the f32 copy the trainer makes otherwise)."""
@@ -199,6 +221,8 @@ class Trainer:
         self._score_fn = None
         self._planned_lengths: dict[int, tuple[int, ...]] | None = None
         self.data_order = DataOrder(objective.num_items, self._items_per_step(), seed=cfg.seed, shuffle=cfg.shuffle)
+        if objective.rollout is not None:  # it samples from the model being trained
+            objective.rollout.bind(self.inference_model)
 
     def _items_per_step(self) -> int:
         """Dataset items one optimizer step consumes."""
@@ -342,6 +366,8 @@ class Trainer:
     def train_batch(self, step: int) -> dict[str, jax.Array]:
         """(accumulation, rows, ...) arrays: one host batch per micro-batch, at the step's lengths, stacked."""
         lengths = self._step_lengths(step)
+        if self.objective.rollout is not None:
+            self.objective.rollout.begin(step)
         hosts = [self.objective.host_batch(idx, np.ones(len(idx), bool), lengths) for idx in self._micro_batches(step)]
         return self._device_batch({k: np.stack([h[k] for h in hosts]) for k in hosts[0]}, 1)
 
@@ -356,12 +382,20 @@ class Trainer:
             log.info("compiled the train step for batch shape %s (%d so far)",
                      {k: v.shape for k, v in batch.items() if k in ("tokens", "head_index")}, self.compiles)
         out = {k: float(v) for k, v in jax.device_get(out).items()}
+        if self.objective.rollout is not None:
+            self.objective.rollout.weights_changed()
+        out.update(self._rollout_times())
         out["learning_rate"] = float(self.schedule(step))
         out["compiles"] = float(self.compiles)
         out["memory/peak_rss_gb"] = peak_rss_gb()
         return out
 
-    def _walk(self, objective: Objective):
+    def _rollout_times(self) -> dict[str, float]:
+        """The step's sampling times (time/sync, time/rollout) where the objective samples; its engine sleeps
+        now if the run asks."""
+        return self.objective.rollout.finish() if self.objective.rollout is not None else {}
+
+    def _walk(self, objective: DatasetObjective):
         """Device batches over every item in order, batch_size at a time (the last padded with weightless rows),
         their lengths harmonized as the train steps' are."""
         b = self.cfg.batch_size
@@ -375,7 +409,7 @@ class Trainer:
             lengths = planned[objective.batch_lengths(idx)[0]]
             yield self._device_batch(objective.host_batch(idx, valid, lengths), 0)
 
-    def score(self, fn: Callable, objective: Objective) -> list:
+    def score(self, fn: Callable, objective: DatasetObjective) -> list:
         """fn(LossContext, batch) over every batch of `objective`'s items with the current params (eval mode, no
         gradient), as host arrays per batch; a progress bar shows the pass."""
         if self._score_fn is None:
@@ -390,7 +424,7 @@ class Trainer:
         model = self._model(self.eval_graphdef, params, rngs, frozen, rest)
         return fn(LossContext(model, aux, self._reference(self.eval_graphdef, params, rngs, frozen, rest, aux)), batch)
 
-    def evaluate(self, eval_objective: Objective) -> dict[str, float]:
+    def evaluate(self, eval_objective: DatasetObjective) -> dict[str, float]:
         """Mean loss (and metrics) over the whole eval set; the last batch is padded with weightless rows."""
         totals, weight = {}, 0.0
         for batch in self._walk(eval_objective):
@@ -430,7 +464,7 @@ class Trainer:
             set_compute_dtype(model, self.inference_dtype)
         return model
 
-    def fit(self, *, output: str | Path, eval_objective: Objective | None = None,
+    def fit(self, *, output: str | Path, eval_objective: DatasetObjective | None = None,
             stop_after: int | None = None) -> list[dict]:
         """Train to cfg.steps (resuming from output/checkpoints when cfg.resume); returns the records.
 
@@ -444,6 +478,8 @@ class Trainer:
             checkpointer.close()
             raise ValueError(f"{checkpointer.directory} holds checkpoints of an earlier run (up to step {latest}); "
                              "resume=false would mix the two runs: remove that directory or choose another --output")
+        if eval_objective is not None and eval_objective.rollout is not None:
+            eval_objective.rollout.bind(self.inference_model)
         for objective in (self.objective, eval_objective):
             if objective is not None:
                 objective.precompute(self.score)

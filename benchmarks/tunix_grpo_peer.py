@@ -39,10 +39,10 @@ def grpo_steps(hf_dir: str, prompts: list[str], steps: int, *, prompts_per_step:
     import transformers
     from flax import nnx
     from tunix.models.llama3 import params as llama_params
-    from tunix_peer import llama_config
     from tunix.rl import rl_cluster as rl_cluster_lib
     from tunix.rl.grpo import grpo_learner
     from tunix.rl.rollout import base_rollout
+    from tunix_peer import llama_config
 
     if not prompts:
         raise ValueError("no prompts")

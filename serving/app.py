@@ -19,14 +19,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from tunix_rt.engine.config import EngineConfig
-
 from serving import handlers
 from serving import protocol as p
-from serving.errors import APIError, error_body, install as install_errors
+from serving.errors import APIError, error_body
+from serving.errors import install as install_errors
 from serving.handlers import ServerState
 from serving.metrics import ServerMetrics
 from serving.tool_calls import tool_format_for
+from tunix_rt.engine.config import EngineConfig
 
 log = logging.getLogger("tunix_rt.serve")
 

@@ -17,17 +17,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-
-from tunix_rt.engine.async_engine import AsyncEngine
-from tunix_rt.engine.errors import EngineUnavailableError, InvalidRequestError
-from tunix_rt.engine.params import RequestOutput, SamplingParams
-from tunix_rt.engine.structured import StructuredOutputsParams
-
 from serving import protocol as p
 from serving.chat import render_chat
 from serving.errors import APIError, error_body
 from serving.metrics import SequenceTimer, ServerMetrics
 from serving.tool_calls import ParsedCall, ParserOutput, ToolFormat, check_json_schema, check_tools
+from tunix_rt.engine.async_engine import AsyncEngine
+from tunix_rt.engine.errors import EngineUnavailableError, InvalidRequestError
+from tunix_rt.engine.params import RequestOutput, SamplingParams
+from tunix_rt.engine.structured import StructuredOutputsParams
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty")

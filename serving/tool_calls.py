@@ -24,9 +24,8 @@ import referencing
 import referencing.exceptions
 import referencing.jsonschema
 
-from tunix_rt.engine.detokenizer import held_prefix_length
-
 from serving.protocol import Tool
+from tunix_rt.engine.detokenizer import held_prefix_length
 
 
 def _no_constant(name: str):

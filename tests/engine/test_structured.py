@@ -28,12 +28,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from tests.engine.idle import assert_idle
 from tunix_rt.engine.engine import Engine
 from tunix_rt.engine.errors import InvalidStructuredOutputError
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.engine.sampler import SamplingTensors, allowed_tokens, sample_tokens
 from tunix_rt.engine.structured import GrammarCompiler, StructuredOutputsParams
-from tests.engine.idle import assert_idle
 
 GREEDY = dict(temperature=0.0)
 

@@ -14,7 +14,7 @@ from tunix_rt.checkpoints import hf_dir
 from tunix_rt.checkpoints.errors import CheckpointError
 from tunix_rt.checkpoints.weights import build_decoder
 from tunix_rt.models.config import ModelConfig
-from tunix_rt.models.decoder import Decoder, MLP, MoEMLP
+from tunix_rt.models.decoder import MLP, Decoder, MoEMLP
 from tunix_rt.ops import router_topk
 
 pytest.importorskip("torch")

@@ -16,10 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.isa_tiers import expected_tier, run_tiers
-from tunix_rt.ops import _ffi
 from tunix_rt.models.decoder import Embed
-from tunix_rt.ops.bf16_matmul import (bf16_dot_general, bf16_matmul, bf16_matmul_reference,
-                                        default_kernel)
+from tunix_rt.ops import _ffi
+from tunix_rt.ops.bf16_matmul import bf16_dot_general, bf16_matmul, bf16_matmul_reference, default_kernel
 
 pytestmark = pytest.mark.skipif(not _ffi.has_cpu_target("tunix_rt_bf16_matmul"),
                                 reason="tunix_rt._ext is not built: no FFI op to test")

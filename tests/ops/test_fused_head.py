@@ -12,9 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tunix_rt.ops.fused_head import (default_chunk, head_distill, head_distill_reference, head_logprobs,
-                                     head_logprobs_reference)
-
+from tunix_rt.ops.fused_head import default_chunk, head_distill, head_distill_reference, head_logprobs, head_logprobs_reference
 
 
 def close(actual, expected, rtol, floor=1e-6):

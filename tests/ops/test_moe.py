@@ -272,7 +272,8 @@ def test_grouped_matmul_jit_equals_eager():
     rng = np.random.default_rng(4)
     x, w = jnp.asarray(rng.standard_normal((12, 8)), jnp.float32), jnp.asarray(rng.standard_normal((3, 8, 5)), jnp.float32)
     sizes = jnp.asarray([4, 0, 7], jnp.int32)
-    np.testing.assert_array_equal(np.asarray(jax.jit(moe.grouped_matmul)(x, w, sizes)), np.asarray(moe.grouped_matmul(x, w, sizes)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(moe.grouped_matmul)(x, w, sizes)),
+                                  np.asarray(moe.grouped_matmul(x, w, sizes)))
 
 
 @pytest.mark.parametrize("sizes, pattern", [
@@ -287,9 +288,12 @@ def test_grouped_matmul_rejects_bad_group_sizes(sizes, pattern):
 
 @pytest.mark.parametrize("call, pattern", [
     (lambda: moe.grouped_matmul(jnp.ones((4, 3)), jnp.ones((2, 4, 5)), jnp.ones(2, jnp.int32)), r"w's K axis \(4\)"),
-    (lambda: moe.grouped_matmul(jnp.ones((4, 3)), jnp.ones((2, 3, 5), jnp.bfloat16), jnp.ones(2, jnp.int32)), r"w must be \(experts, K, N\) of x's dtype"),
-    (lambda: moe.grouped_matmul(jnp.ones((4, 3)), jnp.ones((2, 3, 5)), jnp.ones(3, jnp.int32)), r"group_sizes must be int32 \(2,\)"),
-    (lambda: moe.grouped_matmul(jnp.ones(4), jnp.ones((2, 3, 5)), jnp.ones(2, jnp.int32)), "x must be float32 or bfloat16 \\(rows, K\\)"),
+    (lambda: moe.grouped_matmul(jnp.ones((4, 3)), jnp.ones((2, 3, 5), jnp.bfloat16), jnp.ones(2, jnp.int32)),
+     r"w must be \(experts, K, N\) of x's dtype"),
+    (lambda: moe.grouped_matmul(jnp.ones((4, 3)), jnp.ones((2, 3, 5)), jnp.ones(3, jnp.int32)),
+     r"group_sizes must be int32 \(2,\)"),
+    (lambda: moe.grouped_matmul(jnp.ones(4), jnp.ones((2, 3, 5)), jnp.ones(2, jnp.int32)),
+     "x must be float32 or bfloat16 \\(rows, K\\)"),
 ])
 def test_grouped_matmul_argument_errors(call, pattern):
     with pytest.raises(ValueError, match=f"grouped_matmul: {pattern}"):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_rt.ops import QuantizedTensor, dequantize, quant_matmul, quantize
+from tunix_rt.ops import QuantizedTensor, dequantize, quantize
 
 
 def _qt(fmt="q4_1", k=128, n=64):

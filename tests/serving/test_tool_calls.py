@@ -5,7 +5,6 @@ against the default model's tokenizer) and how chat messages reach the template.
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest

@@ -17,8 +17,8 @@ from tunix_rt.checkpoints import gguf_loader
 from tunix_rt.checkpoints.default_model import DefaultModelMissing, default_model_path
 from tunix_rt.checkpoints.tokenizer import Tokenizer
 from tunix_rt.train.data import (
-    DataOrder,
     DataError,
+    DataOrder,
     PreferenceExample,
     SFTExample,
     load_preferences,

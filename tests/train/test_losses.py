@@ -13,8 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tunix_rt.train.losses import (
-    PREFERENCE_LOSSES, PreferenceConfig, PreferenceStats, cross_entropy, distillation_loss,
-    preference_loss, sequence_logprobs, teacher_topk, token_logprobs, topk_distillation_loss,
+    PREFERENCE_LOSSES,
+    PreferenceConfig,
+    PreferenceStats,
+    cross_entropy,
+    distillation_loss,
+    preference_loss,
+    sequence_logprobs,
+    teacher_topk,
+    token_logprobs,
+    topk_distillation_loss,
 )
 
 HYP = settings(max_examples=25)

@@ -4,6 +4,7 @@ bad rewards and bad rows get."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -73,7 +74,7 @@ def grpo(tiny, prompts, out, *extra, algo="grpo", reward="brevity") -> RLTrainer
             made.append(self)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(run_module, "RLTrainer", Recording)
+        mp.setitem(run_module.ALGORITHMS, algo, dataclasses.replace(run_module.ALGORITHMS[algo], trainer=Recording))
         assert cli(*argv) == 0
     return made[0]
 

@@ -10,6 +10,7 @@ optimisation passes are off for this module (they would triple the compile time 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -67,7 +68,9 @@ def recording_trainers():
             made.append(self)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(run_module, "Trainer", Recording)
+        for name, algorithm in run_module.ALGORITHMS.items():
+            if algorithm.trainer is run_module.Trainer:
+                mp.setitem(run_module.ALGORITHMS, name, dataclasses.replace(algorithm, trainer=Recording))
         yield made
 
 

@@ -10,6 +10,7 @@ any variable the table cannot place is an error.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -141,6 +142,12 @@ def _replace(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _save_tensors(tensors: dict, path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
 def _write_json(path: Path, data: dict) -> None:
     _replace(path, lambda p: p.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"))
 
@@ -166,15 +173,13 @@ def export_hf(model: Decoder, tokenizer: Tokenizer, hf_config: dict, out_dir: st
     hf_config is the config.json dict the model was built from (LoadedModel.hf_config). An existing
     model directory is overwritten; a non-empty directory without config.json is refused.
     """
-    from safetensors.numpy import save_file
-
     out_dir = Path(out_dir).expanduser()
     tensors = hf_tensors(model, dtype)  # before touching out_dir: unknown variables fail first
     gen = _generation_config(tokenizer, generation_config)
     config = _config(model, tokenizer, hf_config, dtype, gen.get("eos_token_id"))
     _prepare(out_dir)
-    _replace(out_dir / hf_dir.SINGLE_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-    del tensors
+    _replace(out_dir / hf_dir.SINGLE_FILE, functools.partial(_save_tensors, tensors))
+    del tensors  # the host copy of the weights goes before the tokenizer files are written
     _replace(out_dir / "tokenizer.json", lambda p: tokenizer.backend.save(str(p)))
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(tokenizer, model.config.max_position_embeddings))
     if tokenizer.chat_template is not None:

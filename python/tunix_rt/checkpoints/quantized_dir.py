@@ -84,7 +84,8 @@ def quantize_checkpoint(src: Path, out: Path, fmt: str, group_size: int | None =
             "source_bytes": sum(p.stat().st_size for p in files)}
 
 
-def group_quantized(tensors: Iterable[tuple[str, np.ndarray]], fmt: str, group: int) -> Iterator[tuple[str, np.ndarray | QuantizedTensor]]:
+def group_quantized(tensors: Iterable[tuple[str, np.ndarray]], fmt: str,
+                    group: int) -> Iterator[tuple[str, np.ndarray | QuantizedTensor]]:
     """Reassemble X.weight.{qs,scales[,mins]} into QuantizedTensors named X.weight."""
     f, group = resolve_format(fmt, group)
     needed = len(_PARTS) if f.has_min else len(_PARTS) - 1

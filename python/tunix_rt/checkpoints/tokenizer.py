@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jinja2

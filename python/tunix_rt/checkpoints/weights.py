@@ -109,7 +109,8 @@ def hf_to_path(name: str, cfg: ModelConfig) -> Target | None:
     raise CheckpointError(f"unexpected tensor {name!r} for a {cfg.architecture} model")
 
 
-def _split_fused(tensors: Iterable[tuple[str, np.ndarray | QuantizedTensor]]) -> Iterator[tuple[str, np.ndarray | QuantizedTensor]]:
+def _split_fused(
+        tensors: Iterable[tuple[str, np.ndarray | QuantizedTensor]]) -> Iterator[tuple[str, np.ndarray | QuantizedTensor]]:
     """transformers 5's fused experts (experts, 2 * inter, hidden) as stacked gate and up tensors."""
     for name, array in tensors:
         if name.endswith(".mlp.experts.gate_up_proj") and not isinstance(array, QuantizedTensor):

@@ -14,8 +14,9 @@ requests and changing a value never recompiles. The order follows vLLM v1:
 
 Logprobs are of the raw model distribution (log_softmax of the logits before penalties and
 filters, vLLM's default "raw_logprobs"); a structured-output grammar's mask comes first, so a
-constrained row's logprobs are those of the masked distribution (as in vLLM). Costly parts are skipped at run time with `lax.cond` when no row needs them: the
-penalty scatters, the draw (and its vocab sort), and statically the top-k logprobs.
+constrained row's logprobs are those of the masked distribution (as in vLLM). Costly parts are
+skipped at run time with `lax.cond` when no row needs them: the penalty scatters, the draw (and its
+vocab sort), and statically the top-k logprobs.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Each family differs from Llama only in switches held here (biases, q/k norms, sandwich norms,
 soft-capping, sliding-window layers, embedding scaling, rope per layer type, a Mixture-of-Experts
 MLP on some layers), so one decoder implementation serves all of them. The MoE families reuse
-their dense base's switches: Mixtral is Mistral's, Qwen2-MoE Qwen2's, Qwen3-MoE Qwen3's. Both the transformers 4.x keys (rope_theta, rope_scaling,
-rope_local_base_freq) and the 5.x `rope_parameters` layout are read.
+their dense base's switches: Mixtral is Mistral's, Qwen2-MoE Qwen2's, Qwen3-MoE Qwen3's. Both the
+transformers 4.x keys (rope_theta, rope_scaling, rope_local_base_freq) and the 5.x `rope_parameters`
+layout are read.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class ModelConfig:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
         if self.activation not in ("silu", "gelu_tanh", "gelu"):
             raise UnsupportedArchitecture(f"unsupported activation {self.activation!r}")
         if not self.layer_types:
@@ -227,7 +229,8 @@ def _parse(model_type: str, d: dict[str, Any]) -> ModelConfig:
 def _rope_from(params: dict[str, Any] | None, theta: float) -> RopeConfig:
     params = dict(params or {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    kw = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k in params}
+    names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    kw = {k: params[k] for k in names if k in params}
     return RopeConfig(theta=float(params.get("rope_theta", theta)), rope_type=rope_type, **kw)
 
 

@@ -311,7 +311,8 @@ def _check_gmm(x, w, group_sizes, transpose_w):
     if w.shape[k_axis] != x.shape[1]:
         raise ValueError(f"grouped_matmul: w's K axis ({w.shape[k_axis]}) does not match x's last dimension ({x.shape[1]})")
     if group_sizes.shape != (w.shape[0],) or jnp.dtype(group_sizes.dtype) != jnp.int32:
-        raise ValueError(f"grouped_matmul: group_sizes must be int32 ({w.shape[0]},), got {group_sizes.dtype} {group_sizes.shape}")
+        raise ValueError(f"grouped_matmul: group_sizes must be int32 ({w.shape[0]},), got {group_sizes.dtype} "
+                         f"{group_sizes.shape}")
 
 
 def grouped_matmul_reference(x, w, group_sizes, *, transpose_w=False):

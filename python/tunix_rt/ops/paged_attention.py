@@ -37,7 +37,8 @@ def _require(cond: bool, msg: str) -> None:
 def _check_array(op: str, name: str, a, ndim: int, dtypes) -> None:
     _require(hasattr(a, "shape") and hasattr(a, "dtype"), f"{op}: {name} must be an array, got {type(a).__name__}")
     _require(a.ndim == ndim, f"{op}: {name} must have {ndim} dimensions, got shape {tuple(a.shape)}")
-    _require(jnp.dtype(a.dtype) in dtypes, f"{op}: {name} must be {' or '.join(str(d) for d in dtypes)}, got {jnp.dtype(a.dtype)}")
+    allowed = " or ".join(str(d) for d in dtypes)
+    _require(jnp.dtype(a.dtype) in dtypes, f"{op}: {name} must be {allowed}, got {jnp.dtype(a.dtype)}")
 
 
 def _check_caches(op: str, k_cache, v_cache) -> None:

@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from tunix_rt.ops.bf16_matmul import KERNELS as MATMUL_KERNELS, default_kernel
+from tunix_rt.ops.bf16_matmul import KERNELS as MATMUL_KERNELS
+from tunix_rt.ops.bf16_matmul import default_kernel
 from tunix_rt.train.lora import ALL_TARGETS
 from tunix_rt.train.losses import PreferenceConfig
 
@@ -46,9 +47,9 @@ class TrainConfig:
     adam_epsilon: float = 1e-8
     max_grad_norm: float | None = 1.0
     compute_dtype: str = "float32"  # bf16 compute keeps f32 master weights
-    # bf16 compute's matmul kernel (ops/bf16_matmul.py): "ffi" (true) tunix-rt's op, "xla" (false) XLA's dot
-    # with f32 sums; None: the faster one for this CPU (XLA's on AMX-BF16 CPUs, ours elsewhere)
-    bf16_matmul: str | bool | None = None
+    # bf16 compute's matmul kernel (ops/bf16_matmul.py): "ffi" tunix-rt's op, "xla" XLA's dot with f32 sums;
+    # None: the faster one for this CPU (XLA's on AMX-BF16 CPUs, ours elsewhere)
+    bf16_matmul: str | None = None
     seed: int = 42
     shuffle: bool = True
     lora_rank: int = 0  # 0: full fine-tuning
@@ -97,13 +98,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.bf16_matmul is False and self.compute_dtype != "bfloat16":
-            self.bf16_matmul = None  # "not the FFI op": what f32 compute does (older config.yaml files say so)
-        if isinstance(self.bf16_matmul, bool):
-            self.bf16_matmul = "ffi" if self.bf16_matmul else "xla"
-        if self.bf16_matmul not in (None, *MATMUL_KERNELS):
-            raise ValueError(f"bf16_matmul must be one of {', '.join(MATMUL_KERNELS)} (or true / false), got "
-                             f"{self.bf16_matmul!r}")
+        if isinstance(self.bf16_matmul, bool) or self.bf16_matmul not in (None, *MATMUL_KERNELS):
+            raise ValueError(f"bf16_matmul must be one of {', '.join(MATMUL_KERNELS)} (or null: the faster one for "
+                             f"this CPU), got {self.bf16_matmul!r}")
         if self.bf16_matmul is not None and self.compute_dtype != "bfloat16":
             raise ValueError(f"bf16_matmul={self.bf16_matmul} needs compute_dtype=bfloat16 (f32 compute runs XLA's "
                              "f32 dot)")

@@ -23,7 +23,6 @@ from tunix_rt.train.config import RLConfig
 from tunix_rt.train.rollout_engine import RolloutEngine, rollout_config
 from tunix_rt.train.trainer import LossContext, Trainer
 
-
 _CORE_KEYS = frozenset({"loss", "grad_norm", "weight", "learning_rate"})  # what the trainer core's step reports
 
 

@@ -1,12 +1,14 @@
 """From a config to a trained model: load, build the objective, fit, export DIR/final.
 
-This is what `tunix-rt sft|dpo|distill|grpo|ppo` run; Python callers can call `run(config)` directly.
+This is what `tunix-rt sft|dpo|distill|grpo|ppo` run (the ALGORITHMS registry names each one's config,
+objective and trainer); Python callers can call `run(config)` directly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -14,12 +16,13 @@ import yaml
 
 from tunix_rt.checkpoints.hf_export import export_hf
 from tunix_rt.checkpoints.loader import LoadedModel, holds_quantized, load_model
+from tunix_rt.models.decoder import Decoder
 from tunix_rt.parallel.mesh import initialize_distributed
 from tunix_rt.train.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RLConfig, SFTConfig, TrainConfig
 from tunix_rt.train.data import load_preferences, load_prompts, load_sft, pack
 from tunix_rt.train.lora import merge_lora
 from tunix_rt.train.rl_trainer import RLTrainer
-from tunix_rt.train.trainer import Trainer
+from tunix_rt.train.trainer import Objective, Trainer
 
 log = logging.getLogger("tunix_rt.train")
 FINAL = "final"
@@ -32,59 +35,108 @@ def _pad_id(tokenizer) -> int:
     return 0
 
 
-def _sft_items(cfg: SFTConfig | DistillConfig, tokenizer, path: str):
-    examples = load_sft(path, tokenizer, max_length=cfg.max_length,
-                        assistant_only_loss=getattr(cfg, "assistant_only_loss", True),
-                        completion_only_loss=getattr(cfg, "completion_only_loss", True))
+def _sft_items(cfg: SFTConfig | DistillConfig, tokenizer, path: str, **options):
+    examples = load_sft(path, tokenizer, max_length=cfg.max_length, **options)
     return pack(examples, cfg.max_length) if getattr(cfg, "packing", False) else examples
 
 
-def build_objective(cfg: TrainConfig, loaded: LoadedModel, data: str):
-    """The objective for cfg's algorithm over the rows of `data`."""
-    tok, pad = loaded.tokenizer, _pad_id(loaded.tokenizer)
-    if isinstance(cfg, DPOConfig):
-        from tunix_rt.train.dpo import DPOObjective
-
-        pref = cfg.preference()
-        examples = load_preferences(data, tok, max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length)
-        ref = load_model(cfg.ref_model).model if cfg.ref_model and not pref.reference_free else None
-        return DPOObjective(examples, pref, max_length=cfg.max_length, pad_id=pad, ref_model=ref,
-                            precompute_ref_log_probs=cfg.precompute_ref_log_probs)
-    if isinstance(cfg, DistillConfig):
-        from tunix_rt.train.distill import DistillObjective, check_teacher
-
-        teacher = load_model(cfg.teacher).model
-        check_teacher(loaded.model.config.vocab_size, teacher.config.vocab_size)
-        kd = dict(max_length=cfg.max_length, pad_id=pad, temperature=cfg.temperature, alpha=cfg.alpha, top_k=cfg.top_k)
-        if cfg.on_policy:
-            from tunix_rt.train.distill import OnPolicyDistillObjective
-
-            examples = load_sft(data, tok, max_length=cfg.max_length)
-            return OnPolicyDistillObjective(examples, teacher, tok, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
-                                            batch_size=cfg.batch_size, rollout=cfg.rollout,
-                                            sleep_engine=cfg.sleep_engine, **kd)
-        return DistillObjective(_sft_items(cfg, tok, data), teacher, **kd)
-    if isinstance(cfg, RLConfig):
-        return _rl_objective(cfg, loaded, data, pad)
+def _sft(cfg: SFTConfig, loaded: LoadedModel, data: str):
     from tunix_rt.train.sft import SFTObjective
 
-    return SFTObjective(_sft_items(cfg, tok, data), max_length=cfg.max_length, pad_id=pad)
+    items = _sft_items(cfg, loaded.tokenizer, data, assistant_only_loss=cfg.assistant_only_loss,
+                       completion_only_loss=cfg.completion_only_loss)
+    return SFTObjective(items, max_length=cfg.max_length, pad_id=_pad_id(loaded.tokenizer))
 
 
-def _rl_objective(cfg: RLConfig, loaded: LoadedModel, data: str, pad: int):
+def _dpo(cfg: DPOConfig, loaded: LoadedModel, data: str):
+    from tunix_rt.train.dpo import DPOObjective
+
+    pref = cfg.preference()
+    examples = load_preferences(data, loaded.tokenizer, max_length=cfg.max_length,
+                                max_prompt_length=cfg.max_prompt_length)
+    ref = load_model(cfg.ref_model).model if cfg.ref_model and not pref.reference_free else None
+    return DPOObjective(examples, pref, max_length=cfg.max_length, pad_id=_pad_id(loaded.tokenizer), ref_model=ref,
+                        precompute_ref_log_probs=cfg.precompute_ref_log_probs)
+
+
+def _distill(cfg: DistillConfig, loaded: LoadedModel, data: str):
+    from tunix_rt.train.distill import DistillObjective, OnPolicyDistillObjective, check_teacher
+
+    tok = loaded.tokenizer
+    teacher = load_model(cfg.teacher).model
+    check_teacher(loaded.model.config.vocab_size, teacher.config.vocab_size)
+    kd = dict(max_length=cfg.max_length, pad_id=_pad_id(tok), temperature=cfg.temperature, alpha=cfg.alpha,
+              top_k=cfg.top_k)
+    if cfg.on_policy:
+        return OnPolicyDistillObjective(load_sft(data, tok, max_length=cfg.max_length), teacher, tok,
+                                        max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, batch_size=cfg.batch_size,
+                                        rollout=cfg.rollout, sleep_engine=cfg.sleep_engine, **kd)
+    return DistillObjective(_sft_items(cfg, tok, data), teacher, **kd)
+
+
+def _sampler(cfg: RLConfig, loaded: LoadedModel, data: str):
     from tunix_rt.train.rewards import resolve_reward
     from tunix_rt.train.rollout import Sampler
 
     rewards = [resolve_reward(spec) for spec in cfg.reward]  # before tokenizing: a bad name fails at once
-    sampler = Sampler(cfg, load_prompts(data, loaded.tokenizer, max_prompt_length=cfg.max_prompt_length), rewards)
-    if isinstance(cfg, PPOConfig):
-        from tunix_rt.train.ppo import PPOObjective, attach_value_head
+    return Sampler(cfg, load_prompts(data, loaded.tokenizer, max_prompt_length=cfg.max_prompt_length), rewards)
 
-        attach_value_head(loaded.model)
-        return PPOObjective(cfg, sampler, loaded.tokenizer, pad)
+
+def _grpo(cfg: GRPOConfig, loaded: LoadedModel, data: str):
     from tunix_rt.train.grpo import GRPOObjective
 
-    return GRPOObjective(cfg, sampler, loaded.tokenizer, pad)
+    return GRPOObjective(cfg, _sampler(cfg, loaded, data), loaded.tokenizer, _pad_id(loaded.tokenizer))
+
+
+def _ppo(cfg: PPOConfig, loaded: LoadedModel, data: str):
+    from tunix_rt.train.ppo import PPOObjective, attach_value_head
+
+    sampler = _sampler(cfg, loaded, data)
+    attach_value_head(loaded.model)
+    return PPOObjective(cfg, sampler, loaded.tokenizer, _pad_id(loaded.tokenizer))
+
+
+def _policy_only(model):
+    from tunix_rt.train.ppo import policy_only
+
+    return policy_only(model)
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """One post-training algorithm, all the runner needs to know of it: its config class, its objective built
+    from the loaded model and a data file (the data loader is the objective builder's), the trainer that
+    runs it, and what the exported model keeps of the trained one."""
+
+    config: type[TrainConfig]
+    objective: Callable[[TrainConfig, LoadedModel, str], Objective]
+    trainer: type[Trainer] = Trainer
+    exported: Callable[[Decoder], Decoder] | None = None
+
+
+# `tunix-rt NAME` runs ALGORITHMS[NAME]; a new algorithm is one entry.
+ALGORITHMS = {
+    "sft": Algorithm(SFTConfig, _sft),
+    "dpo": Algorithm(DPOConfig, _dpo),
+    "distill": Algorithm(DistillConfig, _distill),
+    "grpo": Algorithm(GRPOConfig, _grpo, RLTrainer),
+    "ppo": Algorithm(PPOConfig, _ppo, RLTrainer, exported=_policy_only),
+}
+CONFIGS = {name: algorithm.config for name, algorithm in ALGORITHMS.items()}
+
+
+def algorithm_for(cfg: TrainConfig) -> Algorithm:
+    """The registered algorithm whose config class cfg is (exactly, else the first it derives from)."""
+    exact = [a for a in ALGORITHMS.values() if type(cfg) is a.config]
+    derived = [a for a in ALGORITHMS.values() if isinstance(cfg, a.config)]
+    if not exact + derived:
+        raise TypeError(f"no algorithm is registered for {type(cfg).__name__}; known: {', '.join(CONFIGS)}")
+    return (exact + derived)[0]
+
+
+def build_objective(cfg: TrainConfig, loaded: LoadedModel, data: str) -> Objective:
+    """The objective for cfg's algorithm over the rows of `data`."""
+    return algorithm_for(cfg).objective(cfg, loaded, data)
 
 
 def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
@@ -100,7 +152,8 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
     reference = None
     if cfg.lora_rank == 0 and objective.needs_reference and cfg.dequantize and holds_quantized(cfg.model):
         reference = load_model(cfg.model).model  # the packed weights: what the dequantized ones compute, 7x smaller
-    trainer = (RLTrainer if isinstance(cfg, RLConfig) else Trainer)(cfg, loaded.model, objective, reference=reference)
+    algorithm = algorithm_for(cfg)
+    trainer = algorithm.trainer(cfg, loaded.model, objective, reference=reference)
     log.info("training %d steps on %d items (%s)", trainer.steps, objective.num_items,
              "LoRA" if trainer.lora else "full")
     trainer.fit(output=output, eval_objective=eval_objective, stop_after=stop_after)
@@ -110,14 +163,10 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
         model = trainer.model()
         if trainer.lora:
             model = merge_lora(model)
-        if isinstance(cfg, PPOConfig):
-            from tunix_rt.train.ppo import policy_only
-
-            model = policy_only(model)
+        if algorithm.exported is not None:
+            model = algorithm.exported(model)
         if jax.process_index() == 0:
             export_hf(model, loaded.tokenizer, loaded.hf_config, final, dtype=cfg.export_dtype,
                       generation_config=loaded.generation_config or None)
     return final
 
-
-CONFIGS = {"sft": SFTConfig, "dpo": DPOConfig, "distill": DistillConfig, "grpo": GRPOConfig, "ppo": PPOConfig}

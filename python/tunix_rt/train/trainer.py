@@ -28,9 +28,9 @@ from flax import nnx
 from tqdm import tqdm
 
 from tunix_rt.models.decoder import Decoder, Embed, record_router_logits
+from tunix_rt.models.quant_layers import QuantEmbed, set_int8_rows
 from tunix_rt.ops.bf16_matmul import bf16_dot_general
 from tunix_rt.ops.moe import load_balancing_loss, router_z_loss
-from tunix_rt.models.quant_layers import QuantEmbed, set_int8_rows
 from tunix_rt.parallel.mesh import batch_sharding, make_mesh, put_global, state_shardings
 from tunix_rt.train.checkpointing import Checkpointer
 from tunix_rt.train.config import TrainConfig
@@ -302,14 +302,14 @@ class Trainer:
 
         def micro(carry, batch):
             grads, rngs, loss_sum, weight, metrics = carry
-            (l, (w, m, rngs)), g = grad_fn(params, rngs, frozen, rest, aux, batch, self.graphdef)
+            (loss, (w, m, rngs)), g = grad_fn(params, rngs, frozen, rest, aux, batch, self.graphdef)
             add = lambda a, b: jax.tree.map(jnp.add, a, b)
-            return (add(grads, g), rngs, loss_sum + l, weight + w, add(metrics, m)), None
+            return (add(grads, g), rngs, loss_sum + loss, weight + w, add(metrics, m)), None
 
         first = jax.tree.map(lambda x: x[0], batches)
-        (l, (w, m, rngs)), g = grad_fn(params, rngs, frozen, rest, aux, first, self.graphdef)
+        (loss, (w, m, rngs)), g = grad_fn(params, rngs, frozen, rest, aux, first, self.graphdef)
         rest_batches = jax.tree.map(lambda x: x[1:], batches)
-        (grads, rngs, loss_sum, weight, metrics), _ = jax.lax.scan(micro, (g, rngs, l, w, m), rest_batches)
+        (grads, rngs, loss_sum, weight, metrics), _ = jax.lax.scan(micro, (g, rngs, loss, w, m), rest_batches)
         denom = jnp.maximum(weight, 1e-9)
         loss = loss_sum / denom
         grad_norm = optax.global_norm(grads) / denom
@@ -373,6 +373,7 @@ class Trainer:
 
     def run_step(self, step: int) -> dict[str, float]:
         batch = self.train_batch(step)
+        sampled = self._rollout_times()  # before the step: an engine asked to sleep frees its KV cache for it
         before = self._train_step._cache_size()
         self.params, self.params_compute, self.opt_state, self.rngs, out = self._train_step(
             self.params, self.params_compute, self.opt_state, self.rngs, self.frozen_compute, self.rest, self._aux(),
@@ -384,7 +385,7 @@ class Trainer:
         out = {k: float(v) for k, v in jax.device_get(out).items()}
         if self.objective.rollout is not None:
             self.objective.rollout.weights_changed()
-        out.update(self._rollout_times())
+        out.update(sampled)
         out["learning_rate"] = float(self.schedule(step))
         out["compiles"] = float(self.compiles)
         out["memory/peak_rss_gb"] = peak_rss_gb()

@@ -27,10 +27,7 @@
 #include "gemm_f32.h"
 #include "parallel.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define TUNIX_RT_X86 1
-#endif
+#include "isa.h"
 
 namespace tunix_rt {
 namespace {
@@ -104,8 +101,6 @@ void SoftmaxGradScalar(float* p, float* ds, uint64_t bits, float lse, float dsum
 }
 
 #ifdef TUNIX_RT_X86
-#define AVX2_FN __attribute__((target("avx2,fma")))
-#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx2,fma")))
 
 // e^x as 2^n e^r, n = round(x log2 e), r = x - n ln 2 in two parts, e^r by Cephes' expf polynomial
 // (about 1 ulp); x is clamped to where the result is 0 or finite (max/min return their second
@@ -141,12 +136,6 @@ AVX2_FN float MaskedMaxAvx2(const float* s, uint64_t bits) {
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
-}
-
-AVX2_FN float HSum8(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
 }
 
 AVX2_FN float ExpSumAvx2(float* s, uint64_t bits, float sub) {

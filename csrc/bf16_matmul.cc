@@ -16,10 +16,7 @@
 #include "gemm_f32.h"
 #include "parallel.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define TUNIX_RT_X86 1
-#endif
+#include "isa.h"
 
 namespace tunix_rt {
 namespace {
@@ -64,7 +61,6 @@ Partition ChoosePartition(int64_t m, int64_t n, int64_t workers, bool packs_a, b
 }
 
 #ifdef TUNIX_RT_X86
-#define BF16_FN __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 // out[2i], out[2i + 1] = lo[i], hi[i] for i < width (<= 32): two bf16 rows interleaved into k pairs
 // (hi null: zeros). With `pad`, all 32 pairs are written, zero past width.

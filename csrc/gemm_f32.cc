@@ -4,10 +4,7 @@
 #include <algorithm>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define TUNIX_RT_X86 1
-#endif
+#include "isa.h"
 
 namespace tunix_rt {
 namespace {
@@ -22,8 +19,6 @@ void MicroScalar(const float* xp, const float* panel, int64_t kk, float* y, int6
 }
 
 #ifdef TUNIX_RT_X86
-#define AVX2_FN __attribute__((target("avx2,fma")))
-#define AVX512_FN __attribute__((target("avx512f,avx2,fma")))
 
 template <int R>
 AVX2_FN void MicroAvx2(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int cols) {

@@ -20,10 +20,7 @@
 #include "ffi_common.h"
 #include "parallel.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define TUNIX_RT_X86 1
-#endif
+#include "isa.h"
 
 namespace tunix_rt {
 namespace {
@@ -53,7 +50,6 @@ void ScaleScalar(float* acc, float c, int64_t n) {
 }
 
 #ifdef TUNIX_RT_X86
-#define AVX2_FN __attribute__((target("avx2,fma")))
 AVX2_FN float DotAvx2(const float* a, const float* b, int64_t n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
@@ -62,11 +58,7 @@ AVX2_FN float DotAvx2(const float* a, const float* b, int64_t n) {
     acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
   }
   for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  acc0 = _mm256_add_ps(acc0, acc1);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc0), _mm256_extractf128_ps(acc0, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  float out = _mm_cvtss_f32(s);
+  float out = HSum8(_mm256_add_ps(acc0, acc1));
   for (; i < n; ++i) out += a[i] * b[i];
   return out;
 }

@@ -21,10 +21,7 @@
 #include "gemm_f32.h"
 #include "parallel.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define TUNIX_RT_X86 1
-#endif
+#include "isa.h"
 
 namespace tunix_rt {
 namespace {
@@ -296,8 +293,6 @@ void TileScalar(const Weights& w, const QuantizedActivations& a, int64_t col, in
 }
 
 #ifdef TUNIX_RT_X86
-#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
-#define VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 // AVX-512 VNNI (vpdpbusd: four u8 x s8 products into each int32 lane) with F16C.
 bool HasVnni() { return isa_level() >= IsaLevel::kAvx512 && cpu_features().avx512vnni && cpu_features().f16c; }
@@ -316,16 +311,9 @@ VNNI_FN float QuantizeBlockAvx512(const float* xb, int8_t* lo, int8_t* hi, int32
   return d;
 }
 
-AVX2_FN inline float HSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
 // 32 codes of sub-block b as bytes: signed for 8-bit formats, 0..15 for 4-bit ones.
 template <int kBits>
-AVX2_FN inline __m256i LoadCodes(const uint8_t* row, int64_t b) {
+AVX2_F16C_FN inline __m256i LoadCodes(const uint8_t* row, int64_t b) {
   if constexpr (kBits == 8) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kSub));
   } else {
@@ -336,7 +324,7 @@ AVX2_FN inline __m256i LoadCodes(const uint8_t* row, int64_t b) {
 }
 
 template <bool kF16>
-AVX2_FN inline float ScaleAt(const void* scales, int64_t i) {
+AVX2_F16C_FN inline float ScaleAt(const void* scales, int64_t i) {
   if constexpr (kF16) {
     return _cvtsh_ss(static_cast<const uint16_t*>(scales)[i]);
   } else {
@@ -345,7 +333,7 @@ AVX2_FN inline float ScaleAt(const void* scales, int64_t i) {
 }
 
 template <int kBits, bool kOffset8, bool kHasMin, bool kF16, int R, int C>
-AVX2_FN void TileAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int,
+AVX2_F16C_FN void TileAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int,
                       float* y) {
   const int64_t nb = a.blocks(), per_group = w.l.group / kSub, groups = w.l.groups();
   (void)nb;
@@ -392,12 +380,12 @@ AVX2_FN void TileAvx2(const Weights& w, const QuantizedActivations& a, int64_t c
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * C + c] = HSum(acc[r][c]) + (kOffset8 ? -8.0f * corr[r][c] : corr[r][c]);
+    for (int c = 0; c < C; ++c) y[r * C + c] = HSum8(acc[r][c]) + (kOffset8 ? -8.0f * corr[r][c] : corr[r][c]);
 }
 
 // q4_1's correction for one column and activation row: the sum over blocks of m * s + 8 * d * e
 // (see QuantizedActivations), eight blocks per step.
-AVX2_FN inline float MinCorrectionAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t row) {
+AVX2_F16C_FN inline float MinCorrectionAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t row) {
   const int64_t nb = a.blocks(), groups = w.l.groups();
   const int shift = GroupShift(w.l.group);
   const float* xs = a.s.data() + row * nb;
@@ -415,14 +403,14 @@ AVX2_FN inline float MinCorrectionAvx2(const Weights& w, const QuantizedActivati
     }
   float tail = 0.0f;
   for (; b < nb; ++b) tail += _cvtsh_ss(mc[b >> shift]) * xs[b] + 8.0f * _cvtsh_ss(dc[b >> shift]) * xe[b];
-  return HSum(v) + tail;
+  return HSum8(v) + tail;
 }
 
 // 4-bit formats over paired activations: one 32-byte load unpacks two weight blocks; both
 // blocks' int16 products add before one madd (|sum| <= 4 * 15 * 127, no saturation), and the
 // per-block scales multiply the 8 int32 lanes as [s0 x4, s1 x4].
 template <bool kOffset8, bool kHasMin, bool kF16, int R, int C>
-AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int,
+AVX2_F16C_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int,
                            float* y) {
   const int64_t nb = a.blocks(), groups = w.l.groups();
   const int shift = GroupShift(w.l.group);  // block -> group: b >> shift
@@ -495,7 +483,7 @@ AVX2_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int6
     for (int c = 0; c < C; ++c)
       for (int r = 0; r < R; ++r) corr[r][c] = MinCorrectionAvx2(w, a, col + c, r0 + r);
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * C + c] = HSum(acc[r][c]) + (kOffset8 ? -8.0f * corr[r][c] : corr[r][c]);
+    for (int c = 0; c < C; ++c) y[r * C + c] = HSum8(acc[r][c]) + (kOffset8 ? -8.0f * corr[r][c] : corr[r][c]);
 }
 
 // TilePairsAvx2's lanes: pd[b * 4 + j] = d[b] (j < 4), the scales as its 8 lanes hold a pair's
@@ -782,7 +770,7 @@ void TransposePanelScalar(const float* colbuf, int64_t kk, float* panel) {
 // The panel (k-major, kNRt wide) from kNRt dequantized columns (colbuf[j * kColStride + i]), by
 // 8 x 8 register transposes: strided scalar stores cost more than the multiply-adds they feed.
 template <int kNRt>
-AVX2_FN void TransposePanelAvx2(const float* colbuf, int64_t kk, float* panel) {
+AVX2_F16C_FN void TransposePanelAvx2(const float* colbuf, int64_t kk, float* panel) {
   for (int jb = 0; jb < kNRt; jb += 8) {
     for (int64_t i0 = 0; i0 < kk; i0 += 8) {
       __m256 r[8];
@@ -805,17 +793,16 @@ AVX2_FN void TransposePanelAvx2(const float* colbuf, int64_t kk, float* panel) {
   }
 }
 
-#define AVX512_FN __attribute__((target("avx512f,avx2,fma,f16c")))
 
 // Codes of 8 elements as f32: 4-bit codes come as bytes already unpacked.
-AVX2_FN inline __m256 BytesToF32(__m128i bytes8, bool is_signed) {
+AVX2_F16C_FN inline __m256 BytesToF32(__m128i bytes8, bool is_signed) {
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
 }
 
 // Block b of column `col` as four 8-lane vectors in element order, with DequantizeRange's
 // arithmetic (d * (q - 8), d * q + m, d * q).
 template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
-AVX2_FN inline void DequantBlockAvx2(const Weights& w, int64_t col, int64_t b, __m256 v[4]) {
+AVX2_F16C_FN inline void DequantBlockAvx2(const Weights& w, int64_t col, int64_t b, __m256 v[4]) {
   const uint8_t* row = w.row(col);
   const int64_t si = col * w.l.groups() + (b >> GroupShift(w.l.group));
   const __m256 d = _mm256_set1_ps(ScaleAt<kF16>(w.scales, si));
@@ -840,7 +827,7 @@ AVX2_FN inline void DequantBlockAvx2(const Weights& w, int64_t col, int64_t b, _
 }
 
 template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
-AVX2_FN void DequantizeRangeAvx2(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out) {
+AVX2_F16C_FN void DequantizeRangeAvx2(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out) {
   for (int64_t b = k0 / kSub; b < (k0 + kk) / kSub; ++b) {
     __m256 v[4];
     DequantBlockAvx2<kBits, kOffset8, kHasMin, kF16>(w, col, b, v);
@@ -851,7 +838,7 @@ AVX2_FN void DequantizeRangeAvx2(const Weights& w, int64_t col, int64_t k0, int6
 // Dequantize-and-dot for up to kGemvRows rows: each 32-block's weights are dequantized in
 // registers (DequantBlockAvx2) and multiplied into every row's accumulators.
 template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
-AVX2_FN void ColumnDotsAvx2(const Weights& w, int64_t col, const float* x, int64_t m, float*, float* y, int64_t ldy) {
+AVX2_F16C_FN void ColumnDotsAvx2(const Weights& w, int64_t col, const float* x, int64_t m, float*, float* y, int64_t ldy) {
   const int64_t k = w.l.k;
   __m256 acc0[kGemvRows], acc1[kGemvRows];
   for (int64_t r = 0; r < m; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
@@ -866,13 +853,13 @@ AVX2_FN void ColumnDotsAvx2(const Weights& w, int64_t col, const float* x, int64
       acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), v[3], acc1[r]);
     }
   }
-  for (int64_t r = 0; r < m; ++r) y[r * ldy + col] = HSum(_mm256_add_ps(acc0[r], acc1[r]));
+  for (int64_t r = 0; r < m; ++r) y[r * ldy + col] = HSum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
 // ColumnDotsAvx2 with 16 lanes: the same dequantized values (d * q, or d * q + m) from 16 codes
 // at a time; two accumulators per row halve the multiply-add chain.
 template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
-AVX512_FN void ColumnDotsAvx512(const Weights& w, int64_t col, const float* x, int64_t m, float*, float* y,
+AVX512_F16C_FN void ColumnDotsAvx512(const Weights& w, int64_t col, const float* x, int64_t m, float*, float* y,
                                 int64_t ldy) {
   const int64_t k = w.l.k, groups = w.l.groups();
   const int shift = GroupShift(w.l.group);

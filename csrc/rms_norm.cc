@@ -13,10 +13,7 @@
 #include "ffi_common.h"
 #include "parallel.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define TUNIX_RT_X86 1
-#endif
+#include "isa.h"
 
 namespace tunix_rt {
 namespace {
@@ -63,13 +60,6 @@ void BwdScalar(const float* x, const float* dy, const float* g, float r, float c
 }
 
 #ifdef TUNIX_RT_X86
-#define AVX2_FN __attribute__((target("avx2,fma")))
-AVX2_FN float HSum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
 AVX2_FN float SumSqAvx2(const float* x, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
@@ -77,7 +67,7 @@ AVX2_FN float SumSqAvx2(const float* x, int64_t n) {
     __m256 v = _mm256_loadu_ps(x + i);
     acc = _mm256_fmadd_ps(v, v, acc);
   }
-  float s = HSum256(acc);
+  float s = HSum8(acc);
   for (; i < n; ++i) s += x[i] * x[i];
   return s;
 }
@@ -87,7 +77,7 @@ AVX2_FN float Dot3Avx2(const float* a, const float* b, const float* c, int64_t n
   for (; i + 8 <= n; i += 8)
     acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)),
                           _mm256_loadu_ps(c + i), acc);
-  float s = HSum256(acc);
+  float s = HSum8(acc);
   for (; i < n; ++i) s += a[i] * b[i] * c[i];
   return s;
 }
@@ -112,7 +102,6 @@ AVX2_FN void BwdAvx2(const float* x, const float* dy, const float* g, float r, f
   BwdScalar(x + i, dy + i, g + i, r, c, dx + i, dw + i, n - i);
 }
 
-#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 AVX512_FN float SumSqAvx512(const float* x, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;

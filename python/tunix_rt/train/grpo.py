@@ -58,7 +58,7 @@ class GRPOObjective(RLObjective):
             if len(kept) >= want or rounds >= cfg.max_resample_rounds:
                 break
             rounds += 1
-            rng = np.random.default_rng((cfg.seed % 2**63, self.rollout.index, rounds))
+            rng = np.random.default_rng(self.rollout.seed(0, stream=rounds))  # the round's fresh prompts
             n = len(self.sampler.examples)
             current = self.sampler.sample(self.rollout, rng.choice(n, want, replace=n < want), stream=rounds)
         filled = max(0, want - len(kept))

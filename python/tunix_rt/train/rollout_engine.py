@@ -57,7 +57,11 @@ class RolloutEngine:
         self.index = 0
         self._weights: Callable | None = None
         self._stale = True
-        self.times = {"time/sync": 0.0, "time/rollout": 0.0}
+        self.times = self._no_times()
+
+    @staticmethod
+    def _no_times() -> dict[str, float]:
+        return {"time/sync": 0.0, "time/rollout": 0.0}
 
     def bind(self, weights: Callable) -> None:
         """Where the current weights come from: a callable returning the model as the engine runs it."""
@@ -108,7 +112,7 @@ class RolloutEngine:
         """The rollout is over: sleep if the run asks, and return (and reset) its sync and sampling times."""
         if self.sleep_between and self.engine is not None and not self.engine.is_sleeping:
             self.engine.sleep()
-        times, self.times = self.times, {"time/sync": 0.0, "time/rollout": 0.0}
+        times, self.times = self.times, self._no_times()
         return times
 
     @property

@@ -144,23 +144,17 @@ class SFTConfig(TrainConfig):
 
 
 @dataclasses.dataclass(kw_only=True)
-class DPOConfig(TrainConfig):
-    loss_type: str = "sigmoid"  # sigmoid | ipo | hinge | robust | orpo | simpo
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5
+class DPOConfig(TrainConfig, PreferenceConfig):
+    """The preference loss's options (loss_type: sigmoid | ipo | hinge | robust | orpo | simpo, beta,
+    label_smoothing, simpo_gamma) come from PreferenceConfig; the loss reads this config directly."""
+
     max_prompt_length: int | None = None
     ref_model: str | None = None  # None: the LoRA-disabled base with LoRA, the initial weights without
     precompute_ref_log_probs: bool = True  # the reference's log-probs once per pair up front, not in every step
 
     def __post_init__(self):
         super().__post_init__()
-        self.preference()  # a bad loss_type, beta, ... fails here, before any model loads
-
-    def preference(self) -> PreferenceConfig:
-        """The preference loss's own config (train/losses.py), from these fields."""
-        return PreferenceConfig(loss_type=self.loss_type, beta=self.beta, label_smoothing=self.label_smoothing,
-                                simpo_gamma=self.simpo_gamma)
+        self._check_preference()  # a bad loss_type, beta, ... fails here, before any model loads
 
     @property
     def lr(self) -> float:  # TRL's DPO default is 1e-6 for full fine-tuning

@@ -88,9 +88,11 @@ class PreferenceStats(NamedTuple):
 _REFERENCE_FREE = frozenset({"orpo", "simpo"})
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(kw_only=True, unsafe_hash=True)
 class PreferenceConfig:
-    """Which preference loss and its hyperparameters (hashable, so it can be a static jit argument).
+    """Which preference loss and its hyperparameters; DPOConfig inherits these fields, so they are declared once.
+
+    Hashed by value, so it can be a static jit argument; nothing changes it after construction.
 
     `beta` is DPO's inverse temperature; for ORPO it is TRL's lambda, the weight of the odds-ratio
     term. `label_smoothing` is the assumed fraction of flipped labels (conservative / robust DPO,
@@ -103,6 +105,9 @@ class PreferenceConfig:
     simpo_gamma: float = 0.5
 
     def __post_init__(self):
+        self._check_preference()
+
+    def _check_preference(self) -> None:
         _lookup(self.loss_type)
         if not (math.isfinite(self.beta) and self.beta > 0):
             raise ValueError(f"beta must be a finite number > 0, got {self.beta}")

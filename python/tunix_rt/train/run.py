@@ -51,11 +51,10 @@ def _sft(cfg: SFTConfig, loaded: LoadedModel, data: str):
 def _dpo(cfg: DPOConfig, loaded: LoadedModel, data: str):
     from tunix_rt.train.dpo import DPOObjective
 
-    pref = cfg.preference()
     examples = load_preferences(data, loaded.tokenizer, max_length=cfg.max_length,
                                 max_prompt_length=cfg.max_prompt_length)
-    ref = load_model(cfg.ref_model).model if cfg.ref_model and not pref.reference_free else None
-    return DPOObjective(examples, pref, max_length=cfg.max_length, pad_id=_pad_id(loaded.tokenizer), ref_model=ref,
+    ref = load_model(cfg.ref_model).model if cfg.ref_model and not cfg.reference_free else None
+    return DPOObjective(examples, cfg, max_length=cfg.max_length, pad_id=_pad_id(loaded.tokenizer), ref_model=ref,
                         precompute_ref_log_probs=cfg.precompute_ref_log_probs)
 
 

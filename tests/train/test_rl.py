@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.models.hf_tiny import make_tiny_model_dir
-from tests.train.test_train_cli import cli, fast_compiles, logits, write_jsonl  # noqa: F401 (an autouse fixture)
+from tests.train.test_train_cli import cli, logits, write_jsonl
 from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.engine.reference_generator import GenerationConfig
@@ -27,19 +26,10 @@ from tunix_rt.train.config import GRPOConfig, PPOConfig, build_config
 from tunix_rt.train.metrics import read_metrics
 from tunix_rt.train.rl_trainer import RLTrainer, completion_logprobs
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 COMMON = ("batch_size=8", "num_generations=4", "max_completion_length=12", "progress=false")
 TIMES = ("time/rollout", "time/reference", "time/train", "time/sync")
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("rl")
-
-
-@pytest.fixture(scope="module")
-def tiny(root):
-    make_tiny_model_dir(root / "tiny")
-    return root / "tiny"
 
 
 @pytest.fixture(scope="module")

@@ -10,30 +10,24 @@ import math
 
 import pytest
 
-from tests.models.hf_tiny import make_tiny_model_dir
-from tests.train.test_train_cli import fast_compiles, write_jsonl  # noqa: F401 (an autouse fixture)
+from tests.train.test_train_cli import write_jsonl
 from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.engine.config import EngineConfig
 from tunix_rt.train import run as run_module
 from tunix_rt.train.config import DistillConfig, GRPOConfig, build_config
 from tunix_rt.train.metrics import read_metrics
-from tunix_rt.train.rollout_engine import RolloutEngine
+from tunix_rt.train.rollout_engine import RolloutEngine, rollout_config
 from tunix_rt.train.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 COMMON = ("max_length=64", "progress=false", "batch_size=2", "on_policy=true", "max_new_tokens=6",
           "rollout.kv_cache_memory=2000000")
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("rollout")
-
-
-@pytest.fixture(scope="module")
-def models(root):
-    make_tiny_model_dir(root / "student")
-    make_tiny_model_dir(root / "teacher", seed=1)
-    return root / "student", root / "teacher"
+def models(tiny, teacher):
+    return tiny, teacher
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +41,15 @@ def distill_config(models, chats, output, *extra) -> DistillConfig:
     student, teacher = models
     return build_config(DistillConfig, overrides=[*COMMON, *extra], model=str(student), teacher=str(teacher),
                         data=chats, output=str(output))
+
+
+def test_decode_and_prefill_buckets_follow_the_merged_section():
+    derived = dict(max_num_seqs=8, max_num_batched_tokens=512, decode_and_prefill_buckets=True)
+    assert rollout_config(None, **derived).token_buckets == (8, 512)
+    assert rollout_config({"max_num_seqs": 3}, **derived).token_buckets == (3, 512)
+    assert rollout_config({"max_num_batched_tokens": 64}, **derived).token_buckets == (8, 64)
+    assert rollout_config({"token_buckets": [16, 512]}, **derived).token_buckets == (16, 512)  # the user's own
+    assert rollout_config({"max_num_seqs": 3}, max_num_seqs=8).token_buckets is None
 
 
 def test_seeds_depend_on_the_run_seed_the_rollout_the_row_and_the_stream_alone():

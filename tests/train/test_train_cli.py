@@ -31,6 +31,8 @@ from tunix_rt.train import run as run_module
 from tunix_rt.train.lora import LoRALinear, apply_lora, has_lora, merge_lora
 from tunix_rt.train.metrics import read_metrics
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 LOG2 = math.log(2.0)
 COMMON = ("max_length=64", "progress=false")  # progress bars off: stderr stays readable
 TOKENS = np.random.default_rng(0).integers(3, 100, (2, 12))  # > 4 rows: quantized matmuls run exact f32 products
@@ -90,34 +92,6 @@ def losses(out) -> list[float]:
 
 
 # --- fixtures: the tiny models and datasets ------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fast_compiles():
-    """Compile with XLA's expensive passes off: the programs are tiny, the compile is what costs."""
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("train_cli")
-
-
-@pytest.fixture(scope="module")
-def tiny(root):
-    """The student: a 2-layer llama, vocab 256, with the tiny tokenizer (ids < 105) and a chat template."""
-    make_tiny_model_dir(root / "tiny")
-    return root / "tiny"
-
-
-@pytest.fixture(scope="module")
-def teacher(root):
-    """Another tiny llama with the same vocabulary (different weights)."""
-    make_tiny_model_dir(root / "teacher", seed=1)
-    return root / "teacher"
 
 
 @pytest.fixture(scope="module")

@@ -59,12 +59,9 @@ class RLObjective:
         self.cfg, self.sampler, self.tokenizer, self.pad_id = cfg, sampler, tokenizer, pad_id
         self.num_items = len(sampler.examples)
         rows = cfg.batch_size * cfg.gradient_accumulation_steps
-        budget = (cfg.rollout or {}).get("max_num_batched_tokens", max(512, rows))
-        # Two token buckets, decode steps (up to `rows` sequences) and prefill steps, compiled when the
-        # engine warms up, so no rollout after the first meets a new shape.
         self.rollout = RolloutEngine(tokenizer, rollout_config(
-            cfg.rollout, max_model_len=sampler.max_model_len, max_num_seqs=rows, max_num_batched_tokens=budget,
-            token_buckets=(min(rows, budget), budget), kv_cache_memory=256 << 20, seed=cfg.seed),
+            cfg.rollout, decode_and_prefill_buckets=True, max_model_len=sampler.max_model_len, max_num_seqs=rows,
+            max_num_batched_tokens=max(512, rows), kv_cache_memory=256 << 20, seed=cfg.seed),
             seed=cfg.seed, sleep=cfg.sleep_engine)
 
     def aux(self):
@@ -115,8 +112,8 @@ class RLTrainer(Trainer):
 
         return jax.lax.map(one, batches)
 
-    def _rollout_times(self) -> dict[str, float]:
-        return {}  # a rollout's times are reported with its metrics, on the step that sampled it
+    def _end_rollout(self) -> dict[str, float]:
+        return {}  # each rollout ends in _new_rollout; its times are reported with its metrics
 
     def num_compiles(self) -> int:
         """Programs compiled so far: train step, scoring pass and the engine's step programs."""

@@ -15,6 +15,7 @@ change (`weights_changed`) and ends each rollout (`finish`); objectives only cal
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -26,10 +27,19 @@ from tunix_rt.engine.config import EngineConfig
 log = logging.getLogger("tunix_rt.train")
 
 
-def rollout_config(section: dict | None, **derived) -> EngineConfig:
+def rollout_config(section: dict | None, *, decode_and_prefill_buckets: bool = False, **derived) -> EngineConfig:
     """The engine's config: what the run derives (sequence lengths, batch rows, ...) overridden by the
-    training config's `rollout` section (EngineConfig's field names)."""
-    return EngineConfig(**{**derived, **(section or {})})
+    training config's `rollout` section (EngineConfig's field names).
+
+    With `decode_and_prefill_buckets`, the step sizes compiled are two, derived after the merge unless the
+    section names its own: decode steps (max_num_seqs tokens) and prefill steps (max_num_batched_tokens), so
+    no rollout after the warm-up meets a new shape.
+    """
+    config = EngineConfig(**{**derived, **(section or {})})
+    if decode_and_prefill_buckets and "token_buckets" not in (section or {}):
+        budget = config.max_num_batched_tokens
+        config = dataclasses.replace(config, token_buckets=(min(config.max_num_seqs, budget), budget))
+    return config
 
 
 def check_rollout_section(section) -> dict | None:

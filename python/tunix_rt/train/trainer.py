@@ -373,7 +373,7 @@ class Trainer:
 
     def run_step(self, step: int) -> dict[str, float]:
         batch = self.train_batch(step)
-        sampled = self._rollout_times()  # before the step: an engine asked to sleep frees its KV cache for it
+        sampled = self._end_rollout()  # before the step: an engine asked to sleep frees its KV cache for it
         before = self._train_step._cache_size()
         self.params, self.params_compute, self.opt_state, self.rngs, out = self._train_step(
             self.params, self.params_compute, self.opt_state, self.rngs, self.frozen_compute, self.rest, self._aux(),
@@ -391,9 +391,9 @@ class Trainer:
         out["memory/peak_rss_gb"] = peak_rss_gb()
         return out
 
-    def _rollout_times(self) -> dict[str, float]:
-        """The step's sampling times (time/sync, time/rollout) where the objective samples; its engine sleeps
-        now if the run asks."""
+    def _end_rollout(self) -> dict[str, float]:
+        """Ends the step's rollout where the objective samples: its engine sleeps now if the run asks, and the
+        step's sampling times (time/sync, time/rollout) are returned."""
         return self.objective.rollout.finish() if self.objective.rollout is not None else {}
 
     def _walk(self, objective: DatasetObjective):

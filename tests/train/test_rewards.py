@@ -8,6 +8,7 @@ import pytest
 
 from tunix_rt.train.rewards import (
     RewardError,
+    RewardScorer,
     accuracy_reward,
     answers_match,
     brevity_reward,
@@ -84,6 +85,20 @@ def test_score_weights_and_none():
     total, per_fn = score(rewards, [1.0, 2.0], ["p"] * 3, ["x", "y", "z"], {})
     np.testing.assert_allclose(total, [2.0, 1.0, 2.0])
     assert np.isnan(per_fn[0, 1]) and np.isnan(per_fn[1, 2])
+
+
+def test_scorer_weights_its_functions_and_reports_each_one():
+    scorer = RewardScorer([("a", _const([1.0, None, 3.0])), ("b", _const([None, None, None]))], [2.0, 1.0])
+    total, per_fn = scorer(["p"] * 3, ["x", "y", "z"], {})
+    np.testing.assert_allclose(total, [2.0, 0.0, 6.0])
+    metrics = scorer.metrics(total, per_fn)
+    assert metrics["reward"] == pytest.approx(8 / 3) and metrics["rewards/a/mean"] == 2.0
+    assert "rewards/b/mean" not in metrics  # applied to no completion
+    assert RewardScorer([("a", _const([]))]).weights == (1.0,)
+    with pytest.raises(ValueError, match="at least one reward"):
+        RewardScorer([])
+    with pytest.raises(ValueError, match="2 weights for 1 reward"):
+        RewardScorer([("a", _const([]))], [1.0, 2.0])
 
 
 def test_score_all_none_is_zero_with_a_warning(caplog):

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from tunix_rt.train.config import GRPOConfig
+from tunix_rt.train.group_packing import pack_groups
 from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, group_advantages, kl_k3
 from tunix_rt.train.rl_trainer import RLObjective, completion_logprobs
 from tunix_rt.train.rollout import Completions
@@ -38,7 +39,7 @@ class GRPOObjective(RLObjective):
         if cfg.dynamic_sampling:
             chosen, extra = self._dynamic_sample(first)
             metrics.update(extra)
-        batch = self.sampler.batch(chosen, self.pad_id)
+        batch = pack_groups(chosen, self.cfg, self.sampler.seq_len, self.pad_id)
         batch["advantages"] = np.asarray(group_advantages(chosen.rewards, g, cfg.advantage_estimator), np.float32)
         return batch, metrics
 

@@ -14,6 +14,7 @@ from flax import nnx
 
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.train.config import PPOConfig
+from tunix_rt.train.group_packing import pack_groups
 from tunix_rt.train.lora import HeadParam
 from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, clipped_value_loss, gae, whiten
 from tunix_rt.train.rl_trainer import RLObjective, completion_hidden, completion_logprobs
@@ -69,7 +70,7 @@ class PPOObjective(RLObjective):
 
     def sample_batch(self, prompt_indices: np.ndarray) -> tuple[dict[str, np.ndarray], dict]:
         completions = self.sampler.sample(self.rollout, prompt_indices)
-        batch = self.sampler.batch(completions, self.pad_id)
+        batch = pack_groups(completions, self.cfg, self.sampler.seq_len, self.pad_id)
         batch["scores"] = completions.rewards.astype(np.float32)
         return batch, self.sampler.metrics(completions)
 

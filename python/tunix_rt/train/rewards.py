@@ -172,3 +172,29 @@ def score(rewards: Sequence[tuple[str, RewardFn]], weights: Sequence[float], pro
         log.warning("%d of %d completions got None from every reward function; their reward is 0",
                     int(unscored.sum()), n)
     return np.nansum(weighted, axis=0), per_fn
+
+
+class RewardScorer:
+    """The run's reward functions and their weights: scores a rollout's completions and reports the rewards'
+    statistics (total and per function)."""
+
+    def __init__(self, rewards: Sequence[tuple[str, RewardFn]], weights: Sequence[float] | None = None):
+        if not rewards:
+            raise ValueError("GRPO/PPO need at least one reward: give --reward NAME or module:function")
+        self.rewards = list(rewards)
+        self.weights = tuple(weights) if weights is not None else (1.0,) * len(self.rewards)
+        if len(self.weights) != len(self.rewards):
+            raise ValueError(f"reward_weights has {len(self.weights)} weights for {len(self.rewards)} reward functions")
+
+    def __call__(self, prompts: list, completions: list, columns: dict[str, list]) -> tuple[np.ndarray, np.ndarray]:
+        """(total (N,), per-function (F, N)): see `score`."""
+        return score(self.rewards, self.weights, prompts, completions, columns)
+
+    def metrics(self, total: np.ndarray, per_fn: np.ndarray) -> dict[str, float]:
+        out = {"reward": float(total.mean()), "reward_std": float(total.std())}
+        for (name, _), values in zip(self.rewards, per_fn):
+            seen = values[~np.isnan(values)]
+            if len(seen):
+                out[f"rewards/{name}/mean"] = float(seen.mean())
+                out[f"rewards/{name}/std"] = float(seen.std())
+        return out

@@ -29,7 +29,7 @@ _CORE_KEYS = frozenset({"loss", "grad_norm", "weight", "learning_rate"})  # what
 def completion_hidden(model, batch: dict) -> jax.Array:
     """(N, C, D) final hidden states at the completion window: entry j predicts completion token j.
 
-    The rows are packed groups (rollout.Sampler.batch): completion i lives in row i // G.
+    The rows are packed groups (group_packing.pack_groups): completion i lives in row i // G.
     """
     h, _ = model.hidden_states(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"])
     index = batch["completion_index"]

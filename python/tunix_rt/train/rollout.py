@@ -1,12 +1,8 @@
-"""Rollouts for GRPO and PPO: prompts -> G completions each through the embedded engine -> rewards ->
-fixed-shape training rows.
+"""Rollouts for GRPO and PPO: prompts -> G completions each through the embedded engine, scored by the
+run's rewards (rewards.RewardScorer); group_packing.py turns them into fixed-shape training rows.
 
 The engine samples every prompt's G completions as one request with n = G, so they share the prompt's
-KV blocks (prefix caching). The trainer reads one packed row per group (the prompt once, its completions
-behind it, attention kept apart by segment ids), so the prompt is computed once there too; every
-per-token array (targets, masks, the engine's log-probs, later the reference's, values, advantages) lives
-in a completion window of max_completion_length entries per completion, so the output head and the
-losses run on completion positions only.
+KV blocks (prefix caching).
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ import numpy as np
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.train.config import RLConfig
 from tunix_rt.train.data import PromptExample
-from tunix_rt.train.rewards import RewardFn, score
+from tunix_rt.train.rewards import RewardScorer
 
 
 @dataclasses.dataclass
@@ -49,14 +45,11 @@ class Completions:
                            np.concatenate([p.rewards_per_fn for p in parts], axis=1))
 
 
-class Sampler:
-    """Samples and scores completions for a config's prompts and rewards."""
+class GroupSampler:
+    """Samples a group of G completions per prompt of the run's prompts, and scores them."""
 
-    def __init__(self, cfg: RLConfig, examples: Sequence[PromptExample], rewards: Sequence[tuple[str, RewardFn]]):
-        if not rewards:
-            raise ValueError("GRPO/PPO need at least one reward: give --reward NAME or module:function")
-        self.cfg, self.examples, self.rewards = cfg, list(examples), list(rewards)
-        self.weights = cfg.reward_weights or (1.0,) * len(rewards)
+    def __init__(self, cfg: RLConfig, examples: Sequence[PromptExample], scorer: RewardScorer):
+        self.cfg, self.examples, self.scorer = cfg, list(examples), scorer
         longest = max(len(e.prompt_ids) for e in self.examples)
         # One row length for every batch: a prompt and its group's completions.
         self.seq_len = -(-(longest + cfg.num_generations * cfg.max_completion_length) // 8) * 8
@@ -79,60 +72,13 @@ class Sampler:
         token_ids = [np.asarray(o.token_ids, np.int32) for o in rows]
         columns = {name: [p.columns[name] for p in repeated] for name in repeated[0].columns}
         columns["completion_ids"] = [ids.tolist() for ids in token_ids]
-        total, per_fn = score(self.rewards, self.weights, [p.prompt for p in repeated], completions, columns)
+        total, per_fn = self.scorer([p.prompt for p in repeated], completions, columns)
         return Completions(repeated, token_ids, [np.asarray(o.logprobs, np.float32) for o in rows],
                            np.array([o.finish_reason == "length" for o in rows]), total, per_fn)
-
-    def batch(self, c: Completions, pad_id: int) -> dict[str, np.ndarray]:
-        """One row per group: the prompt once (segment -1, a shared prefix) and behind it each of its G
-        completions (segments 1..G, positions continuing the prompt's), so the prompt's tokens run through
-        the model once, not G times. Per completion, in the window (N, max_completion_length):
-        `completion_index` (the row position whose output predicts completion token j: the prompt's last
-        token for j = 0, else the completion's token j - 1), targets, loss_mask, and old_logps (the
-        engine's). Truncated completions lose their loss mask when mask_truncated_completions is set."""
-        g, width = self.cfg.num_generations, self.cfg.max_completion_length
-        n = len(c)
-        groups = n // g
-        batch = {"tokens": np.full((groups, self.seq_len), pad_id, np.int32),
-                 "positions": np.full((groups, self.seq_len), -1, np.int32),
-                 "segment_ids": np.zeros((groups, self.seq_len), np.int32),
-                 "completion_index": np.zeros((n, width), np.int32),
-                 "targets": np.zeros((n, width), np.int32),
-                 "loss_mask": np.zeros((n, width), np.float32),
-                 "old_logps": np.zeros((n, width), np.float32)}
-        for row in range(groups):
-            prompt = c.prompts[row * g].prompt_ids
-            p = len(prompt)
-            batch["tokens"][row, :p] = prompt
-            batch["positions"][row, :p] = np.arange(p)
-            batch["segment_ids"][row, :p] = -1
-            offset = p
-            for k in range(g):
-                i = row * g + k
-                ids, lp = c.token_ids[i], c.logprobs[i]
-                m = len(ids)
-                batch["tokens"][row, offset:offset + m] = ids
-                batch["positions"][row, offset:offset + m] = np.arange(p, p + m)
-                batch["segment_ids"][row, offset:offset + m] = k + 1
-                batch["completion_index"][i, 0] = p - 1
-                batch["completion_index"][i, 1:m] = np.arange(offset, offset + m - 1)
-                batch["targets"][i, :m] = ids
-                batch["loss_mask"][i, :m] = 1.0
-                batch["old_logps"][i, :len(lp)] = lp
-                offset += m
-        if self.cfg.mask_truncated_completions:
-            batch["loss_mask"] *= ~c.truncated[:, None]
-        return batch
 
     def metrics(self, c: Completions) -> dict[str, float]:
         """Reward statistics (total and per function), completion lengths and the truncated fraction."""
         lengths = np.array([len(ids) for ids in c.token_ids], np.float64)
-        out = {"reward": float(c.rewards.mean()), "reward_std": float(c.rewards.std()),
-               "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-               "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(c.truncated.mean())}
-        for (name, _), values in zip(self.rewards, c.rewards_per_fn):
-            seen = values[~np.isnan(values)]
-            if len(seen):
-                out[f"rewards/{name}/mean"] = float(seen.mean())
-                out[f"rewards/{name}/std"] = float(seen.std())
-        return out
+        return {**self.scorer.metrics(c.rewards, c.rewards_per_fn),
+                "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(c.truncated.mean())}

@@ -74,11 +74,12 @@ def _distill(cfg: DistillConfig, loaded: LoadedModel, data: str):
 
 
 def _sampler(cfg: RLConfig, loaded: LoadedModel, data: str):
-    from tunix_rt.train.rewards import resolve_reward
-    from tunix_rt.train.rollout import Sampler
+    from tunix_rt.train.rewards import RewardScorer, resolve_reward
+    from tunix_rt.train.rollout import GroupSampler
 
-    rewards = [resolve_reward(spec) for spec in cfg.reward]  # before tokenizing: a bad name fails at once
-    return Sampler(cfg, load_prompts(data, loaded.tokenizer, max_prompt_length=cfg.max_prompt_length), rewards)
+    # The reward functions resolve before tokenizing: a bad name fails at once.
+    scorer = RewardScorer([resolve_reward(spec) for spec in cfg.reward], cfg.reward_weights)
+    return GroupSampler(cfg, load_prompts(data, loaded.tokenizer, max_prompt_length=cfg.max_prompt_length), scorer)
 
 
 def _grpo(cfg: GRPOConfig, loaded: LoadedModel, data: str):

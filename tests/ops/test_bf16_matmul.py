@@ -5,6 +5,7 @@ ISA tier, argument errors and the dot_general hook of nnx.Linear and the decoder
 
 from __future__ import annotations
 
+import functools
 import textwrap
 
 import jax
@@ -46,20 +47,25 @@ def cases(draw):
     return x, w, draw(st.sampled_from([jnp.float32, BF16])), transpose_w
 
 
+@functools.partial(jax.jit, static_argnames=("fn", "out_dtype", "transpose_w"))
+def _product_and_grads(x, w, probe, *, fn, out_dtype, transpose_w):
+    """fn's product and the gradients of sum(product * probe) over (x, w), as one program per example."""
+    loss = lambda a, b: jnp.sum((fn(a, b, out_dtype=out_dtype, transpose_w=transpose_w) * probe).astype(jnp.float32))
+    return fn(x, w, out_dtype=out_dtype, transpose_w=transpose_w), jax.grad(loss, argnums=(0, 1))(x, w)
+
+
 @pytest.mark.parametrize("kernel", ["ffi", "xla"])
 @settings(max_examples=40)
 @given(case=cases())
 def test_matches_reference_forward_and_backward(kernel, case):
     x, w, out_dtype, transpose_w = case
     opts = dict(out_dtype=out_dtype, transpose_w=transpose_w)
-    y = bf16_matmul(x, w, kernel=kernel, **opts)
-    ref = bf16_matmul_reference(x, w, **opts)
+    out_shape = (*x.shape[:-1], w.shape[0] if transpose_w else w.shape[1])
+    probe = jnp.asarray(np.random.default_rng(1).standard_normal(out_shape), out_dtype)
+    y, g = _product_and_grads(x, w, probe, fn=functools.partial(bf16_matmul, kernel=kernel), **opts)
+    ref, gr = _product_and_grads(x, w, probe, fn=bf16_matmul_reference, **opts)
     assert y.shape == ref.shape and y.dtype == jnp.dtype(out_dtype)
     np.testing.assert_allclose(_f32(y), _f32(ref), **_tol(x.shape[-1]))
-    probe = jnp.asarray(np.random.default_rng(1).standard_normal(y.shape), out_dtype)
-    loss = lambda fn: (lambda a, b: jnp.sum((fn(a, b, **opts) * probe).astype(jnp.float32)))
-    g = jax.grad(loss(lambda a, b, **o: bf16_matmul(a, b, kernel=kernel, **o)), argnums=(0, 1))(x, w)
-    gr = jax.grad(loss(bf16_matmul_reference), argnums=(0, 1))(x, w)
     assert g[1].shape == w.shape
     # The op rounds dy to bf16 before its products (the reference keeps it f32 through a mixed dot) and
     # both round the gradient to bf16: each is within 2^-9 of sum |dy| |operand|, so 2^-7 of it bounds

@@ -33,6 +33,11 @@ def draw_case(seed: int, lead: tuple, d: int, v: int, transpose_w: bool, dtype, 
     return h, w, targets, cot
 
 
+def _jit_value_and_grad(objective):
+    """value_and_grad over (h, w) as one program: an example compiles once, not once per op and scan."""
+    return jax.jit(jax.value_and_grad(objective, (0, 1), has_aux=True))
+
+
 @settings(max_examples=10)
 @given(seed=st.integers(0, 2**16), tokens=st.integers(0, 40), d=st.integers(1, 12), v=st.integers(2, 70),
        chunk=st.sampled_from([1, 3, 8, 16, None]), transpose_w=st.booleans(),
@@ -47,10 +52,8 @@ def test_logprobs_and_entropy_match_the_dense_head(seed, tokens, d, v, chunk, tr
         logp, ent = fn(h, w, targets, **kw)
         return (logp * g_logp).sum() + (ent * g_ent).sum(), (logp, ent)
 
-    (_, (logp, ent)), grads = jax.value_and_grad(lambda h, w: objective(head_logprobs, h, w), (0, 1),
-                                                 has_aux=True)(h, w)
-    (_, (logp_ref, ent_ref)), grads_ref = jax.value_and_grad(lambda h, w: objective(head_logprobs_reference, h, w),
-                                                             (0, 1), has_aux=True)(h, w)
+    (_, (logp, ent)), grads = _jit_value_and_grad(lambda h, w: objective(head_logprobs, h, w))(h, w)
+    (_, (logp_ref, ent_ref)), grads_ref = _jit_value_and_grad(lambda h, w: objective(head_logprobs_reference, h, w))(h, w)
     logits = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T if transpose_w else \
         np.asarray(h, np.float64) @ np.asarray(w, np.float64)
     largest_logit = np.abs(logits / temperature).max(initial=0.0)
@@ -76,9 +79,8 @@ def test_distillation_matches_the_dense_heads(seed, tokens, v, top_k, chunk, tra
         kl, logp = fn(h, w, th, tw, targets, **kw)
         return (kl * g_kl).sum() + (logp * g_logp).sum(), (kl, logp)
 
-    (_, outs), grads = jax.value_and_grad(lambda h, w: objective(head_distill, h, w), (0, 1), has_aux=True)(h, w)
-    (_, outs_ref), grads_ref = jax.value_and_grad(lambda h, w: objective(head_distill_reference, h, w), (0, 1),
-                                                  has_aux=True)(h, w)
+    (_, outs), grads = _jit_value_and_grad(lambda h, w: objective(head_distill, h, w))(h, w)
+    (_, outs_ref), grads_ref = _jit_value_and_grad(lambda h, w: objective(head_distill_reference, h, w))(h, w)
     for actual, expected in zip((*outs, *grads), (*outs_ref, *grads_ref)):
         close(actual, expected, 2e-5)
 

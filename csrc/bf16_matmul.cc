@@ -151,18 +151,13 @@ BF16_FN void MicroBf16(const uint32_t* a, int64_t a_row, int64_t a_pair, const u
   for (int64_t q = 0, off = 0; q < pairs; ++q, off += a_pair) {
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + q * kMaxNR);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + q * kMaxNR + 16);
-#define TUNIX_RT_ROW(r, lo, hi)                                              \
-  if constexpr (R > r) {                                                     \
+#define TUNIX_RT_ROW(r, lo, hi)                                                     \
+  {                                                                               \
     const __m512bh ar = (__m512bh)_mm512_set1_epi32(static_cast<int>(a##r[off])); \
-    lo = _mm512_dpbf16_ps(lo, ar, b0);                                       \
-    hi = _mm512_dpbf16_ps(hi, ar, b1);                                       \
+    lo = _mm512_dpbf16_ps(lo, ar, b0);                                            \
+    hi = _mm512_dpbf16_ps(hi, ar, b1);                                            \
   }
-    TUNIX_RT_ROW(0, c00, c01)
-    TUNIX_RT_ROW(1, c10, c11)
-    TUNIX_RT_ROW(2, c20, c21)
-    TUNIX_RT_ROW(3, c30, c31)
-    TUNIX_RT_ROW(4, c40, c41)
-    TUNIX_RT_ROW(5, c50, c51)
+    TUNIX_RT_MICRO_ROWS(R, TUNIX_RT_ROW)
 #undef TUNIX_RT_ROW
   }
   const __m512 acc[kMR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};

@@ -28,18 +28,13 @@ AVX2_FN void MicroAvx2(const float* xp, const float* panel, int64_t kk, float* y
   for (int64_t k = 0; k < kk; ++k) {
     const __m256 b0 = _mm256_loadu_ps(panel + k * kNR), b1 = _mm256_loadu_ps(panel + k * kNR + 8);
     const float* a = xp + k * kMR;
-#define TUNIX_RT_ROW(r, lo, hi)                       \
-  if constexpr (R > r) {                              \
-    const __m256 ar = _mm256_broadcast_ss(a + r);     \
-    lo = _mm256_fmadd_ps(ar, b0, lo);                 \
-    hi = _mm256_fmadd_ps(ar, b1, hi);                 \
+#define TUNIX_RT_ROW(r, lo, hi)                   \
+  {                                               \
+    const __m256 ar = _mm256_broadcast_ss(a + r); \
+    lo = _mm256_fmadd_ps(ar, b0, lo);             \
+    hi = _mm256_fmadd_ps(ar, b1, hi);             \
   }
-    TUNIX_RT_ROW(0, c00, c01)
-    TUNIX_RT_ROW(1, c10, c11)
-    TUNIX_RT_ROW(2, c20, c21)
-    TUNIX_RT_ROW(3, c30, c31)
-    TUNIX_RT_ROW(4, c40, c41)
-    TUNIX_RT_ROW(5, c50, c51)
+    TUNIX_RT_MICRO_ROWS(R, TUNIX_RT_ROW)
 #undef TUNIX_RT_ROW
   }
   alignas(32) float tile[kMR][kNR];
@@ -67,18 +62,13 @@ AVX512_FN void MicroAvx512(const float* xp, const float* panel, int64_t kk, floa
   for (int64_t k = 0; k < kk; ++k) {
     const __m512 b0 = _mm512_loadu_ps(panel + k * kMaxNR), b1 = _mm512_loadu_ps(panel + k * kMaxNR + 16);
     const float* a = xp + k * kMR;
-#define TUNIX_RT_ROW(r, lo, hi)                       \
-  if constexpr (R > r) {                              \
-    const __m512 ar = _mm512_set1_ps(a[r]);           \
-    lo = _mm512_fmadd_ps(ar, b0, lo);                 \
-    hi = _mm512_fmadd_ps(ar, b1, hi);                 \
+#define TUNIX_RT_ROW(r, lo, hi)             \
+  {                                         \
+    const __m512 ar = _mm512_set1_ps(a[r]); \
+    lo = _mm512_fmadd_ps(ar, b0, lo);       \
+    hi = _mm512_fmadd_ps(ar, b1, hi);       \
   }
-    TUNIX_RT_ROW(0, c00, c01)
-    TUNIX_RT_ROW(1, c10, c11)
-    TUNIX_RT_ROW(2, c20, c21)
-    TUNIX_RT_ROW(3, c30, c31)
-    TUNIX_RT_ROW(4, c40, c41)
-    TUNIX_RT_ROW(5, c50, c51)
+    TUNIX_RT_MICRO_ROWS(R, TUNIX_RT_ROW)
 #undef TUNIX_RT_ROW
   }
   const __m512 acc[kMR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};

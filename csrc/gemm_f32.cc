@@ -49,8 +49,7 @@ AVX2_FN void MicroAvx2(const float* xp, const float* panel, int64_t kk, float* y
 
 void MicroAvx2Any(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int rows, int cols) {
   using F = void (*)(const float*, const float*, int64_t, float*, int64_t, int);
-  static constexpr F kTable[kMR] = {MicroAvx2<1>, MicroAvx2<2>, MicroAvx2<3>,
-                                    MicroAvx2<4>, MicroAvx2<5>, MicroAvx2<6>};
+  static constexpr F kTable[kMR] = {MicroAvx2<1>, MicroAvx2<2>, MicroAvx2<3>, MicroAvx2<4>, MicroAvx2<5>, MicroAvx2<6>};
   kTable[rows - 1](xp, panel, kk, y, ldy, cols);
 }
 
@@ -192,7 +191,8 @@ AVX2_FN void SmallRowsAvx2(StridedMatrix a, StridedMatrix b, int64_t m, int64_t 
       __m256i mask[kSmallVectors];
       for (int v = 0; v < kSmallVectors; ++v) {
         const int64_t left = std::clamp<int64_t>(n - j0 - 8 * v, 0, 8);
-        mask[v] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        mask[v] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)),
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       }
       for (int64_t k0 = 0; k0 < k; k0 += kPackK) {
         __m256 acc[kSmallVectors];

@@ -24,7 +24,7 @@ struct MicroKernel {
 
 // The k step of a kMR-row micro-kernel over its named accumulator pairs c00, c01 .. c50, c51 (GCC keeps
 // a 2-D array of them on the stack, storing 12 per step): ROW(r, lo, hi) for each row r < R.
-#define TUNIX_RT_MICRO_ROWS(R, ROW)  \
+#define TUNIX_RT_MICRO_ROWS(R, ROW)       \
   if constexpr ((R) > 0) ROW(0, c00, c01) \
   if constexpr ((R) > 1) ROW(1, c10, c11) \
   if constexpr ((R) > 2) ROW(2, c20, c21) \

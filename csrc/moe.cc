@@ -148,8 +148,9 @@ ffi::Error SortAssignments(const int32_t* ids, int64_t assignments, int64_t e, i
   return ffi::Error::Success();
 }
 
-ffi::Future Permute(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids, ffi::Result<ffi::AnyBuffer> xs,
-                    ffi::Result<ffi::Buffer<ffi::S32>> row_of, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes) {
+ffi::Future Permute(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
+                    ffi::Result<ffi::AnyBuffer> xs, ffi::Result<ffi::Buffer<ffi::S32>> row_of,
+                    ffi::Result<ffi::Buffer<ffi::S32>> group_sizes) {
   if (x.dimensions().size() != 2 || expert_ids.dimensions().size() != 2 ||
       expert_ids.dimensions()[0] != x.dimensions()[0])
     return ReadyFuture(InvalidArgument("permute: need x (tokens, hidden) and expert_ids (tokens, k)"));
@@ -182,8 +183,8 @@ ffi::Error CheckRows(const int32_t* rows, int64_t assignments, int64_t k, int64_
   return ffi::Error::Success();
 }
 
-ffi::Future Unpermute(ffi::ThreadPool pool, ffi::AnyBuffer ys, ffi::Buffer<ffi::S32> row_of, ffi::Buffer<ffi::F32> weights,
-                      ffi::Result<ffi::AnyBuffer> out) {
+ffi::Future Unpermute(ffi::ThreadPool pool, ffi::AnyBuffer ys, ffi::Buffer<ffi::S32> row_of,
+                      ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::AnyBuffer> out) {
   const int64_t r = ys.dimensions()[0], h = LastDim(ys.dimensions());
   const int64_t t = row_of.dimensions()[0], k = LastDim(row_of.dimensions());
   const int32_t* rows = row_of.typed_data();
@@ -275,7 +276,8 @@ ffi::Future UnpermuteBwd(ffi::ThreadPool pool, ffi::AnyBuffer ys, ffi::Buffer<ff
 ffi::Error GroupOffsets(const int32_t* sizes, int64_t e, int64_t rows, std::vector<int64_t>* offsets) {
   offsets->assign(e + 1, 0);
   for (int64_t g = 0; g < e; ++g) {
-    if (sizes[g] < 0) return InvalidArgument("group_sizes[" + std::to_string(g) + "] = " + std::to_string(sizes[g]) + " is negative");
+    if (sizes[g] < 0)
+      return InvalidArgument("group_sizes[" + std::to_string(g) + "] = " + std::to_string(sizes[g]) + " is negative");
     (*offsets)[g + 1] = (*offsets)[g] + sizes[g];
     if ((*offsets)[g + 1] > rows)
       return InvalidArgument("group_sizes sum past the " + std::to_string(rows) + " rows of x");
@@ -359,8 +361,8 @@ ffi::Future GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 }
 
 // dw[g] = x[rows of g]^T @ dy[rows of g]: the weight gradient (zeros for groups without rows).
-ffi::Future GroupedMatmulDw(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::S32> group_sizes,
-                            ffi::Result<ffi::AnyBuffer> dw) {
+ffi::Future GroupedMatmulDw(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> dw) {
   const int64_t m = x.dimensions()[0], k = LastDim(x.dimensions()), n = LastDim(dy.dimensions());
   const int64_t e = dw->dimensions()[0];
   if (dy.dimensions()[0] != m || group_sizes.element_count() != static_cast<size_t>(e))
@@ -384,8 +386,8 @@ ffi::Future GroupedMatmulDw(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
       const int64_t row = (*offs)[tl.g], rows_g = (*offs)[tl.g + 1] - row;
       float* c = wf + (tl.g * k + tl.r0) * n + tl.c0;
       for (int64_t r = 0; r < tl.rows; ++r) std::fill(c + r * n, c + r * n + tl.cols, 0.0f);
-      const StridedMatrix a{xf + row * k + tl.r0, 1, k};   // x_g^T
-      const StridedMatrix b{df + row * n + tl.c0, n, 1};   // dy_g
+      const StridedMatrix a{xf + row * k + tl.r0, 1, k};  // x_g^T
+      const StridedMatrix b{df + row * n + tl.c0, n, 1};  // dy_g
       GemmAccumulate(a, b, tl.rows, tl.cols, rows_g, c, n);
       if (!out_f32)
         for (int64_t r = 0; r < tl.rows; ++r) Store(out, (tl.g * k + tl.r0 + r) * n + tl.c0, c + r * n, tl.cols);

@@ -17,8 +17,7 @@ namespace {
 bool FloatInput(const ffi::AnyBuffer& b) { return IsF32OrBf16(b.element_type()); }
 
 ffi::Future Quantize(ffi::ThreadPool pool, ffi::AnyBuffer wt, ffi::Result<ffi::AnyBuffer> qs,
-                     ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> mins, int32_t fmt,
-                     int64_t group) {
+                     ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> mins, int32_t fmt, int64_t group) {
   const auto wd = wt.dimensions();
   if (wd.size() != 2 || !FloatInput(wt)) return ReadyFuture(InvalidArgument("quantize: w must be 2-D f32 or bf16"));
   Layout l;
@@ -41,7 +40,8 @@ ffi::Future Quantize(ffi::ThreadPool pool, ffi::AnyBuffer wt, ffi::Result<ffi::A
 ffi::Future Dequantize(ffi::ThreadPool pool, ffi::AnyBuffer qs, ffi::AnyBuffer scales, ffi::AnyBuffer mins,
                        ffi::Result<ffi::AnyBuffer> out, int32_t fmt, int64_t group) {
   const auto od = out->dimensions();
-  if (od.size() != 2 || !FloatInput(*out)) return ReadyFuture(InvalidArgument("dequantize: output must be 2-D f32/bf16"));
+  if (od.size() != 2 || !FloatInput(*out))
+    return ReadyFuture(InvalidArgument("dequantize: output must be 2-D f32/bf16"));
   Layout l;
   if (ffi::Error e = MakeLayout(fmt, group, od[0], od[1], &l); !e.success()) return ReadyFuture(e);
   if (ffi::Error e = CheckWeights(l, qs, scales, mins); !e.success()) return ReadyFuture(e);
@@ -68,8 +68,7 @@ ffi::Future Dequantize(ffi::ThreadPool pool, ffi::AnyBuffer qs, ffi::AnyBuffer s
 ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer qs, ffi::AnyBuffer scales,
                         ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y, int32_t fmt, int64_t group, bool exact) {
   const auto xd = x.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || yd.size() != 2 || !FloatInput(x) || y->element_type() != x.element_type() ||
-      yd[0] != xd[0])
+  if (xd.size() != 2 || yd.size() != 2 || !FloatInput(x) || y->element_type() != x.element_type() || yd[0] != xd[0])
     return ReadyFuture(InvalidArgument("quant_matmul: x must be (M, K) f32/bf16 and y (M, N) of x's dtype"));
   Layout l;
   if (ffi::Error e = MakeLayout(fmt, group, yd[1], xd[1], &l); !e.success()) return ReadyFuture(e);

@@ -42,8 +42,7 @@ ffi::Error CheckWeights(const Layout& l, const ffi::AnyBuffer& qs, const ffi::An
   if (scales.element_type() != want_scale) return InvalidArgument("quant: scales dtype does not match the format");
   if (md.size() != 2 || md[0] != l.n || md[1] != (l.f->has_min ? l.groups() : 0))
     return InvalidArgument("quant: mins shape does not match the format");
-  if (l.f->has_min && mins.element_type() != ffi::DataType::F16)
-    return InvalidArgument("quant: mins must be float16");
+  if (l.f->has_min && mins.element_type() != ffi::DataType::F16) return InvalidArgument("quant: mins must be float16");
   return ffi::Error::Success();
 }
 

@@ -32,7 +32,8 @@ struct Format {
   bool f16_scales;  // GGUF formats store half-precision scales
   bool offset8;     // q4_0 / int4: nibble holds q + 8
 };
-inline constexpr Format kFormats[] = {  // one table for every file: a Layout points into it
+// One table for every file (inline: one address, so a Layout's pointer into it gives the format id).
+inline constexpr Format kFormats[] = {
     {8, false, true, false},   // 0 q8_0
     {4, false, true, true},    // 1 q4_0
     {4, true, true, false},    // 2 q4_1

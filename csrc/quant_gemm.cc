@@ -38,8 +38,7 @@ using TransposeFn = void (*)(const float* colbuf, int64_t kk, float* panel);  //
 using ColumnDotsFn = void (*)(const Weights& w, int64_t col, const float* x, int64_t m, float* column, float* y,
                               int64_t ldy);
 
-void ColumnDotsScalar(const Weights& w, int64_t col, const float* x, int64_t m, float* column, float* y,
-                      int64_t ldy) {
+void ColumnDotsScalar(const Weights& w, int64_t col, const float* x, int64_t m, float* column, float* y, int64_t ldy) {
   const int64_t k = w.l.k;
   DequantizeRange(w, col, 0, k, column);
   for (int64_t r = 0; r < m; ++r) {
@@ -70,16 +69,14 @@ AVX2_F16C_FN void TransposePanelAvx2(const float* colbuf, int64_t kk, float* pan
       const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
       const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
       const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
-      const __m256 out[8] = {
-          _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
-          _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
-          _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
-          _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+      const __m256 out[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                             _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                             _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                             _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
       for (int k = 0; k < 8; ++k) _mm256_storeu_ps(panel + (i0 + k) * kNRt + jb, out[k]);
     }
   }
 }
-
 
 // Codes of 8 elements as f32: 4-bit codes come as bytes already unpacked.
 AVX2_F16C_FN inline __m256 BytesToF32(__m128i bytes8, bool is_signed) {
@@ -125,7 +122,8 @@ AVX2_F16C_FN void DequantizeRangeAvx2(const Weights& w, int64_t col, int64_t k0,
 // Dequantize-and-dot for up to kGemvRows rows: each 32-block's weights are dequantized in
 // registers (DequantBlockAvx2) and multiplied into every row's accumulators.
 template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
-AVX2_F16C_FN void ColumnDotsAvx2(const Weights& w, int64_t col, const float* x, int64_t m, float*, float* y, int64_t ldy) {
+AVX2_F16C_FN void ColumnDotsAvx2(const Weights& w, int64_t col, const float* x, int64_t m, float*, float* y,
+                                 int64_t ldy) {
   const int64_t k = w.l.k;
   __m256 acc0[kGemvRows], acc1[kGemvRows];
   for (int64_t r = 0; r < m; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
@@ -147,7 +145,7 @@ AVX2_F16C_FN void ColumnDotsAvx2(const Weights& w, int64_t col, const float* x, 
 // at a time; two accumulators per row halve the multiply-add chain.
 template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
 AVX512_F16C_FN void ColumnDotsAvx512(const Weights& w, int64_t col, const float* x, int64_t m, float*, float* y,
-                                int64_t ldy) {
+                                     int64_t ldy) {
   const int64_t k = w.l.k, groups = w.l.groups();
   const int shift = GroupShift(w.l.group);
   const uint8_t* row = w.row(col);
@@ -288,8 +286,8 @@ constexpr int kLanes = 16;
 constexpr int64_t kVnniPanelBlocks = 8;  // 256-deep K panels
 
 struct RowPackedActivations {
-  int64_t m, nb, groups;   // rows, 32-blocks, groups of 16 rows
-  std::vector<int8_t> x;   // [group][block][quad 8][lane 16][4]
+  int64_t m, nb, groups;     // rows, 32-blocks, groups of 16 rows
+  std::vector<int8_t> x;     // [group][block][quad 8][lane 16][4]
   std::vector<int32_t> off;  // [group][block][lane]: -off * sum(xq)
   std::vector<float> d, s;   // [group][block][lane]: x block scale; exact block sum (formats with mins)
   int64_t at(int64_t g, int64_t b) const { return g * nb + b; }
@@ -332,8 +330,8 @@ VNNI_FN std::shared_ptr<RowPackedActivations> PackRows(const ffi::AnyBuffer& x, 
 
 // acc[c * ld + g * 16 + lane] += row (g * 16 + lane) of x . column cols[c], over blocks [b0, b1).
 template <int G, int C, int kBits, bool kHasMin, bool kF16>
-VNNI_FN void VnniColumns(const Weights& w, const RowPackedActivations& a, int64_t g0, const int64_t* cols,
-                         int64_t b0, int64_t b1, float* acc_out, int64_t ld) {
+VNNI_FN void VnniColumns(const Weights& w, const RowPackedActivations& a, int64_t g0, const int64_t* cols, int64_t b0,
+                         int64_t b1, float* acc_out, int64_t ld) {
   acc_out += g0 * kLanes;
   const int shift = GroupShift(w.l.group);
   const int64_t groups = w.l.groups();
@@ -419,11 +417,11 @@ VnniKernel VnniFor(int64_t groups) {
 
 VnniKernel SelectVnni(int32_t fmt, int64_t groups) {
   switch (fmt) {
-    case 0: return VnniFor<8, false, true>(groups);   // q8_0
-    case 1: return VnniFor<4, false, true>(groups);   // q4_0
-    case 2: return VnniFor<4, true, true>(groups);    // q4_1
-    case 3: return VnniFor<8, false, false>(groups);  // int8
-    default: return VnniFor<4, false, false>(groups); // int4
+    case 0: return VnniFor<8, false, true>(groups);    // q8_0
+    case 1: return VnniFor<4, false, true>(groups);    // q4_0
+    case 2: return VnniFor<4, true, true>(groups);     // q4_1
+    case 3: return VnniFor<8, false, false>(groups);   // int8
+    default: return VnniFor<4, false, false>(groups);  // int4
   }
 }
 #endif

@@ -55,8 +55,8 @@ void QuantizeActivationRow(const float* x, int64_t k, int interleave, bool exact
 
 // A tile of outputs: rows r0..r0+rows-1 (rows <= 4) by columns col..col+cols-1 (cols <= 2),
 // written to y[r * cols + c].
-using TileFn = void (*)(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows,
-                        int cols, float* y);
+using TileFn = void (*)(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols,
+                        float* y);
 constexpr int kTileRows = 4, kTileCols = 1, kMaxTileCols = 4;  // kernels may take more columns (SelectGemv)
 
 // Every kernel computes, per weight group g and activation block b in g:
@@ -90,7 +90,7 @@ void TileScalar(const Weights& w, const QuantizedActivations& a, int64_t col, in
 #ifdef TUNIX_RT_X86
 template <int kBits, bool kOffset8, bool kHasMin, bool kF16, int R, int C>
 AVX2_F16C_FN void TileAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int,
-                      float* y) {
+                           float* y) {
   const int64_t nb = a.blocks(), per_group = w.l.group / kSub, groups = w.l.groups();
   (void)nb;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -167,7 +167,7 @@ AVX2_F16C_FN inline float MinCorrectionAvx2(const Weights& w, const QuantizedAct
 // per-block scales multiply the 8 int32 lanes as [s0 x4, s1 x4].
 template <bool kOffset8, bool kHasMin, bool kF16, int R, int C>
 AVX2_F16C_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int,
-                           float* y) {
+                                float* y) {
   const int64_t nb = a.blocks(), groups = w.l.groups();
   const int shift = GroupShift(w.l.group);  // block -> group: b >> shift
   const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0f);
@@ -202,8 +202,9 @@ AVX2_F16C_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a,
       if (kF16 && shift == 0) {  // two adjacent halves: one load, one conversion, one permute
         uint32_t both;
         std::memcpy(&both, static_cast<const uint16_t*>(w.scales) + s0, sizeof(both));
-        dw[c] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(both)))),
-                                         _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+        dw[c] = _mm256_permutevar8x32_ps(
+            _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(both)))),
+            _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
       } else {
         dw[c] = _mm256_set_m128(_mm_set1_ps(ScaleAt<kF16>(w.scales, s1)), _mm_set1_ps(ScaleAt<kF16>(w.scales, s0)));
       }
@@ -332,8 +333,8 @@ void PrepQuadStripes(QuantizedActivations& a, bool offset8) {
 }
 
 template <bool kOffset8, bool kHasMin, bool kF16, int R>
-VNNI_FN void TileQuadStripes(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int,
-                             int cols, float* y) {
+VNNI_FN void TileQuadStripes(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int cols,
+                             float* y) {
   const int64_t nb = a.blocks(), quads = nb / 4, stripes = QuadStripes(nb), groups = w.l.groups();
   const int shift = GroupShift(w.l.group);
   const __m512i mask = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi16(1), zero = _mm512_setzero_si512();
@@ -374,7 +375,8 @@ VNNI_FN void TileQuadStripes(const Weights& w, const QuantizedActivations& a, in
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * nb + b;
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (r0 + r) * a.k + b * kSub));
-        const int32_t dot = HSum32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, xv)) - (kOffset8 ? 8 * a.qsum[i] : 0);
+        const int32_t dot = HSum32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, xv)) -
+                            (kOffset8 ? 8 * a.qsum[i] : 0);
         tail[r] += d * a.d[i] * static_cast<float>(dot);
       }
     }
@@ -395,8 +397,8 @@ void PrepPairs8(QuantizedActivations& a, bool) {
 }
 
 template <bool kF16, int R>
-VNNI_FN void TilePairStripes8(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int,
-                              int cols, float* y) {
+VNNI_FN void TilePairStripes8(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int cols,
+                              float* y) {
   const int64_t nb = a.blocks(), pairs = nb / 2, groups = w.l.groups();
   const int shift = GroupShift(w.l.group);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), two = _mm512_set1_epi32(2);
@@ -416,7 +418,8 @@ VNNI_FN void TilePairStripes8(const Weights& w, const QuantizedActivations& a, i
         const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(wrow + p * 2 * kSub), flip);
         for (int r = 0; r < R; ++r) {
           const __m512i init = _mm512_loadu_si512(a.pc.data() + ((r0 + r) * nb + 2 * p) * 8);
-          const __m512i dot = _mm512_dpbusd_epi32(init, u, _mm512_loadu_si512(a.q.data() + (r0 + r) * a.k + p * 2 * kSub));
+          const __m512i dot = _mm512_dpbusd_epi32(init, u,
+                                                  _mm512_loadu_si512(a.q.data() + (r0 + r) * a.k + p * 2 * kSub));
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, dwx[r]), acc[r]);
         }
       }
@@ -443,8 +446,8 @@ constexpr TileFn kQuadStripes =
            TileQuadStripes<kOffset8, kHasMin, kF16, 3>, TileQuadStripes<kOffset8, kHasMin, kF16, 4>>;
 
 template <bool kF16>
-constexpr TileFn kPairStripes8 = ByRows<TilePairStripes8<kF16, 1>, TilePairStripes8<kF16, 2>,
-                                        TilePairStripes8<kF16, 3>, TilePairStripes8<kF16, 4>>;
+constexpr TileFn kPairStripes8 =
+    ByRows<TilePairStripes8<kF16, 1>, TilePairStripes8<kF16, 2>, TilePairStripes8<kF16, 3>, TilePairStripes8<kF16, 4>>;
 #endif
 
 // The GEMV kernel of a format for the detected ISA tier, with the activation layout it reads:
@@ -461,22 +464,22 @@ GemvKernel SelectGemv(int32_t fmt) {
 #ifdef TUNIX_RT_X86
   if (HasVnni()) {
     static constexpr TileFn kVnni[kNumFormats] = {
-        kPairStripes8<true>,                   // q8_0
-        kQuadStripes<true, false, true>,       // q4_0
-        kQuadStripes<false, true, true>,       // q4_1
-        kPairStripes8<false>,                  // int8
-        kQuadStripes<true, false, false>,      // int4
+        kPairStripes8<true>,               // q8_0
+        kQuadStripes<true, false, true>,   // q4_0
+        kQuadStripes<false, true, true>,   // q4_1
+        kPairStripes8<false>,              // int8
+        kQuadStripes<true, false, false>,  // int4
     };
     return kFormats[fmt].bits == 4 ? GemvKernel{kVnni[fmt], 4, kMaxTileCols, PrepQuadStripes, QuantizeBlockAvx512}
                                    : GemvKernel{kVnni[fmt], 1, kMaxTileCols, PrepPairs8, QuantizeBlockAvx512};
   }
   if (isa_level() >= IsaLevel::kAvx2 && cpu_features().f16c) {
     static constexpr TileFn kAvx2[kNumFormats] = {
-        kAvx2Tiles<8, false, false, true>,  // q8_0
-        kAvx2Tiles<4, true, false, true>,   // q4_0
-        kAvx2Tiles<4, false, true, true>,   // q4_1
-        kAvx2Tiles<8, false, false, false>, // int8
-        kAvx2Tiles<4, true, false, false>,  // int4
+        kAvx2Tiles<8, false, false, true>,   // q8_0
+        kAvx2Tiles<4, true, false, true>,    // q4_0
+        kAvx2Tiles<4, false, true, true>,    // q4_1
+        kAvx2Tiles<8, false, false, false>,  // int8
+        kAvx2Tiles<4, true, false, false>,   // int4
     };
     return kFormats[fmt].bits == 4 ? GemvKernel{kAvx2[fmt], 2, kTileCols, PrepPairsAvx2}
                                    : GemvKernel{kAvx2[fmt], 1, kTileCols, nullptr};
@@ -507,8 +510,8 @@ ffi::Future QuantGemv(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuf
     for (int64_t r = 0; r < m; ++r) {
       const int64_t b0 = r * act->blocks();
       QuantizeActivationRow(RowAsF32(x.untyped_data(), bf16, r, l.k, scratch.data()), l.k, kernel.interleave,
-                            l.f->has_min, kernel.quantize_block, act->q.data() + r * l.k, act->d.data() + b0, act->s.data() + b0,
-                            l.f->has_min ? act->e.data() + b0 : nullptr, act->qsum.data() + b0);
+                            l.f->has_min, kernel.quantize_block, act->q.data() + r * l.k, act->d.data() + b0,
+                            act->s.data() + b0, l.f->has_min ? act->e.data() + b0 : nullptr, act->qsum.data() + b0);
     }
   }
   if (kernel.prep != nullptr) kernel.prep(*act, l.f->offset8);

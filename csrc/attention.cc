@@ -141,7 +141,8 @@ AVX2_FN float MaskedMaxAvx2(const float* s, uint64_t bits) {
 AVX2_FN float ExpSumAvx2(float* s, uint64_t bits, float sub) {
   __m256 sum = _mm256_setzero_ps();
   for (int j = 0; j < kKBlock; j += 8) {
-    const __m256 e = _mm256_and_ps(Exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(sub))), LaneMask8(bits >> j));
+    const __m256 e = _mm256_and_ps(Exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(sub))),
+                                   LaneMask8(bits >> j));
     _mm256_storeu_ps(s + j, e);
     sum = _mm256_add_ps(sum, e);
   }
@@ -150,7 +151,8 @@ AVX2_FN float ExpSumAvx2(float* s, uint64_t bits, float sub) {
 
 AVX2_FN void SoftmaxGradAvx2(float* p, float* ds, uint64_t bits, float lse, float dsum) {
   for (int j = 0; j < kKBlock; j += 8) {
-    const __m256 e = _mm256_and_ps(Exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(lse))), LaneMask8(bits >> j));
+    const __m256 e = _mm256_and_ps(Exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(lse))),
+                                   LaneMask8(bits >> j));
     _mm256_storeu_ps(p + j, e);
     _mm256_storeu_ps(ds + j, _mm256_mul_ps(e, _mm256_sub_ps(_mm256_loadu_ps(ds + j), _mm256_set1_ps(dsum))));
   }
@@ -227,7 +229,8 @@ const RowKernels& Rows() {
 #ifdef TUNIX_RT_X86
     if (isa_level() >= IsaLevel::kAvx512)
       return RowKernels{VisibleBitsAvx512, MaskedMaxAvx512, ExpSumAvx512, SoftmaxGradAvx512};
-    if (isa_level() >= IsaLevel::kAvx2) return RowKernels{VisibleBitsScalar, MaskedMaxAvx2, ExpSumAvx2, SoftmaxGradAvx2};
+    if (isa_level() >= IsaLevel::kAvx2)
+      return RowKernels{VisibleBitsScalar, MaskedMaxAvx2, ExpSumAvx2, SoftmaxGradAvx2};
 #endif
     return RowKernels{VisibleBitsScalar, MaskedMaxScalar, ExpSumScalar, SoftmaxGradScalar};
   }();
@@ -420,8 +423,8 @@ struct GradOut {
 };
 
 // dK and dV of key block `task` (over every query tile that sees it).
-ffi::Error BackwardKeys(const Buffers& in, const void* dout, const float* lse, const float* dsum,
-                        const MaskRule& mask, const Params& p, const Shape& sh, int64_t task, const GradOut& g_out) {
+ffi::Error BackwardKeys(const Buffers& in, const void* dout, const float* lse, const float* dsum, const MaskRule& mask,
+                        const Params& p, const Shape& sh, int64_t task, const GradOut& g_out) {
   const int64_t b = task / (sh.kv * Blocks(sh)), kvh = task / Blocks(sh) % sh.kv, s0 = task % Blocks(sh) * kKBlock;
   const int64_t ns = std::min(kKBlock, sh.t - s0), g = sh.g(), d = sh.d;
   std::vector<float> kb(ns * d), vb(ns * d), dk(ns * d, 0.0f), dv(ns * d, 0.0f);
@@ -435,8 +438,7 @@ ffi::Error BackwardKeys(const Buffers& in, const void* dout, const float* lse, c
     const bool any = TileMask(mask, sh, b, t0, nq, s0, ns, vis);
     bool uniform = false;  // a row that sees no key at all spreads dO / T over every value
     for (int64_t i = 0; i < nq && !uniform; ++i)
-      for (int64_t gi = 0; gi < g && !uniform; ++gi)
-        uniform = lse[(b * sh.t + t0 + i) * sh.h + kvh * g + gi] == kInf;
+      for (int64_t gi = 0; gi < g && !uniform; ++gi) uniform = lse[(b * sh.t + t0 + i) * sh.h + kvh * g + gi] == kInf;
     if (!any && !uniform) continue;
     LoadGradTile(in, dout, lse, dsum, p, sh, b, kvh, t0, nq, &tg);
     if (any) {
@@ -571,9 +573,8 @@ ffi::Future AttentionBwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
   if (tasks == 0 || sh.d == 0) return ReadyFuture(ffi::Error::Success());
   return ParallelFor(pool, tasks, tasks, [=](int64_t, int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      ffi::Error e = task < key_tasks
-                         ? BackwardKeys(in, d_o, l, ds, mask, p, sh, task, g_out)
-                         : BackwardQueries(in, d_o, l, ds, mask, p, sh, task - key_tasks, g_out);
+      ffi::Error e = task < key_tasks ? BackwardKeys(in, d_o, l, ds, mask, p, sh, task, g_out)
+                                      : BackwardQueries(in, d_o, l, ds, mask, p, sh, task - key_tasks, g_out);
       if (!e.success()) return e;
     }
     return ffi::Error::Success();

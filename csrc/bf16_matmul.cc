@@ -27,7 +27,7 @@ struct Bf16Matrix {
   int64_t row_stride, col_stride;
 };
 
-constexpr int64_t kSlabK = 512;       // k per packed slab (even)
+constexpr int64_t kSlabK = 512;         // k per packed slab (even)
 constexpr int64_t kBlockRows = 192;     // most rows per work item (a multiple of kMR)
 constexpr int64_t kBlockCols = 256;     // most columns per work item (a multiple of kMaxNR)
 constexpr int64_t kItemsPerWorker = 8;  // work items wanted per worker: equal items claimed one at a
@@ -49,8 +49,8 @@ Partition ChoosePartition(int64_t m, int64_t n, int64_t workers, bool packs_a, b
   double best_cost = 0;
   for (int64_t cols = kBlockCols; cols >= kMaxNR; cols /= 2) {
     const int64_t col_blocks = (n + cols - 1) / cols;
-    const int64_t row_blocks = std::min(tiles, std::max((m + kBlockRows - 1) / kBlockRows,
-                                                        (wanted + col_blocks - 1) / col_blocks));
+    const int64_t row_blocks = std::min(
+        tiles, std::max((m + kBlockRows - 1) / kBlockRows, (wanted + col_blocks - 1) / col_blocks));
     const double cost = double(row_blocks) * n * (gathers_b ? 2 : 1) + (packs_a ? double(col_blocks) * m : 0.0);
     if (best.block_cols == 0 || cost < best_cost) {
       best = {kMR * ((tiles + row_blocks - 1) / row_blocks), cols};
@@ -68,7 +68,7 @@ BF16_FN void InterleaveRows(const uint16_t* lo, const uint16_t* hi, int width, u
   const __mmask32 mask = static_cast<__mmask32>(width >= 32 ? ~0u : (1u << width) - 1u);
   const __m512i a = _mm512_maskz_loadu_epi16(mask, lo);
   const __m512i b = hi ? _mm512_maskz_loadu_epi16(mask, hi) : _mm512_setzero_si512();
-  alignas(64) static constexpr uint16_t kFirst[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+  alignas(64) static constexpr uint16_t kFirst[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
                                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   alignas(64) static constexpr uint16_t kSecond[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                        24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
@@ -114,8 +114,8 @@ BF16_FN void PackPairsB(Bf16Matrix b, int64_t k0, int64_t kk, int64_t c0, int64_
     const uint16_t* base = b.data + k0 * b.row_stride + (c0 + s * kMaxNR) * b.col_stride;
     if (b.col_stride == 1) {  // row-major B: interleave rows 2q and 2q + 1
       for (int64_t q = 0; q < pairs; ++q)
-        InterleaveRows(base + 2 * q * b.row_stride, 2 * q + 1 < kk ? base + (2 * q + 1) * b.row_stride : nullptr,
-                       width, panel + q * kMaxNR, true);
+        InterleaveRows(base + 2 * q * b.row_stride, 2 * q + 1 < kk ? base + (2 * q + 1) * b.row_stride : nullptr, width,
+                       panel + q * kMaxNR, true);
       continue;
     }
     // B transposed (row_stride 1): a pair is one 32-bit word of a column, gathered 16 columns at a time.
@@ -130,16 +130,15 @@ BF16_FN void PackPairsB(Bf16Matrix b, int64_t k0, int64_t kk, int64_t c0, int64_
                             _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, step, col + 2 * q, 1));
     }
     if (kk & 1)
-      for (int j = 0; j < kMaxNR; ++j)
-        panel[full * kMaxNR + j] = j < width ? base[j * b.col_stride + (kk - 1)] : 0;
+      for (int j = 0; j < kMaxNR; ++j) panel[full * kMaxNR + j] = j < width ? base[j * b.col_stride + (kk - 1)] : 0;
   }
 }
 
 // c (R x cols, row stride ldc) += A tile x B panel over `pairs` k pairs; A's pair q of row r is the
 // word a[r * a_row + q * a_pair].
 template <int R>
-BF16_FN void MicroBf16(const uint32_t* a, int64_t a_row, int64_t a_pair, const uint32_t* bp, int64_t pairs,
-                       float* c, int64_t ldc, int cols) {
+BF16_FN void MicroBf16(const uint32_t* a, int64_t a_row, int64_t a_pair, const uint32_t* bp, int64_t pairs, float* c,
+                       int64_t ldc, int cols) {
   __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   const uint32_t* a0 = a;
@@ -151,18 +150,13 @@ BF16_FN void MicroBf16(const uint32_t* a, int64_t a_row, int64_t a_pair, const u
   for (int64_t q = 0, off = 0; q < pairs; ++q, off += a_pair) {
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + q * kMaxNR);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + q * kMaxNR + 16);
-#define TUNIX_RT_ROW(r, lo, hi)                                              \
-  if constexpr (R > r) {                                                     \
+#define TUNIX_RT_ROW(r, lo, hi)                                                   \
+  {                                                                               \
     const __m512bh ar = (__m512bh)_mm512_set1_epi32(static_cast<int>(a##r[off])); \
-    lo = _mm512_dpbf16_ps(lo, ar, b0);                                       \
-    hi = _mm512_dpbf16_ps(hi, ar, b1);                                       \
+    lo = _mm512_dpbf16_ps(lo, ar, b0);                                            \
+    hi = _mm512_dpbf16_ps(hi, ar, b1);                                            \
   }
-    TUNIX_RT_ROW(0, c00, c01)
-    TUNIX_RT_ROW(1, c10, c11)
-    TUNIX_RT_ROW(2, c20, c21)
-    TUNIX_RT_ROW(3, c30, c31)
-    TUNIX_RT_ROW(4, c40, c41)
-    TUNIX_RT_ROW(5, c50, c51)
+    TUNIX_RT_MICRO_ROWS(R, TUNIX_RT_ROW)
 #undef TUNIX_RT_ROW
   }
   const __m512 acc[kMR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
@@ -271,7 +265,8 @@ ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buff
   const Partition part = ChoosePartition(m, n, Workers(pool), bf16_kernels && !ReadsAInPlace(am),
                                          bf16_kernels && bm.col_stride != 1);
   const int64_t block_rows = part.block_rows, block_cols = part.block_cols;
-  const int64_t col_blocks = (n + block_cols - 1) / block_cols, items = ((m + block_rows - 1) / block_rows) * col_blocks;
+  const int64_t col_blocks = (n + block_cols - 1) / block_cols,
+                items = ((m + block_rows - 1) / block_rows) * col_blocks;
   return ParallelFor(pool, items, items, [=](int64_t, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r0 = (i / col_blocks) * block_rows, c0 = (i % col_blocks) * block_cols;

@@ -4,9 +4,10 @@
 #include <cstdlib>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(_M_X64)
+#include "isa.h"
+
+#ifdef TUNIX_RT_X86
 #include <cpuid.h>
-#define TUNIX_RT_X86 1
 #endif
 
 namespace tunix_rt {

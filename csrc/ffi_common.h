@@ -84,8 +84,6 @@ inline const float* AsF32(const ffi::AnyBuffer& b, std::shared_ptr<std::vector<f
   return (*keep)->data();
 }
 
-inline ffi::Error InvalidArgument(const std::string& msg) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
-}
+inline ffi::Error InvalidArgument(const std::string& msg) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg); }
 
 }  // namespace tunix_rt

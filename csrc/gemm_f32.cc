@@ -28,18 +28,13 @@ AVX2_FN void MicroAvx2(const float* xp, const float* panel, int64_t kk, float* y
   for (int64_t k = 0; k < kk; ++k) {
     const __m256 b0 = _mm256_loadu_ps(panel + k * kNR), b1 = _mm256_loadu_ps(panel + k * kNR + 8);
     const float* a = xp + k * kMR;
-#define TUNIX_RT_ROW(r, lo, hi)                       \
-  if constexpr (R > r) {                              \
-    const __m256 ar = _mm256_broadcast_ss(a + r);     \
-    lo = _mm256_fmadd_ps(ar, b0, lo);                 \
-    hi = _mm256_fmadd_ps(ar, b1, hi);                 \
+#define TUNIX_RT_ROW(r, lo, hi)                   \
+  {                                               \
+    const __m256 ar = _mm256_broadcast_ss(a + r); \
+    lo = _mm256_fmadd_ps(ar, b0, lo);             \
+    hi = _mm256_fmadd_ps(ar, b1, hi);             \
   }
-    TUNIX_RT_ROW(0, c00, c01)
-    TUNIX_RT_ROW(1, c10, c11)
-    TUNIX_RT_ROW(2, c20, c21)
-    TUNIX_RT_ROW(3, c30, c31)
-    TUNIX_RT_ROW(4, c40, c41)
-    TUNIX_RT_ROW(5, c50, c51)
+    TUNIX_RT_MICRO_ROWS(R, TUNIX_RT_ROW)
 #undef TUNIX_RT_ROW
   }
   alignas(32) float tile[kMR][kNR];
@@ -54,8 +49,7 @@ AVX2_FN void MicroAvx2(const float* xp, const float* panel, int64_t kk, float* y
 
 void MicroAvx2Any(const float* xp, const float* panel, int64_t kk, float* y, int64_t ldy, int rows, int cols) {
   using F = void (*)(const float*, const float*, int64_t, float*, int64_t, int);
-  static constexpr F kTable[kMR] = {MicroAvx2<1>, MicroAvx2<2>, MicroAvx2<3>,
-                                    MicroAvx2<4>, MicroAvx2<5>, MicroAvx2<6>};
+  static constexpr F kTable[kMR] = {MicroAvx2<1>, MicroAvx2<2>, MicroAvx2<3>, MicroAvx2<4>, MicroAvx2<5>, MicroAvx2<6>};
   kTable[rows - 1](xp, panel, kk, y, ldy, cols);
 }
 
@@ -67,18 +61,13 @@ AVX512_FN void MicroAvx512(const float* xp, const float* panel, int64_t kk, floa
   for (int64_t k = 0; k < kk; ++k) {
     const __m512 b0 = _mm512_loadu_ps(panel + k * kMaxNR), b1 = _mm512_loadu_ps(panel + k * kMaxNR + 16);
     const float* a = xp + k * kMR;
-#define TUNIX_RT_ROW(r, lo, hi)                       \
-  if constexpr (R > r) {                              \
-    const __m512 ar = _mm512_set1_ps(a[r]);           \
-    lo = _mm512_fmadd_ps(ar, b0, lo);                 \
-    hi = _mm512_fmadd_ps(ar, b1, hi);                 \
+#define TUNIX_RT_ROW(r, lo, hi)             \
+  {                                         \
+    const __m512 ar = _mm512_set1_ps(a[r]); \
+    lo = _mm512_fmadd_ps(ar, b0, lo);       \
+    hi = _mm512_fmadd_ps(ar, b1, hi);       \
   }
-    TUNIX_RT_ROW(0, c00, c01)
-    TUNIX_RT_ROW(1, c10, c11)
-    TUNIX_RT_ROW(2, c20, c21)
-    TUNIX_RT_ROW(3, c30, c31)
-    TUNIX_RT_ROW(4, c40, c41)
-    TUNIX_RT_ROW(5, c50, c51)
+    TUNIX_RT_MICRO_ROWS(R, TUNIX_RT_ROW)
 #undef TUNIX_RT_ROW
   }
   const __m512 acc[kMR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
@@ -202,7 +191,8 @@ AVX2_FN void SmallRowsAvx2(StridedMatrix a, StridedMatrix b, int64_t m, int64_t 
       __m256i mask[kSmallVectors];
       for (int v = 0; v < kSmallVectors; ++v) {
         const int64_t left = std::clamp<int64_t>(n - j0 - 8 * v, 0, 8);
-        mask[v] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        mask[v] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)),
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       }
       for (int64_t k0 = 0; k0 < k; k0 += kPackK) {
         __m256 acc[kSmallVectors];

@@ -22,6 +22,16 @@ struct MicroKernel {
   int nr;  // panel width the kernel reads
 };
 
+// The k step of a kMR-row micro-kernel over its named accumulator pairs c00, c01 .. c50, c51 (GCC keeps
+// a 2-D array of them on the stack, storing 12 per step): ROW(r, lo, hi) for each row r < R.
+#define TUNIX_RT_MICRO_ROWS(R, ROW)       \
+  if constexpr ((R) > 0) ROW(0, c00, c01) \
+  if constexpr ((R) > 1) ROW(1, c10, c11) \
+  if constexpr ((R) > 2) ROW(2, c20, c21) \
+  if constexpr ((R) > 3) ROW(3, c30, c31) \
+  if constexpr ((R) > 4) ROW(4, c40, c41) \
+  if constexpr ((R) > 5) ROW(5, c50, c51)
+
 // The best micro-kernel at or below `level` that this CPU runs.
 MicroKernel MicroKernelFor(IsaLevel level);
 

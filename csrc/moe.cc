@@ -3,8 +3,8 @@
 //
 // The layout all ops share: a token's k choices are "assignments" a = t * k + j. permute sorts the
 // assignments by expert, stably (ties keep assignment order), so expert e owns rows
-// [offset_e, offset_e + group_sizes[e]) of the permuted buffer; row_of[t, j] names the row that
-// assignment went to, or -1 when a capacity limit dropped it. Rows past sum(group_sizes) are zero.
+// [offset_e, offset_e + group_sizes[e]) of the permuted buffer, one row per assignment; row_of[t, j]
+// names the row that assignment went to.
 // Expert ids, rows and group sizes come from data: each is checked, and a bad one is an FFI error.
 #include <algorithm>
 #include <cmath>
@@ -127,9 +127,9 @@ ffi::Future Route(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffe
 
 // ---- permute ------------------------------------------------------------------------------------
 
-// A counting sort of the assignments by expert; rows past `capacity` (0 = none) of an expert drop.
-ffi::Error SortAssignments(const int32_t* ids, int64_t assignments, int64_t e, int64_t k, int64_t capacity,
-                           int32_t* row_of, int32_t* group_sizes) {
+// A stable counting sort of the assignments by expert.
+ffi::Error SortAssignments(const int32_t* ids, int64_t assignments, int64_t e, int64_t k, int32_t* row_of,
+                           int32_t* group_sizes) {
   std::vector<int64_t> count(e, 0);
   for (int64_t a = 0; a < assignments; ++a) {
     if (ids[a] < 0 || ids[a] >= e)
@@ -140,22 +140,17 @@ ffi::Error SortAssignments(const int32_t* ids, int64_t assignments, int64_t e, i
   std::vector<int64_t> next(e);
   int64_t offset = 0;
   for (int64_t x = 0; x < e; ++x) {
-    const int64_t kept = capacity > 0 ? std::min(count[x], capacity) : count[x];
-    group_sizes[x] = static_cast<int32_t>(kept);
+    group_sizes[x] = static_cast<int32_t>(count[x]);
     next[x] = offset;
-    count[x] = offset + kept;  // end of expert x's rows
-    offset += kept;
+    offset += count[x];
   }
-  for (int64_t a = 0; a < assignments; ++a) {
-    const int32_t x = ids[a];
-    row_of[a] = next[x] < count[x] ? static_cast<int32_t>(next[x]++) : -1;
-  }
+  for (int64_t a = 0; a < assignments; ++a) row_of[a] = static_cast<int32_t>(next[ids[a]]++);
   return ffi::Error::Success();
 }
 
-ffi::Future Permute(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids, ffi::Result<ffi::AnyBuffer> xs,
-                    ffi::Result<ffi::Buffer<ffi::S32>> row_of, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
-                    int64_t capacity) {
+ffi::Future Permute(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
+                    ffi::Result<ffi::AnyBuffer> xs, ffi::Result<ffi::Buffer<ffi::S32>> row_of,
+                    ffi::Result<ffi::Buffer<ffi::S32>> group_sizes) {
   if (x.dimensions().size() != 2 || expert_ids.dimensions().size() != 2 ||
       expert_ids.dimensions()[0] != x.dimensions()[0])
     return ReadyFuture(InvalidArgument("permute: need x (tokens, hidden) and expert_ids (tokens, k)"));
@@ -165,18 +160,15 @@ ffi::Future Permute(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
   if (assignments > std::numeric_limits<int32_t>::max())
     return ReadyFuture(InvalidArgument("permute: tokens * k exceeds the int32 row index range"));
   int32_t* rows = row_of->typed_data();
-  ffi::Error err = SortAssignments(expert_ids.typed_data(), assignments, e, k, capacity, rows, group_sizes->typed_data());
+  ffi::Error err = SortAssignments(expert_ids.typed_data(), assignments, e, k, rows, group_sizes->typed_data());
   if (!err.success()) return ReadyFuture(err);
   const size_t item = x.element_type() == ffi::DataType::F32 ? 4 : 2;
   const char* src = static_cast<const char*>(x.untyped_data());
   char* dst = static_cast<char*>(xs->untyped_data());
-  int64_t kept = 0;
-  for (int64_t g = 0; g < e; ++g) kept += group_sizes->typed_data()[g];
-  std::fill(dst + kept * h * item, dst + assignments * h * item, 0);  // dropped rows leave zeros at the end
   const int64_t chunks = NumChunks(pool, assignments, std::max<int64_t>(1, 8192 / std::max<int64_t>(h, 1)));
   return ParallelFor(pool, assignments, chunks, [=](int64_t, int64_t begin, int64_t end) {
     for (int64_t a = begin; a < end; ++a)
-      if (rows[a] >= 0) std::copy(src + (a / k) * h * item, src + (a / k + 1) * h * item, dst + rows[a] * h * item);
+      std::copy(src + (a / k) * h * item, src + (a / k + 1) * h * item, dst + rows[a] * h * item);
     return ffi::Error::Success();
   });
 }
@@ -191,8 +183,8 @@ ffi::Error CheckRows(const int32_t* rows, int64_t assignments, int64_t k, int64_
   return ffi::Error::Success();
 }
 
-ffi::Future Unpermute(ffi::ThreadPool pool, ffi::AnyBuffer ys, ffi::Buffer<ffi::S32> row_of, ffi::Buffer<ffi::F32> weights,
-                      ffi::Result<ffi::AnyBuffer> out) {
+ffi::Future Unpermute(ffi::ThreadPool pool, ffi::AnyBuffer ys, ffi::Buffer<ffi::S32> row_of,
+                      ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::AnyBuffer> out) {
   const int64_t r = ys.dimensions()[0], h = LastDim(ys.dimensions());
   const int64_t t = row_of.dimensions()[0], k = LastDim(row_of.dimensions());
   const int32_t* rows = row_of.typed_data();
@@ -224,7 +216,7 @@ ffi::Future Unpermute(ffi::ThreadPool pool, ffi::AnyBuffer ys, ffi::Buffer<ffi::
 }
 
 // d ys[row_of[t, j]] = weights[t, j] * dout[t] (rows nobody reads get zeros); d weights[t, j] =
-// dout[t] . ys[row_of[t, j]] (0 for dropped assignments).
+// dout[t] . ys[row_of[t, j]] (0 where row_of is -1).
 ffi::Future UnpermuteBwd(ffi::ThreadPool pool, ffi::AnyBuffer ys, ffi::Buffer<ffi::S32> row_of,
                          ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dys,
                          ffi::Result<ffi::Buffer<ffi::F32>> dweights) {
@@ -284,7 +276,8 @@ ffi::Future UnpermuteBwd(ffi::ThreadPool pool, ffi::AnyBuffer ys, ffi::Buffer<ff
 ffi::Error GroupOffsets(const int32_t* sizes, int64_t e, int64_t rows, std::vector<int64_t>* offsets) {
   offsets->assign(e + 1, 0);
   for (int64_t g = 0; g < e; ++g) {
-    if (sizes[g] < 0) return InvalidArgument("group_sizes[" + std::to_string(g) + "] = " + std::to_string(sizes[g]) + " is negative");
+    if (sizes[g] < 0)
+      return InvalidArgument("group_sizes[" + std::to_string(g) + "] = " + std::to_string(sizes[g]) + " is negative");
     (*offsets)[g + 1] = (*offsets)[g] + sizes[g];
     if ((*offsets)[g + 1] > rows)
       return InvalidArgument("group_sizes sum past the " + std::to_string(rows) + " rows of x");
@@ -368,8 +361,8 @@ ffi::Future GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 }
 
 // dw[g] = x[rows of g]^T @ dy[rows of g]: the weight gradient (zeros for groups without rows).
-ffi::Future GroupedMatmulDw(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::S32> group_sizes,
-                            ffi::Result<ffi::AnyBuffer> dw) {
+ffi::Future GroupedMatmulDw(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> dw) {
   const int64_t m = x.dimensions()[0], k = LastDim(x.dimensions()), n = LastDim(dy.dimensions());
   const int64_t e = dw->dimensions()[0];
   if (dy.dimensions()[0] != m || group_sizes.element_count() != static_cast<size_t>(e))
@@ -393,8 +386,8 @@ ffi::Future GroupedMatmulDw(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
       const int64_t row = (*offs)[tl.g], rows_g = (*offs)[tl.g + 1] - row;
       float* c = wf + (tl.g * k + tl.r0) * n + tl.c0;
       for (int64_t r = 0; r < tl.rows; ++r) std::fill(c + r * n, c + r * n + tl.cols, 0.0f);
-      const StridedMatrix a{xf + row * k + tl.r0, 1, k};   // x_g^T
-      const StridedMatrix b{df + row * n + tl.c0, n, 1};   // dy_g
+      const StridedMatrix a{xf + row * k + tl.r0, 1, k};  // x_g^T
+      const StridedMatrix b{df + row * n + tl.c0, n, 1};  // dy_g
       GemmAccumulate(a, b, tl.rows, tl.cols, rows_g, c, n);
       if (!out_f32)
         for (int64_t r = 0; r < tl.rows; ++r) Store(out, (tl.g * k + tl.r0 + r) * n + tl.c0, c + r * n, tl.cols);
@@ -429,8 +422,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePermuteHandler, Permute,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("capacity"));
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermuteHandler, Unpermute,
                               ffi::Ffi::Bind()

@@ -101,7 +101,8 @@ struct CacheShape {
 
 ffi::Error ReadCacheShape(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, CacheShape* out) {
   auto kd = k.dimensions();
-  if (kd.size() != 4) return InvalidArgument("k_cache must be (num_blocks, block_size, kv_heads, head_dim), got " + DimsString(kd));
+  if (kd.size() != 4)
+    return InvalidArgument("k_cache must be (num_blocks, block_size, kv_heads, head_dim), got " + DimsString(kd));
   if (!IsF32OrBf16(k.element_type())) return InvalidArgument("k_cache must be f32 or bf16");
   if (v.element_type() != k.element_type() || v.dimensions().size() != 4 ||
       !std::equal(kd.begin(), kd.end(), v.dimensions().begin()))
@@ -111,8 +112,7 @@ ffi::Error ReadCacheShape(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, Cach
 }
 
 ffi::Error WriteKv(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> k_out,
-                   ffi::Result<ffi::AnyBuffer> v_out) {
+                   ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
   CacheShape c;
   if (auto err = ReadCacheShape(k_cache, v_cache, &c); !err.success()) return err;
   auto kd = k.dimensions();
@@ -126,13 +126,15 @@ ffi::Error WriteKv(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffe
   const int32_t* slot = slots.typed_data();
   for (int64_t t = 0; t < tokens; ++t)
     if (slot[t] < -1 || slot[t] >= c.slots())
-      return InvalidArgument("slots[" + std::to_string(t) + "] = " + std::to_string(slot[t]) +
-                             " is outside [-1, " + std::to_string(c.slots()) + ")");
+      return InvalidArgument("slots[" + std::to_string(t) + "] = " + std::to_string(slot[t]) + " is outside [-1, " +
+                             std::to_string(c.slots()) + ")");
   const bool bf16 = k_cache.element_type() == ffi::DataType::BF16;
   const size_t bytes = k_cache.size_bytes();
   // Aliased (the cache was donated) in the engine; a copy keeps the op correct when it is not.
-  if (k_out->untyped_data() != k_cache.untyped_data()) std::memcpy(k_out->untyped_data(), k_cache.untyped_data(), bytes);
-  if (v_out->untyped_data() != v_cache.untyped_data()) std::memcpy(v_out->untyped_data(), v_cache.untyped_data(), bytes);
+  if (k_out->untyped_data() != k_cache.untyped_data())
+    std::memcpy(k_out->untyped_data(), k_cache.untyped_data(), bytes);
+  if (v_out->untyped_data() != v_cache.untyped_data())
+    std::memcpy(v_out->untyped_data(), v_cache.untyped_data(), bytes);
   const int64_t row_bytes = c.row() * (bf16 ? 2 : 4);
   auto* kdst = static_cast<char*>(k_out->untyped_data());
   auto* vdst = static_cast<char*>(v_out->untyped_data());
@@ -179,12 +181,12 @@ ffi::Error AttendItem(const AttnArgs& a, const RowOps& ops, int64_t t, int64_t h
     for (int64_t i = 0; i < g * d; ++i) acc[i] = 0.0f;
   } else {
     if (s < -1 || s >= a.seqs)
-      return InvalidArgument("token_seq[" + std::to_string(t) + "] = " + std::to_string(s) +
-                             " is outside [-1, " + std::to_string(a.seqs) + ")");
+      return InvalidArgument("token_seq[" + std::to_string(t) + "] = " + std::to_string(s) + " is outside [-1, " +
+                             std::to_string(a.seqs) + ")");
     const int32_t p = a.pos[t];
     if (p < 0 || p / bs >= a.max_blocks)
-      return InvalidArgument("token_pos[" + std::to_string(t) + "] = " + std::to_string(p) +
-                             " is outside [0, " + std::to_string(a.max_blocks * bs) + ") (block_tables width x block size)");
+      return InvalidArgument("token_pos[" + std::to_string(t) + "] = " + std::to_string(p) + " is outside [0, " +
+                             std::to_string(a.max_blocks * bs) + ") (block_tables width x block size)");
     // The group's query heads are row t * kv_heads + h of q viewed as (T * kv_heads, group * head_dim).
     const float* q = RowAsF32(a.q, a.q_bf16, t * a.c.kv_heads + h, g * d, qscratch);
     std::fill(acc, acc + g * d, 0.0f);
@@ -195,8 +197,8 @@ ffi::Error AttendItem(const AttnArgs& a, const RowOps& ops, int64_t t, int64_t h
     for (int64_t b = start / bs; b <= p / bs; ++b) {
       const int32_t block = table[b];
       if (block < 0 || block >= a.c.blocks)
-        return InvalidArgument("block_tables[" + std::to_string(s) + ", " + std::to_string(b) + "] = " +
-                               std::to_string(block) + " is outside [0, " + std::to_string(a.c.blocks) + ")");
+        return InvalidArgument("block_tables[" + std::to_string(s) + ", " + std::to_string(b) +
+                               "] = " + std::to_string(block) + " is outside [0, " + std::to_string(a.c.blocks) + ")");
       const int64_t lo = std::max<int64_t>(start, b * bs) - b * bs;
       const int64_t hi = std::min<int64_t>(p, b * bs + bs - 1) - b * bs;  // inclusive
       const int64_t n = hi - lo + 1;
@@ -240,14 +242,14 @@ ffi::Error AttendItem(const AttnArgs& a, const RowOps& ops, int64_t t, int64_t h
 
 ffi::Future PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                            ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> token_seq,
-                           ffi::Buffer<ffi::S32> token_pos, ffi::Result<ffi::AnyBuffer> out, float scale,
-                           float softcap, int64_t window) {
+                           ffi::Buffer<ffi::S32> token_pos, ffi::Result<ffi::AnyBuffer> out, float scale, float softcap,
+                           int64_t window) {
   AttnArgs a{};
   if (auto err = ReadCacheShape(k_cache, v_cache, &a.c); !err.success()) return ReadyFuture(err);
   auto qd = q.dimensions();
   if (qd.size() != 3 || qd[2] != a.c.head_dim || qd[1] % a.c.kv_heads != 0)
-    return ReadyFuture(InvalidArgument("q must be (tokens, heads, head_dim) with heads a multiple of the cache's kv_heads, got " +
-                                       DimsString(qd)));
+    return ReadyFuture(InvalidArgument(
+        "q must be (tokens, heads, head_dim) with heads a multiple of the cache's kv_heads, got " + DimsString(qd)));
   if (!IsF32OrBf16(q.element_type()) || out->element_type() != q.element_type())
     return ReadyFuture(InvalidArgument("q must be f32 or bf16 (the output takes its dtype)"));
   auto bt = block_tables.dimensions();

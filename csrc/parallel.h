@@ -46,8 +46,7 @@ inline int64_t NumChunks(const ffi::ThreadPool& pool, int64_t n, int64_t grain) 
 // body(chunk, begin, end) -> ffi::Error over [begin, end) slices of [0, n); finish() -> ffi::Error
 // runs once after every chunk succeeded.
 template <typename Body, typename Finish>
-ffi::Future ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t num_chunks, Body body,
-                        Finish finish) {
+ffi::Future ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t num_chunks, Body body, Finish finish) {
   if (num_chunks <= 1) {
     ffi::Error err = n > 0 ? body(0, 0, n) : ffi::Error::Success();
     if (err.success()) err = finish();

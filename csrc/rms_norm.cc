@@ -24,8 +24,7 @@ struct RowKernels {
   float (*dot3)(const float* a, const float* b, const float* c, int64_t n);
   void (*fwd)(const float* x, const float* g, float r, float* y, int64_t n);
   // dx = r*dy*g - c*x ; dw += r*dy*x
-  void (*bwd)(const float* x, const float* dy, const float* g, float r, float c, float* dx,
-              float* dw, int64_t n);
+  void (*bwd)(const float* x, const float* dy, const float* g, float r, float c, float* dx, float* dw, int64_t n);
 };
 
 float SumSqScalar(const float* x, int64_t n) {
@@ -51,8 +50,7 @@ float Dot3Scalar(const float* a, const float* b, const float* c, int64_t n) {
 void FwdScalar(const float* x, const float* g, float r, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * g[i];
 }
-void BwdScalar(const float* x, const float* dy, const float* g, float r, float c, float* dx,
-               float* dw, int64_t n) {
+void BwdScalar(const float* x, const float* dy, const float* g, float r, float c, float* dx, float* dw, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     dx[i] = r * dy[i] * g[i] - c * x[i];
     dw[i] += r * dy[i] * x[i];
@@ -75,8 +73,7 @@ AVX2_FN float Dot3Avx2(const float* a, const float* b, const float* c, int64_t n
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)),
-                          _mm256_loadu_ps(c + i), acc);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)), _mm256_loadu_ps(c + i), acc);
   float s = HSum8(acc);
   for (; i < n; ++i) s += a[i] * b[i] * c[i];
   return s;
@@ -85,12 +82,11 @@ AVX2_FN void FwdAvx2(const float* x, const float* g, float r, float* y, int64_t 
   const __m256 rv = _mm256_set1_ps(r);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i,
-                     _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), rv), _mm256_loadu_ps(g + i)));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), rv), _mm256_loadu_ps(g + i)));
   for (; i < n; ++i) y[i] = x[i] * r * g[i];
 }
-AVX2_FN void BwdAvx2(const float* x, const float* dy, const float* g, float r, float c, float* dx,
-                     float* dw, int64_t n) {
+AVX2_FN void BwdAvx2(const float* x, const float* dy, const float* g, float r, float c, float* dx, float* dw,
+                     int64_t n) {
   const __m256 rv = _mm256_set1_ps(r), cv = _mm256_set1_ps(c);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -120,8 +116,7 @@ AVX512_FN float Dot3Avx512(const float* a, const float* b, const float* c, int64
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)),
-                          _mm512_loadu_ps(c + i), acc);
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)), _mm512_loadu_ps(c + i), acc);
   if (i < n) {
     const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
     acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i)),
@@ -133,17 +128,15 @@ AVX512_FN void FwdAvx512(const float* x, const float* g, float r, float* y, int6
   const __m512 rv = _mm512_set1_ps(r);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i,
-                     _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), rv), _mm512_loadu_ps(g + i)));
+    _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), rv), _mm512_loadu_ps(g + i)));
   if (i < n) {
     const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    _mm512_mask_storeu_ps(y + i, m,
-                          _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), rv),
-                                        _mm512_maskz_loadu_ps(m, g + i)));
+    _mm512_mask_storeu_ps(
+        y + i, m, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), rv), _mm512_maskz_loadu_ps(m, g + i)));
   }
 }
-AVX512_FN void BwdAvx512(const float* x, const float* dy, const float* g, float r, float c,
-                         float* dx, float* dw, int64_t n) {
+AVX512_FN void BwdAvx512(const float* x, const float* dy, const float* g, float r, float c, float* dx, float* dw,
+                         int64_t n) {
   const __m512 rv = _mm512_set1_ps(r), cv = _mm512_set1_ps(c);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -182,9 +175,7 @@ struct Rows {
   // Row r as f32: a pointer into the buffer for f32, or into `scratch` after conversion.
   const float* Read(int64_t r, float* scratch) const { return RowAsF32(data, bf16, r, d, scratch); }
   // Where to compute row r's f32 result: in place for f32, else in scratch, then Flush().
-  float* Target(int64_t r, float* scratch) const {
-    return bf16 ? scratch : static_cast<float*>(data) + r * d;
-  }
+  float* Target(int64_t r, float* scratch) const { return bf16 ? scratch : static_cast<float*>(data) + r * d; }
   void Flush(int64_t r, const float* src) const {
     if (!bf16) return;
     uint16_t* dst = static_cast<uint16_t*>(data) + r * d;
@@ -212,8 +203,7 @@ ffi::Error CheckGeometry(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, Geome
 }
 
 // offset + w, as f32, for every weight group.
-std::shared_ptr<std::vector<float>> GainTable(const ffi::AnyBuffer& w, const Geometry& g,
-                                              float offset) {
+std::shared_ptr<std::vector<float>> GainTable(const ffi::AnyBuffer& w, const Geometry& g, float offset) {
   auto gain = std::make_shared<std::vector<float>>(g.groups * g.d);
   const Rows wr(w);
   for (int64_t grp = 0; grp < g.groups; ++grp) {
@@ -225,8 +215,8 @@ std::shared_ptr<std::vector<float>> GainTable(const ffi::AnyBuffer& w, const Geo
 
 constexpr int64_t kGrainElements = 1 << 14;
 
-ffi::Future RmsNormFwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                       ffi::Result<ffi::AnyBuffer> y, float eps, float offset) {
+ffi::Future RmsNormFwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                       float eps, float offset) {
   Geometry g;
   if (ffi::Error err = CheckGeometry(x, w, &g); !err.success()) return ReadyFuture(err);
   if (g.rows == 0 || g.d == 0) return ReadyFuture(ffi::Error::Success());
@@ -248,8 +238,7 @@ ffi::Future RmsNormFwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 }
 
 ffi::Future RmsNormBwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer dy,
-                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw, float eps,
-                       float offset) {
+                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw, float eps, float offset) {
   Geometry g;
   if (ffi::Error err = CheckGeometry(x, w, &g); !err.success()) return ReadyFuture(err);
   if (dy.element_type() != x.element_type() || dy.dimensions().size() != x.dimensions().size() ||

@@ -1,6 +1,6 @@
 """MoE routing ops vs their pure-JAX references: router top-k, permute, unpermute, grouped matmul,
 forward and backward, on hypothesis inputs (ties, -inf logits, empty experts, every token on one
-expert, capacity drops), plus bad-index FFI errors, argument checks and the auxiliary losses."""
+expert), plus bad-index FFI errors, argument checks and the auxiliary losses."""
 
 from __future__ import annotations
 
@@ -131,28 +131,24 @@ def permute_cases(draw):
         ids = rng.choice(np.array([0, e - 1]), (t, k)).astype(np.int32)
     else:
         ids = rng.integers(0, e, (t, k)).astype(np.int32)
-    capacity = draw(st.one_of(st.none(), st.integers(1, 6)))
     dtype = draw(st.sampled_from([jnp.float32, jnp.bfloat16]))
     x = jnp.asarray(rng.standard_normal((t, h)), dtype)
     w = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32))
-    return x, jnp.asarray(ids), e, capacity, w
+    return x, jnp.asarray(ids), e, w
 
 
 @settings(max_examples=40)
 @given(case=permute_cases())
 def test_permute_and_unpermute_match_reference(case):
-    x, ids, e, capacity, w = case
-    got = moe.permute(x, ids, e, capacity=capacity)
-    ref = moe.permute_reference(x, ids, e, capacity=capacity)
+    x, ids, e, w = case
+    got = moe.permute(x, ids, e)
+    ref = moe.permute_reference(x, ids, e)
     for a, b in zip(got, ref):
         np.testing.assert_array_equal(_np(a), _np(b))
     xs, row_of, sizes = got
     t, k = ids.shape
-    assert int(sizes.sum()) == int((np.asarray(row_of) >= 0).sum())
-    if capacity is None:
-        assert int(sizes.sum()) == t * k
-    else:
-        assert int(np.asarray(sizes).max(initial=0)) <= capacity
+    assert int(sizes.sum()) == t * k
+    np.testing.assert_array_equal(np.sort(np.asarray(row_of).reshape(-1)), np.arange(t * k))  # one row each
     out = moe.unpermute(xs, row_of, w)
     out_ref = moe.unpermute_reference(xs, row_of, w)
     tol = 1e-6 if x.dtype == jnp.float32 else 1e-2
@@ -160,7 +156,7 @@ def test_permute_and_unpermute_match_reference(case):
 
     def loss(permute_fn, unpermute_fn):
         def f(x, w):
-            xs, row_of, _ = permute_fn(x, ids, e, capacity=capacity)
+            xs, row_of, _ = permute_fn(x, ids, e)
             return jnp.sum(jnp.sin(unpermute_fn(xs * 1.5, row_of, w).astype(jnp.float32)))
         return jax.grad(f, argnums=(0, 1))(x, w)
 
@@ -168,13 +164,13 @@ def test_permute_and_unpermute_match_reference(case):
         np.testing.assert_allclose(_np(g), _np(gr), rtol=tol * 10, atol=tol * 10)
 
 
-def test_permute_is_stable_and_drops_past_capacity():
+def test_permute_is_stable_within_each_expert():
     ids = jnp.asarray([[2, 0], [0, 2], [0, 1]], jnp.int32)
     x = jnp.arange(3, dtype=jnp.float32)[:, None] + 1.0
-    xs, row_of, sizes = moe.permute(x, ids, 3, capacity=2)
-    np.testing.assert_array_equal(np.asarray(sizes), [2, 1, 2])  # expert 0 had 3 choices, keeps 2
-    np.testing.assert_array_equal(np.asarray(row_of), [[3, 0], [1, 4], [-1, 2]])
-    np.testing.assert_array_equal(np.asarray(xs[:, 0]), [1, 2, 3, 1, 2, 0])  # tail row zero
+    xs, row_of, sizes = moe.permute(x, ids, 3)
+    np.testing.assert_array_equal(np.asarray(sizes), [3, 1, 2])
+    np.testing.assert_array_equal(np.asarray(row_of), [[4, 0], [1, 5], [2, 3]])  # tokens keep their order
+    np.testing.assert_array_equal(np.asarray(xs[:, 0]), [1, 2, 3, 3, 1, 2])
 
 
 def test_permute_rejects_expert_ids_out_of_range():
@@ -198,7 +194,6 @@ def test_unpermute_rejects_bad_rows():
     (lambda: moe.permute(jnp.ones((3, 4), jnp.int32), jnp.zeros((3, 2), jnp.int32), 4), "permute: x must be float32"),
     (lambda: moe.permute(jnp.ones((3, 4)), jnp.zeros((2, 2), jnp.int32), 4), r"permute: expert_ids must be int32 \(3, k\)"),
     (lambda: moe.permute(jnp.ones((3, 4)), jnp.zeros((3, 2), jnp.int32), 0), "permute: num_experts must be a positive"),
-    (lambda: moe.permute(jnp.ones((3, 4)), jnp.zeros((3, 2), jnp.int32), 4, capacity=0), "permute: capacity must be"),
     (lambda: moe.unpermute(jnp.ones((4, 3)), jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 3))), "unpermute: weights must be"),
     (lambda: moe.unpermute(jnp.ones((4, 3)), jnp.zeros((2, 2)), jnp.ones((2, 2))), "unpermute: row_of must be int32"),
 ])

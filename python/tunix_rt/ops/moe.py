@@ -2,7 +2,7 @@
 
 A MoE layer runs them in order: `router_topk` picks k experts per token with their weights;
 `permute` copies each token's row once per choice into an expert-sorted buffer (stable, so expert e
-owns a contiguous run of rows, `group_sizes[e]` long; an optional capacity drops the overflow);
+owns a contiguous run of rows, `group_sizes[e]` long);
 `grouped_matmul` multiplies each run by its expert's weight; `unpermute` sums every token's k rows
 back, weighted. Only the rows a token was routed to are computed: decode touches only the routed
 experts' weights. Each op has a pure-JAX reference with the same signature (the grouped matmul's is
@@ -158,7 +158,7 @@ def router_topk(logits, k, *, scoring="softmax", renormalize=False, n_groups=1, 
 # ---- permute / unpermute -----------------------------------------------------------------------
 
 
-def _check_permute(x, expert_ids, num_experts, capacity):
+def _check_permute(x, expert_ids, num_experts):
     require_array("permute", "x", x)
     require_array("permute", "expert_ids", expert_ids)
     if x.ndim != 2 or jnp.dtype(x.dtype) not in _FLOATS:
@@ -166,27 +166,18 @@ def _check_permute(x, expert_ids, num_experts, capacity):
     if expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0] or jnp.dtype(expert_ids.dtype) != jnp.int32:
         raise ValueError(f"permute: expert_ids must be int32 ({x.shape[0]}, k), got {expert_ids.dtype} {expert_ids.shape}")
     _positive_int("num_experts", num_experts, "permute")
-    if capacity is not None:
-        _positive_int("capacity", capacity, "permute")
 
 
-def permute_reference(x, expert_ids, num_experts, *, capacity=None):
+def permute_reference(x, expert_ids, num_experts):
     """Pure-JAX permute with the FFI op's semantics (see permute)."""
-    _check_permute(x, expert_ids, num_experts, capacity)
+    _check_permute(x, expert_ids, num_experts)
     t, k = expert_ids.shape
     flat = expert_ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    kept = counts if capacity is None else jnp.minimum(counts, capacity)
-    start_all = jnp.cumsum(counts) - counts
-    start_kept = jnp.cumsum(kept) - kept
-    sorted_ids = flat[order]
-    rank = jnp.arange(t * k, dtype=jnp.int32) - start_all[sorted_ids]
-    row_sorted = jnp.where(rank < kept[sorted_ids], start_kept[sorted_ids] + rank, -1).astype(jnp.int32)
-    row_of = jnp.zeros((t * k,), jnp.int32).at[order].set(row_sorted)
-    target = jnp.where(row_of >= 0, row_of, t * k)
-    xs = jnp.zeros((t * k, x.shape[1]), x.dtype).at[target].set(jnp.repeat(x, k, axis=0), mode="drop")
-    return xs, row_of.reshape(t, k), kept
+    row_of = jnp.zeros((t * k,), jnp.int32).at[order].set(jnp.arange(t * k, dtype=jnp.int32))
+    xs = jnp.zeros((t * k, x.shape[1]), x.dtype).at[row_of].set(jnp.repeat(x, k, axis=0))
+    return xs, row_of.reshape(t, k), counts
 
 
 def _check_unpermute(ys, row_of, weights):
@@ -238,7 +229,7 @@ _unpermute_ffi.defvjp(_unpermute_fwd, _unpermute_bwd)
 
 
 def unpermute(ys, row_of, weights):
-    """out[t] = sum_j weights[t, j] * ys[row_of[t, j]] (row -1, a dropped choice, adds nothing).
+    """out[t] = sum_j weights[t, j] * ys[row_of[t, j]] (a row of -1 adds nothing).
 
     ys (rows, hidden) holds the experts' outputs in permute's order; out (tokens, hidden) has ys's
     dtype, summed in f32. Differentiable in ys and weights. A row outside [-1, rows) is an error.
@@ -248,25 +239,25 @@ def unpermute(ys, row_of, weights):
     return platform_dispatch(_UNPERMUTE, _unpermute_ffi, unpermute_reference, ys, row_of, w32)
 
 
-def _permute_call(x, expert_ids, num_experts, capacity):
+def _permute_call(x, expert_ids, num_experts):
     t, k = expert_ids.shape
     out = (jax.ShapeDtypeStruct((t * k, x.shape[1]), x.dtype), jax.ShapeDtypeStruct((t, k), jnp.int32),
            jax.ShapeDtypeStruct((num_experts,), jnp.int32))
     call = jax.ffi.ffi_call(_PERMUTE, out, vmap_method="sequential")
-    return call(x, expert_ids, capacity=np.int64(capacity or 0))
+    return call(x, expert_ids)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _permute_ffi(x, expert_ids, num_experts, capacity):
-    return _permute_call(x, expert_ids, num_experts, capacity)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _permute_ffi(x, expert_ids, num_experts):
+    return _permute_call(x, expert_ids, num_experts)
 
 
-def _permute_fwd(x, expert_ids, num_experts, capacity):
-    out = _permute_call(x, expert_ids, num_experts, capacity)
+def _permute_fwd(x, expert_ids, num_experts):
+    out = _permute_call(x, expert_ids, num_experts)
     return out, (out[1], expert_ids)
 
 
-def _permute_bwd(num_experts, capacity, residuals, cotangents):
+def _permute_bwd(num_experts, residuals, cotangents):
     row_of, expert_ids = residuals
     dxs = cotangents[0]
     dx = _unpermute_call(dxs, row_of, jnp.ones(row_of.shape, jnp.float32))  # each token sums its copies
@@ -276,21 +267,20 @@ def _permute_bwd(num_experts, capacity, residuals, cotangents):
 _permute_ffi.defvjp(_permute_fwd, _permute_bwd)
 
 
-def permute(x, expert_ids, num_experts, *, capacity=None):
+def permute(x, expert_ids, num_experts):
     """(xs (tokens * k, hidden), row_of int32 (tokens, k), group_sizes int32 (experts,)).
 
     Copies token t's row into row row_of[t, j] for each of its k choices, sorted by expert
-    (stable: within an expert, tokens keep their order). With `capacity`, an expert keeps its first
-    `capacity` rows; the rest get row_of = -1 and the buffer's tail rows stay zero
-    (dropped = tokens * k - sum(group_sizes)). Differentiable in x. An expert id outside
-    [0, num_experts) is an error.
+    (stable: within an expert, tokens keep their order); every choice gets a row, so
+    sum(group_sizes) = tokens * k. Differentiable in x. An expert id outside [0, num_experts) is an
+    error.
     """
-    _check_permute(x, expert_ids, num_experts, capacity)
-    num_experts, capacity = int(num_experts), None if capacity is None else int(capacity)
+    _check_permute(x, expert_ids, num_experts)
+    num_experts = int(num_experts)
     return platform_dispatch(
         _PERMUTE,
-        lambda x, ids: _permute_ffi(x, ids, num_experts, capacity),
-        lambda x, ids: permute_reference(x, ids, num_experts, capacity=capacity),
+        lambda x, ids: _permute_ffi(x, ids, num_experts),
+        lambda x, ids: permute_reference(x, ids, num_experts),
         x,
         expert_ids,
     )

@@ -25,7 +25,7 @@ from tunix_rt.ops._ffi import platform_dispatch
 _QUANTIZE, _DEQUANTIZE, _MATMUL = "tunix_rt_quantize", "tunix_rt_dequantize", "tunix_rt_quant_matmul"
 SUB_BLOCK = 32  # nibble packing and activation blocks
 GEMV_ROWS = 4  # rows that quantize x to int8 by default (single-stream decode)
-MAX_INT8_ROWS = 64  # the most the compiled op's int8 path takes (quant.cc's kInt8Rows)
+MAX_INT8_ROWS = 64  # the most the compiled op's int8 path takes (csrc/quant_kernels.h's kInt8Rows)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,140 @@
+// The exact weight quantizers and dequantizer, and the activations' block quantizers (see quant_formats.h).
+#include "quant_formats.h"
+
+#include <cmath>
+#include <vector>
+
+namespace tunix_rt {
+namespace quant {
+namespace {
+
+void StoreScale(const Layout& l, void* scales, int64_t i, float d) {
+  if (l.f->f16_scales) {
+    static_cast<uint16_t*>(scales)[i] = F32ToF16(d);
+  } else {
+    static_cast<float*>(scales)[i] = d;
+  }
+}
+
+void PackNibbles(const uint8_t* q, int64_t count, uint8_t* out) {
+  for (int64_t s = 0; s < count; s += kSub)
+    for (int64_t j = 0; j < kSub / 2; ++j) out[s / 2 + j] = static_cast<uint8_t>(q[s + j] | (q[s + j + kSub / 2] << 4));
+}
+
+}  // namespace
+
+ffi::Error MakeLayout(int32_t fmt, int64_t group, int64_t n, int64_t k, Layout* out) {
+  if (fmt < 0 || fmt >= kNumFormats) return InvalidArgument("quant: unknown format id");
+  if (group != 32 && group != 64 && group != 128) return InvalidArgument("quant: group must be 32, 64 or 128");
+  if (k % group != 0) return InvalidArgument("quant: K must be a multiple of the group size");
+  *out = Layout{&kFormats[fmt], n, k, group};
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckWeights(const Layout& l, const ffi::AnyBuffer& qs, const ffi::AnyBuffer& scales,
+                        const ffi::AnyBuffer& mins) {
+  const auto qd = qs.dimensions(), sd = scales.dimensions(), md = mins.dimensions();
+  if (qd.size() != 2 || qd[0] != l.n || qd[1] != l.row_bytes())
+    return InvalidArgument("quant: qs shape does not match (N, K*bits/8)");
+  if (sd.size() != 2 || sd[0] != l.n || sd[1] != l.groups())
+    return InvalidArgument("quant: scales shape does not match (N, K/group)");
+  const auto want_scale = l.f->f16_scales ? ffi::DataType::F16 : ffi::DataType::F32;
+  if (scales.element_type() != want_scale) return InvalidArgument("quant: scales dtype does not match the format");
+  if (md.size() != 2 || md[0] != l.n || md[1] != (l.f->has_min ? l.groups() : 0))
+    return InvalidArgument("quant: mins shape does not match the format");
+  if (l.f->has_min && mins.element_type() != ffi::DataType::F16) return InvalidArgument("quant: mins must be float16");
+  return ffi::Error::Success();
+}
+
+void QuantizeRow(const Layout& l, const float* x, uint8_t* qs, void* scales, uint16_t* mins, int64_t row) {
+  std::vector<uint8_t> q(l.group);
+  for (int64_t g = 0; g < l.groups(); ++g) {
+    const float* b = x + g * l.group;
+    const int64_t si = row * l.groups() + g;
+    if (l.f->bits == 8) {  // q8_0 / int8: symmetric, d = amax / 127, q = round(x / d)
+      float amax = 0.0f;
+      for (int64_t i = 0; i < l.group; ++i) amax = std::max(amax, std::fabs(b[i]));
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      int8_t* out = reinterpret_cast<int8_t*>(qs) + g * l.group;
+      for (int64_t i = 0; i < l.group; ++i) out[i] = static_cast<int8_t>(std::round(b[i] * id));
+      StoreScale(l, scales, si, d);
+    } else if (!l.f->has_min) {  // q4_0 / int4: d = (signed value of largest magnitude) / -8
+      int64_t imax = 0;
+      for (int64_t i = 1; i < l.group; ++i)
+        if (std::fabs(b[i]) > std::fabs(b[imax])) imax = i;
+      const float d = b[imax] / -8.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      for (int64_t i = 0; i < l.group; ++i) {
+        const float t = std::trunc(b[i] * id + 8.5f);
+        q[i] = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, t)));
+      }
+      PackNibbles(q.data(), l.group, qs + g * l.group / 2);
+      StoreScale(l, scales, si, d);
+    } else {  // q4_1: d = (max - min) / 15, m = min
+      float mx = b[0], mn = b[0];
+      for (int64_t i = 1; i < l.group; ++i) {
+        mx = std::max(mx, b[i]);
+        mn = std::min(mn, b[i]);
+      }
+      const float d = (mx - mn) / 15.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      for (int64_t i = 0; i < l.group; ++i) {
+        const float t = std::trunc((b[i] - mn) * id + 0.5f);
+        q[i] = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, t)));
+      }
+      PackNibbles(q.data(), l.group, qs + g * l.group / 2);
+      StoreScale(l, scales, si, d);
+      mins[si] = F32ToF16(mn);
+    }
+  }
+}
+
+void DequantizeRange(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out) {
+  const uint8_t* row = w.row(col);
+  for (int64_t i = k0; i < k0 + kk; ++i) {
+    const int64_t g = i / w.l.group;
+    const float d = w.scale(col, g);
+    const int q = Code(w.l, row, i);
+    if (w.l.f->has_min) {
+      out[i - k0] = d * static_cast<float>(q) + w.min(col, g);
+    } else {
+      out[i - k0] = d * static_cast<float>(w.l.f->offset8 ? q - 8 : q);
+    }
+  }
+}
+
+float QuantizeBlock(const float* xb, int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < kSub; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  int sum = 0;
+  float exact = 0.0f;
+  for (int64_t i = 0; i < kSub; ++i) {
+    exact += xb[i];
+    const int v = static_cast<int>(std::nearbyint(xb[i] * id));
+    (i < 16 ? lo : hi - 16)[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *qsum = sum;
+  if (sum_x != nullptr) *sum_x = exact;
+  return d;
+}
+
+#ifdef TUNIX_RT_X86
+VNNI_FN float QuantizeBlockAvx512(const float* xb, int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x) {
+  const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1))) / 127.0f;
+  const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtepi32_epi8(q1));
+  *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  if (sum_x != nullptr) *sum_x = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+  return d;
+}
+#endif
+
+}  // namespace quant
+}  // namespace tunix_rt

@@ -1,8 +1,21 @@
-"""One Hypothesis profile for every property test: no per-example deadline (a first example pays XLA's compile),
-and no health-check failures for slow or large draws (op tests draw whole arrays)."""
+"""What every test module may use: one Hypothesis profile for every property test (no per-example deadline, as
+a first example pays XLA's compile; no health-check failures for slow or large draws, as op tests draw whole
+arrays), and XLA's cheap compile mode for modules whose programs are small and compiled once per example."""
 
+import jax
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("tunix-rt", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("tunix-rt")
+
+
+@pytest.fixture(scope="module")
+def fast_compiles():
+    """Compile with XLA's expensive passes off (use: pytestmark = pytest.mark.usefixtures("fast_compiles")): the
+    programs are small and the compile is what costs; what the tests compare is computed the same way."""
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)

@@ -14,6 +14,8 @@ import numpy as np
 
 from tunix_rt.ops import _ffi
 
+TIERS = ("scalar", "avx2", "avx512")  # every tier TUNIX_RT_ISA can cap the dispatch to
+
 
 def hardware_tier() -> str:
     """The highest tier this CPU runs: scalar, avx2 or avx512."""
@@ -27,8 +29,7 @@ def hardware_tier() -> str:
 
 def expected_tier(asked: str) -> str:
     """The tier a run capped at `asked` uses: the cap or the hardware's, whichever is lower."""
-    order = ("scalar", "avx2", "avx512")
-    return order[min(order.index(asked), order.index(hardware_tier()))]
+    return TIERS[min(TIERS.index(asked), TIERS.index(hardware_tier()))]
 
 
 def run_tiers(tiers: Sequence[str], script: str, tmp: Path, args: Sequence[str] = ()) -> dict[str, tuple[dict, dict]]:

@@ -11,6 +11,8 @@ import pytest
 
 from tunix_rt.checkpoints.default_model import DefaultModelMissing, default_model_path
 
+pytestmark = pytest.mark.slow
+
 try:
     MODEL_PATH = default_model_path()
 except DefaultModelMissing as e:  # the README's test command installs it; say so rather than fail obscurely

@@ -55,6 +55,7 @@ def test_truncated_gguf(tmp_path):
     assert "not a readable GGUF file (corrupt or truncated)" in _cli_error(cut)
 
 
+@pytest.mark.slow
 def test_corrupt_safetensors(tiny_hf_dir, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()

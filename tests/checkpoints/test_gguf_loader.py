@@ -297,6 +297,7 @@ def moe_gguf(request, tmp_path_factory):
     return family, hf, out
 
 
+@pytest.mark.slow
 def test_moe_gguf_reproduces_the_hf_model(moe_gguf):
     """Stacked ffn_*_exps, the router (ffn_gate_inp), Qwen2-MoE's shared expert with its 1-D gate,
     Mixtral as a llama file with experts."""

@@ -19,6 +19,7 @@ from tunix_rt.checkpoints.tokenizer import Tokenizer
 torch = pytest.importorskip("torch")
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_loads_like_the_model(tmp_path):
     hf = make_hf_model("qwen3", tmp_path)
     hf.save_pretrained(tmp_path, max_shard_size="40KB")  # several shards + model.safetensors.index.json

@@ -16,6 +16,8 @@ from tunix_rt.checkpoints.hf_export import export_hf
 from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.checkpoints.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

@@ -39,6 +39,7 @@ def _logprobs(model, tokens):
     return np.asarray(jax.nn.log_softmax(model(jnp.asarray(tokens), pos), -1))
 
 
+@pytest.mark.slow
 def test_q4_0_checkpoint_equals_ggml_round_trip(source, tmp_path):
     """Independent reference: the float model whose linear weights went through gguf.quants' Q4_0."""
     out = tmp_path / "q4"

@@ -75,6 +75,7 @@ def hf(gguf_path):
     return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_gguf_encode_matches_transformers(ours, hf, text):
     assert ours.encode(text) == hf.encode(text)

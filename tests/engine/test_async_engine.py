@@ -45,6 +45,7 @@ async def _collect(async_engine, prompt, params):
     return [out async for out in async_engine.generate(prompt, params)]
 
 
+@pytest.mark.slow
 def test_concurrent_streams_match_the_sync_engine(engines):
     sync, engine, async_engine = engines
     want = [o.token_ids for o in sync.generate(_prompts(), GREEDY)]

@@ -40,6 +40,8 @@ from tunix_rt.models.decoder import Decoder
 from tunix_rt.models.quant_layers import QuantLinear
 from tunix_rt.ops.quant import quantize
 
+pytestmark = pytest.mark.slow
+
 GREEDY = dict(temperature=0.0)
 _ENGINES: list[Engine] = []
 

@@ -13,6 +13,8 @@ from tunix_rt.engine.sampler import filter_logits, sample
 from tunix_rt.models.config import FULL, SLIDING, ModelConfig, RopeConfig
 from tunix_rt.models.decoder import Decoder
 
+pytestmark = pytest.mark.slow
+
 
 def _tiny(sliding: bool) -> Decoder:
     cfg = ModelConfig(

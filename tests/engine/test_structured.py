@@ -35,6 +35,8 @@ from tunix_rt.engine.params import SamplingParams
 from tunix_rt.engine.sampler import SamplingTensors, allowed_tokens, sample_tokens
 from tunix_rt.engine.structured import GrammarCompiler, StructuredOutputsParams
 
+pytestmark = pytest.mark.slow
+
 GREEDY = dict(temperature=0.0)
 
 # Every output of this schema is short, whatever the model prefers: the string is at most 8

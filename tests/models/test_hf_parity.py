@@ -49,6 +49,7 @@ def test_teacher_forced_logprobs_match_hf(pair):
     assert np.abs(ref - got).max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_left_padded_batch_matches_hf(pair):
     """Padding keys carry position -1 and are never attended to, as HF's attention mask does."""
     family, hf, ours, _ = pair
@@ -64,6 +65,7 @@ def test_left_padded_batch_matches_hf(pair):
     assert delta <= 1e-4, f"{family}: max |delta log p| = {delta:.2e}"
 
 
+@pytest.mark.slow
 def test_bf16_weights_track_f32(pair):
     family, _, ours_f32, out = pair
     ours = build_decoder(hf_dir.read_config(out), hf_dir.iter_tensors(out), dtype=jnp.bfloat16)

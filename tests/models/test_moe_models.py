@@ -140,6 +140,7 @@ def test_moe_training_gradients_reach_router_and_routed_experts_only(qwen3_moe):
     assert (per_expert[routed] > 0).all() and (per_expert[~routed] == 0).all()
 
 
+@pytest.mark.slow
 def test_lora_on_a_moe_model_adapts_attention_and_the_shared_expert():
     from tunix_rt.train.lora import LoRALinear, apply_lora, merge_lora
 

@@ -37,6 +37,7 @@ def _loss(ws, x, mode):
     return jnp.sum(jnp.sin(x))
 
 
+@pytest.mark.slow
 @settings(max_examples=12)
 @given(n=st.integers(1, 4), t=st.integers(1, 9), d=st.integers(1, 12), f=st.integers(1, 20), seed=st.integers(0, 99))
 def test_gradients_equal_no_checkpointing(n, t, d, f, seed):
@@ -74,6 +75,7 @@ def test_activations_are_freed_on_cpu():
     assert temp["remat"] < temp["plain"] / 3, temp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True])
 def test_decoder_gradients_with_checkpointing(lora):
     """The decoder's layers under remat: the same loss and gradients, full and LoRA."""

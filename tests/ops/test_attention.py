@@ -14,9 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.isa_tiers import expected_tier, run_tiers
+from tests.isa_tiers import TIERS, expected_tier, run_tiers
 from tunix_rt.ops import _ffi
 from tunix_rt.ops.attention import attention, attention_mask, attention_reference
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # small programs, compiled once per example
 
 needs_ffi = pytest.mark.skipif(not _ffi.has_cpu_target("tunix_rt_attention_fwd"),
                                reason="tunix_rt._ext is not built: no FFI op to test")
@@ -120,6 +122,7 @@ def _forward_and_vjp(q, k, v, positions, segments, dout, *, fn, scale, window, s
     return y, vjp(dout)
 
 
+@pytest.mark.slow
 @needs_ffi
 @settings(max_examples=60)
 @given(case=cases())
@@ -220,16 +223,16 @@ _TIER_SCRIPT = textwrap.dedent(
     print(json.dumps({"isa": _ffi.isa_level()}))
     """
 )
-_TIERS = ("scalar", "avx2", "avx512")
 
 
 @pytest.fixture(scope="module")
 def tier_runs(tmp_path_factory):
-    return run_tiers(_TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("attention_isa"))
+    return run_tiers(TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("attention_isa"))
 
 
+@pytest.mark.slow
 @needs_ffi
-@pytest.mark.parametrize("tier", _TIERS)
+@pytest.mark.parametrize("tier", TIERS)
 def test_every_isa_tier_matches_reference(tier_runs, tier):
     """Every tier against the reference, and a NaN in one query reaching that query's output and
     gradient as it does the reference's (the vector exp must not clamp it away)."""

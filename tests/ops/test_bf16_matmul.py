@@ -16,13 +16,14 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.isa_tiers import expected_tier, run_tiers
+from tests.isa_tiers import TIERS, expected_tier, run_tiers
 from tunix_rt.models.decoder import Embed
 from tunix_rt.ops import _ffi
 from tunix_rt.ops.bf16_matmul import bf16_dot_general, bf16_matmul, bf16_matmul_reference, default_kernel
 
-pytestmark = pytest.mark.skipif(not _ffi.has_cpu_target("tunix_rt_bf16_matmul"),
-                                reason="tunix_rt._ext is not built: no FFI op to test")
+pytestmark = [pytest.mark.skipif(not _ffi.has_cpu_target("tunix_rt_bf16_matmul"),
+                                 reason="tunix_rt._ext is not built: no FFI op to test"),
+              pytest.mark.usefixtures("fast_compiles")]
 BF16 = jnp.bfloat16
 
 
@@ -54,6 +55,7 @@ def _product_and_grads(x, w, probe, *, fn, out_dtype, transpose_w):
     return fn(x, w, out_dtype=out_dtype, transpose_w=transpose_w), jax.grad(loss, argnums=(0, 1))(x, w)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["ffi", "xla"])
 @settings(max_examples=40)
 @given(case=cases())
@@ -197,15 +199,14 @@ _TIER_SCRIPT = textwrap.dedent(
     print(json.dumps({"isa": _ffi.isa_level()}))
     """
 )
-_TIERS = ("scalar", "avx2", "avx512")
 
 
 @pytest.fixture(scope="module")
 def tier_runs(tmp_path_factory):
-    return run_tiers(_TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("bf16_isa"))
+    return run_tiers(TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("bf16_isa"))
 
 
-@pytest.mark.parametrize("tier", _TIERS)
+@pytest.mark.parametrize("tier", TIERS)
 def test_every_isa_tier_matches_reference(tier_runs, tier):
     report, res = tier_runs[tier]
     assert report["isa"] == expected_tier(tier)

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from tunix_rt.ops.fused_head import default_chunk, head_distill, head_distill_reference, head_logprobs, head_logprobs_reference
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # small programs, compiled once per example
+
 
 def close(actual, expected, rtol, floor=1e-6):
     """Relative to the largest magnitude of `expected` (gradients hold entries near zero), or to `floor` where
@@ -38,6 +40,7 @@ def _jit_value_and_grad(objective):
     return jax.jit(jax.value_and_grad(objective, (0, 1), has_aux=True))
 
 
+@pytest.mark.slow
 @settings(max_examples=10)
 @given(seed=st.integers(0, 2**16), tokens=st.integers(0, 40), d=st.integers(1, 12), v=st.integers(2, 70),
        chunk=st.sampled_from([1, 3, 8, 16, None]), transpose_w=st.booleans(),
@@ -63,6 +66,7 @@ def test_logprobs_and_entropy_match_the_dense_head(seed, tokens, d, v, chunk, tr
         close(grad, grad_ref, 1e-5)
 
 
+@pytest.mark.slow
 @settings(max_examples=10)
 @given(seed=st.integers(0, 2**16), tokens=st.integers(1, 30), v=st.integers(2, 50), top_k=st.integers(0, 50),
        chunk=st.sampled_from([1, 4, 7, None]), transpose_w=st.booleans(), teacher_transpose_w=st.booleans(),
@@ -93,6 +97,7 @@ def test_top_k_of_the_whole_vocabulary_is_full_distillation():
                                atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_operands_within_their_rounding():
     h, w, targets, (g, _, _) = draw_case(3, (4, 37), 64, 301, True, jnp.bfloat16)
     loss = lambda fn, h, w: (fn(h, w, targets, transpose_w=True, chunk=16)[0] * g).sum()

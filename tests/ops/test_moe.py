@@ -4,6 +4,7 @@ expert), plus bad-index FFI errors, argument checks and the auxiliary losses."""
 
 from __future__ import annotations
 
+import functools
 import re
 import textwrap
 
@@ -14,11 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.isa_tiers import expected_tier, hardware_tier, run_tiers
+from tests.isa_tiers import TIERS, expected_tier, hardware_tier, run_tiers
 from tunix_rt.ops import _ffi, moe
 
-pytestmark = pytest.mark.skipif(not _ffi.has_cpu_target("tunix_rt_grouped_matmul"),
-                                reason="tunix_rt._ext is not built: no FFI op to test")
+pytestmark = [pytest.mark.skipif(not _ffi.has_cpu_target("tunix_rt_grouped_matmul"),
+                                 reason="tunix_rt._ext is not built: no FFI op to test"),
+              pytest.mark.usefixtures("fast_compiles")]
 FFI_ERROR = (jax.errors.JaxRuntimeError, ValueError)
 
 
@@ -56,19 +58,28 @@ def route_cases(draw):
     return logits, k, kw
 
 
+@functools.partial(jax.jit, static_argnames=("fn", "k", "scoring", "renormalize", "n_groups", "topk_groups",
+                                             "group_top", "scale"))
+def _route_and_grad(logits, bias, probe, *, fn, k, **kw):
+    """fn's (weights, ids) and the gradient of sum(weights * probe) over the logits, as one program."""
+    route = lambda x: fn(x, k, bias=bias, **kw)
+    return route(logits), jax.grad(lambda x: jnp.sum(route(x)[0] * probe))(logits)
+
+
+@pytest.mark.slow
 @settings(max_examples=60)
 @given(case=route_cases())
 def test_router_topk_matches_reference(case):
     logits, k, kw = case
     lg = jnp.asarray(logits)
-    w, ids = moe.router_topk(lg, k, **kw)
-    wr, idr = moe.router_topk_reference(lg, k, **kw)
+    probe = jnp.asarray(np.random.default_rng(1).standard_normal((logits.shape[0], k)).astype(np.float32))
+    kw = dict(kw)
+    bias = kw.pop("bias", None)
+    (w, ids), g = _route_and_grad(lg, bias, probe, fn=moe.router_topk, k=k, **kw)
+    (wr, idr), gr = _route_and_grad(lg, bias, probe, fn=moe.router_topk_reference, k=k, **kw)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(idr))
     np.testing.assert_allclose(np.asarray(w), np.asarray(wr), rtol=2e-6, atol=1e-7)
     if logits.size and np.isfinite(logits).all():
-        probe = jnp.asarray(np.random.default_rng(1).standard_normal((logits.shape[0], k)).astype(np.float32))
-        g = jax.grad(lambda x: jnp.sum(moe.router_topk(x, k, **kw)[0] * probe))(lg)
-        gr = jax.grad(lambda x: jnp.sum(moe.router_topk_reference(x, k, **kw)[0] * probe))(lg)
         np.testing.assert_allclose(np.asarray(g), np.asarray(gr), rtol=1e-5, atol=1e-6)
 
 
@@ -137,30 +148,38 @@ def permute_cases(draw):
     return x, jnp.asarray(ids), e, w
 
 
+_IMPLS = {"op": (moe.permute, moe.unpermute), "reference": (moe.permute_reference, moe.unpermute_reference)}
+
+
+@functools.partial(jax.jit, static_argnames=("e", "impl"))
+def _permute_round_trip(x, ids, w, *, e, impl):
+    """permute's outputs, unpermute of them, and the gradients of a loss through both, as one program."""
+    permute_fn, unpermute_fn = _IMPLS[impl]
+
+    def f(x, w):
+        xs, row_of, _ = permute_fn(x, ids, e)
+        return jnp.sum(jnp.sin(unpermute_fn(xs * 1.5, row_of, w).astype(jnp.float32)))
+
+    permuted = permute_fn(x, ids, e)
+    return permuted, unpermute_fn(permuted[0], permuted[1], w), jax.grad(f, argnums=(0, 1))(x, w)
+
+
+@pytest.mark.slow
 @settings(max_examples=40)
 @given(case=permute_cases())
 def test_permute_and_unpermute_match_reference(case):
     x, ids, e, w = case
-    got = moe.permute(x, ids, e)
-    ref = moe.permute_reference(x, ids, e)
+    got, out, grads = _permute_round_trip(x, ids, w, e=e, impl="op")
+    ref, out_ref, grads_ref = _permute_round_trip(x, ids, w, e=e, impl="reference")
     for a, b in zip(got, ref):
         np.testing.assert_array_equal(_np(a), _np(b))
     xs, row_of, sizes = got
     t, k = ids.shape
     assert int(sizes.sum()) == t * k
     np.testing.assert_array_equal(np.sort(np.asarray(row_of).reshape(-1)), np.arange(t * k))  # one row each
-    out = moe.unpermute(xs, row_of, w)
-    out_ref = moe.unpermute_reference(xs, row_of, w)
     tol = 1e-6 if x.dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(_np(out), _np(out_ref), rtol=tol, atol=tol)
-
-    def loss(permute_fn, unpermute_fn):
-        def f(x, w):
-            xs, row_of, _ = permute_fn(x, ids, e)
-            return jnp.sum(jnp.sin(unpermute_fn(xs * 1.5, row_of, w).astype(jnp.float32)))
-        return jax.grad(f, argnums=(0, 1))(x, w)
-
-    for g, gr in zip(loss(moe.permute, moe.unpermute), loss(moe.permute_reference, moe.unpermute_reference)):
+    for g, gr in zip(grads, grads_ref):
         np.testing.assert_allclose(_np(g), _np(gr), rtol=tol * 10, atol=tol * 10)
 
 
@@ -226,25 +245,30 @@ def gmm_cases(draw):
     return x, w, jnp.asarray(sizes), transpose_w
 
 
+@functools.partial(jax.jit, static_argnames=("fn", "transpose_w"))
+def _gmm_and_grads(x, w, sizes, probe, *, fn, transpose_w):
+    """fn's product and the gradients of sum(product * probe) over (x, w), as one program."""
+    loss = lambda a, b: jnp.sum((fn(a, b, sizes, transpose_w=transpose_w) * probe).astype(jnp.float32))
+    return fn(x, w, sizes, transpose_w=transpose_w), jax.grad(loss, argnums=(0, 1))(x, w)
+
+
 def _gmm_check(x, w, sizes, transpose_w):
-    y = moe.grouped_matmul(x, w, sizes, transpose_w=transpose_w)
-    yr = moe.grouped_matmul_reference(x, w, sizes, transpose_w=transpose_w)
+    n = w.shape[1] if transpose_w else w.shape[2]
+    probe = jnp.asarray(np.random.default_rng(2).standard_normal((x.shape[0], n)), x.dtype)
+    y, g = _gmm_and_grads(x, w, sizes, probe, fn=moe.grouped_matmul, transpose_w=transpose_w)
+    yr, gr = _gmm_and_grads(x, w, sizes, probe, fn=moe.grouped_matmul_reference, transpose_w=transpose_w)
     bf16 = x.dtype == jnp.bfloat16
     scale = np.sqrt(x.shape[1])
     tol = dict(rtol=1e-2, atol=2e-2 * scale) if bf16 else dict(rtol=2e-5, atol=2e-5 * scale)
     assert y.dtype == x.dtype and y.shape == yr.shape
     np.testing.assert_allclose(_np(y), _np(yr), **tol)
     np.testing.assert_array_equal(_np(y)[int(sizes.sum()):], 0.0)
-    probe = jnp.asarray(np.random.default_rng(2).standard_normal(y.shape), x.dtype)
-    g = jax.grad(lambda a, b: jnp.sum((moe.grouped_matmul(a, b, sizes, transpose_w=transpose_w) * probe)
-                                      .astype(jnp.float32)), argnums=(0, 1))(x, w)
-    gr = jax.grad(lambda a, b: jnp.sum((moe.grouped_matmul_reference(a, b, sizes, transpose_w=transpose_w) * probe)
-                                       .astype(jnp.float32)), argnums=(0, 1))(x, w)
     for a, b in zip(g, gr):
         assert a.dtype == b.dtype
         np.testing.assert_allclose(_np(a), _np(b), **{**tol, "atol": tol["atol"] * 3})
 
 
+@pytest.mark.slow
 @settings(max_examples=40)
 @given(case=gmm_cases())
 def test_grouped_matmul_matches_ragged_dot(case):
@@ -313,15 +337,14 @@ _TIER_SCRIPT = textwrap.dedent(
     print(json.dumps({"isa": _ffi.isa_level()}))
     """
 )
-_TIERS = ("scalar", "avx2", "avx512")
 
 
 @pytest.fixture(scope="module")
 def tier_runs(tmp_path_factory):
-    return run_tiers(_TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("moe_isa"))
+    return run_tiers(TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("moe_isa"))
 
 
-@pytest.mark.parametrize("tier", _TIERS)
+@pytest.mark.parametrize("tier", TIERS)
 def test_grouped_matmul_every_isa_tier_matches_ragged_dot(tier_runs, tier):
     report, res = tier_runs[tier]
     assert report["isa"] == expected_tier(tier)

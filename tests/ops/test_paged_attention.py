@@ -233,6 +233,7 @@ def check_forward(case: Case, q_dtype, cache_dtype):
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=32)
 @given(case_dtypes=attention_cases())
 def test_forward_matches_reference_and_oracle(case_dtypes):
@@ -542,6 +543,7 @@ def assert_grad_close(actual, expected, what, *, rtol=3e-5, frac=5e-6):
     np.testing.assert_array_less(np.abs(a - e), rtol * np.abs(e) + frac * scale + 1e-30, err_msg=what)
 
 
+@pytest.mark.slow
 @settings(max_examples=6)
 @given(case_dtypes=attention_cases(dtype_pairs=((F32, F32),)), seed=st.integers(0, 2**32 - 1))
 def test_gradients_match_dense_jax(case_dtypes, seed):

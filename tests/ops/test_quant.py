@@ -32,7 +32,7 @@ from gguf import GGMLQuantizationType
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.isa_tiers import expected_tier, hardware_tier, run_tiers
+from tests.isa_tiers import TIERS, expected_tier, hardware_tier, run_tiers
 from tunix_rt.ops import (
     FORMATS,
     QuantizedTensor,
@@ -252,6 +252,7 @@ def check_gguf_parity(w, w32, fmt, *, eager_reference=False):
     assert_bits_equal(ref_dq(qt_ref) if eager_reference else ref_dq(qt_ref, F32), g_deq, f"{fmt} reference dequantize vs gguf")
 
 
+@pytest.mark.slow
 @settings(max_examples=25)
 @given(case=weight_cases())
 def test_gguf_parity_hypothesis(case):
@@ -653,6 +654,7 @@ LEAD_SHAPES = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=30)
 @given(
     fmt_group=st.sampled_from(FMT_GROUPS),
@@ -686,6 +688,7 @@ def test_quant_matmul_matches_reference(fmt_group, k_mult, n, lead, dtype, x_sca
         assert rel <= 1e-2, rel
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("fmt,group", FMT_GROUPS)
 def test_quant_matmul_frobenius_every_m(fmt, group, dtype):
@@ -709,6 +712,7 @@ def test_quant_matmul_frobenius_every_m(fmt, group, dtype):
         np.testing.assert_array_equal(_f32(y[m - 1]), _f32(alone))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("fmt,group", FMT_GROUPS)
 def test_quant_matmul_int8_rows(fmt, group, dtype):
@@ -737,6 +741,7 @@ def test_quant_matmul_int8_rows(fmt, group, dtype):
 # to f32 rounding.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("fmt,group", FMT_GROUPS)
 def test_quant_matmul_many_rows_is_exact(fmt, group, dtype):
@@ -931,15 +936,15 @@ _TIER_SCRIPT = textwrap.dedent(
     """
 )
 
-_TIERS = ("scalar", "avx2", "avx512")
 
 
 @pytest.fixture(scope="module")
 def tier_runs(tmp_path_factory):
-    return run_tiers(_TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("quant_isa"))
+    return run_tiers(TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("quant_isa"))
 
 
-@pytest.mark.parametrize("tier", _TIERS)
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", TIERS)
 def test_isa_tier_matches_reference(tier_runs, tier):
     report, res = tier_runs[tier]
     assert report["isa"] == expected_tier(tier)
@@ -972,7 +977,7 @@ def test_isa_tier_matches_reference(tier_runs, tier):
 
 
 @pytest.mark.skipif(hardware_tier() == "scalar", reason="needs a SIMD tier to compare with scalar")
-@pytest.mark.parametrize("tier", _TIERS[1:])
+@pytest.mark.parametrize("tier", TIERS[1:])
 def test_isa_tiers_agree(tier_runs, tier):
     """Same integer dots (the VNNI tier quantizes x with vector code to the same bytes and scales);
     only the f32 accumulation order/FMA differ."""

@@ -10,6 +10,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tunix_rt.ops import QuantizedTensor, dequantize, quantize
 
@@ -63,6 +64,7 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parallel
 def test_sharded_over_output_features():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True, timeout=300)

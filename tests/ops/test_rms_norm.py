@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.isa_tiers import expected_tier, hardware_tier, run_tiers
+from tests.isa_tiers import TIERS, expected_tier, hardware_tier, run_tiers
 from tunix_rt.ops import _ffi, rms_norm, rms_norm_reference
 
 FWD_TARGET = "tunix_rt_rms_norm_fwd"
@@ -29,9 +29,8 @@ BWD_TARGET = "tunix_rt_rms_norm_bwd"
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 DTYPE_PAIRS = [(F32, F32), (BF16, BF16), (F32, BF16), (BF16, F32)]  # (x dtype, w dtype)
 
-pytestmark = pytest.mark.skipif(
-    not _ffi.has_cpu_target(FWD_TARGET), reason="tunix_rt._ext is not built: no FFI op to test"
-)
+pytestmark = [pytest.mark.skipif(not _ffi.has_cpu_target(FWD_TARGET), reason="tunix_rt._ext is not built: no FFI op to test"),
+              pytest.mark.usefixtures("fast_compiles")]
 
 
 
@@ -176,6 +175,7 @@ OFFSET = st.sampled_from([0.0, 1.0])
 # forward
 
 
+@pytest.mark.slow
 @settings(max_examples=60)
 @given(
     shape=shapes(),
@@ -234,6 +234,7 @@ def test_special_rows_exact_values():
 # gradients
 
 
+@pytest.mark.slow
 @settings(max_examples=35)
 @given(
     shape=shapes(max_rank=3, max_lead=6),
@@ -340,6 +341,7 @@ VMAP_CASES = {
 EAGER_VMAP_CASES = ("x_batched", "both_batched", "w_batched_x_unbatched", "nested_both_both")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("xdt,wdt", [(F32, F32), (BF16, BF16)])
 @pytest.mark.parametrize("case", list(VMAP_CASES))
 def test_vmap_forward_jit(case, xdt, wdt):
@@ -375,6 +377,7 @@ def _vmap_grad(batch_w: bool, *, nested: bool = False):
     return build
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("xdt,wdt", [(F32, F32), (BF16, BF16), (F32, BF16)])
 @pytest.mark.parametrize(
     "batch_w,jit,nested,x_shape",
@@ -582,15 +585,15 @@ _TIER_SCRIPT = textwrap.dedent(
     """
 )
 
-_TIERS = ("scalar", "avx2", "avx512")
 
 
 @pytest.fixture(scope="module")
 def tier_runs(tmp_path_factory):
-    return run_tiers(_TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("isa"))
+    return run_tiers(TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("isa"))
 
 
-@pytest.mark.parametrize("tier", _TIERS)
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", TIERS)
 def test_isa_tier_matches_reference(tier_runs, tier):
     report, _ = tier_runs[tier]
     assert report["isa"] == expected_tier(tier)

@@ -38,6 +38,7 @@ def test_schema_lists_every_route(api_schema):
     assert found == set(OPERATIONS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, path", OPERATIONS)
 def test_no_server_errors(api_schema, server, method, path):
     operation = api_schema[path][method]

@@ -26,6 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving.conftest import API_KEY, MAX_BODY_BYTES, MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_WAITING, ORIGIN
 
+pytestmark = pytest.mark.slow
+
 CAPACITY = MAX_NUM_SEQS + MAX_WAITING  # sequences in flight before 429
 MODEL = "default"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

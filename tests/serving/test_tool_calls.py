@@ -577,6 +577,7 @@ def test_compact_call_example_matches_the_brief():
         '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}-{'native' if f.native else 'prompt'}")
 @pytest.mark.parametrize("tools", [[ADD], [ADD, ECHO]], ids=["one-tool", "two-tools"])
 @pytest.mark.parametrize("parallel", [False, True], ids=["single", "parallel"])

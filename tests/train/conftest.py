@@ -1,21 +1,11 @@
-"""Fixtures the end-to-end training tests share: tiny model directories made once per session, a per-module
-scratch root, and XLA's cheap compile mode for modules whose programs are tiny."""
+"""Fixtures the end-to-end training tests share: tiny model directories made once per session and a per-module
+scratch root."""
 
 from __future__ import annotations
 
-import jax
 import pytest
 
 from tests.models.hf_tiny import make_tiny_model_dir
-
-
-@pytest.fixture(scope="module")
-def fast_compiles():
-    """Compile with XLA's expensive passes off: the programs are tiny, the compile is what costs."""
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(scope="module")

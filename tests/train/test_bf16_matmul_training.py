@@ -25,6 +25,7 @@ def _steps(tmp_path, **overrides) -> list[dict[str, float]]:
     return [trainer.run_step(step) for step in range(2)]
 
 
+@pytest.mark.slow
 def test_ffi_bf16_matmul_trains_like_xla(tmp_path):
     xla, ffi = _steps(tmp_path / "xla", bf16_matmul="xla"), _steps(tmp_path / "ffi", bf16_matmul="ffi")
     for a, b in zip(xla, ffi):  # bf16 roundings of the same products, summed in another order
@@ -63,6 +64,7 @@ def test_a_lora_base_is_cast_once_and_exported_in_f32(tmp_path):
     assert checkpointed.frozen_compute is checkpointed.frozen
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_keeps_a_bf16_copy_the_update_writes(tmp_path):
     """The trained weights reach the step as a bf16 copy that the optimizer update writes beside the f32
     masters: after every step (and after a restore) it is the masters rounded to bf16, and the run trains

@@ -10,6 +10,7 @@ import pytest
 from tunix_rt.train.lora import lora_delta
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 @pytest.mark.parametrize("m, k, r, n", [(1, 1, 1, 1), (37, 24, 4, 40), (64, 16, 8, 3)])
 def test_lora_delta_matches_autodiff(dtype, rtol, m, k, r, n):

@@ -28,6 +28,7 @@ def _first_step(tmp_path, **overrides) -> dict[str, float]:
     return trainer.run_step(0)
 
 
+@pytest.mark.slow
 def test_router_losses_add_to_the_objective(tmp_path):
     plain = _first_step(tmp_path / "plain")
     assert "router_aux_loss" not in plain

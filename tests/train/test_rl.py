@@ -26,7 +26,7 @@ from tunix_rt.train.config import GRPOConfig, PPOConfig, build_config
 from tunix_rt.train.metrics import read_metrics
 from tunix_rt.train.rl_trainer import RLTrainer, completion_logprobs
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compiles")]
 
 COMMON = ("batch_size=8", "num_generations=4", "max_completion_length=12", "progress=false")
 TIMES = ("time/rollout", "time/reference", "time/train", "time/sync")

@@ -95,6 +95,7 @@ def token_batch(draw, with_empty_rows=True):
 # --- advantages ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
 @SETTINGS
 @given(data=grouped_rewards())
@@ -131,6 +132,7 @@ def test_group_advantage_errors():
 # --- GAE, whitening --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(data=token_batch(), gamma=st.floats(0, 1), lam=st.floats(0, 1))
 def test_gae_matches_numpy(data, gamma, lam):
@@ -189,6 +191,7 @@ def test_logprobs_and_entropy():
         rl.logprobs_and_entropy(logits, jnp.zeros((1, 3), jnp.int32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(rl.AGGREGATIONS))
 @SETTINGS
 @given(data=token_batch())
@@ -222,6 +225,7 @@ def test_aggregate_errors():
 # --- the clipped objective -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("per_token_advantages", [False, True])
 @SETTINGS

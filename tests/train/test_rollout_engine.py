@@ -19,7 +19,7 @@ from tunix_rt.train.metrics import read_metrics
 from tunix_rt.train.rollout_engine import RolloutEngine, rollout_config
 from tunix_rt.train.trainer import Trainer
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compiles")]
 
 COMMON = ("max_length=64", "progress=false", "batch_size=2", "on_policy=true", "max_new_tokens=6",
           "rollout.kv_cache_memory=2000000")

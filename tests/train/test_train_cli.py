@@ -31,7 +31,7 @@ from tunix_rt.train import run as run_module
 from tunix_rt.train.lora import LoRALinear, apply_lora, has_lora, merge_lora
 from tunix_rt.train.metrics import read_metrics
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compiles")]
 
 LOG2 = math.log(2.0)
 COMMON = ("max_length=64", "progress=false")  # progress bars off: stderr stays readable

@@ -46,6 +46,8 @@ from tunix_rt.train.metrics import read_metrics
 from tunix_rt.train.sft import SFTObjective
 from tunix_rt.train.trainer import Trainer, clip_factor, make_optimizer
 
+pytestmark = pytest.mark.slow
+
 ITEMS = W.make_items()
 PARAM_ATOL = 2e-4  # 2% of one Adam step: see the module docstring
 LOSS_RTOL = 1e-5
@@ -363,6 +365,7 @@ def test_trainer_takes_the_model_weights_without_a_copy(tmp_path):
     assert all(v.get_value().is_deleted() for v in before.values())
 
 
+@pytest.mark.parallel
 def test_mesh_rejects_impossible_shapes():
     one = jax.devices()[:1]
     with pytest.raises(ValueError, match="devices"):
@@ -371,6 +374,7 @@ def test_mesh_rejects_impossible_shapes():
         make_mesh(-1, 2, devices=one)
 
 
+@pytest.mark.parallel
 def test_meshes_match_one_device(resumed, compile_cache, tmp_path):
     """One process with 8 virtual devices: a 1-device mesh, fsdp=4 x tp=2 and fsdp=8 train alike."""
     full, lora = resumed("full"), resumed("lora")  # the 1-device programs are cached for the subprocess
@@ -423,6 +427,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.parallel
 def test_two_processes_match_one_process(resumed, compile_cache, tmp_path):
     """2 processes x 2 CPU devices on localhost (gloo collectives), fsdp over the 4 global devices; then the
     same 2 processes resume the run's step-3 checkpoint in fresh Trainers for one more step."""

@@ -12,6 +12,7 @@ import dataclasses
 import hmac
 import logging
 import threading
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -211,6 +212,9 @@ def load_engine(state: ServerState, options: ServeOptions) -> None:
         raise ValueError(f"{options.model} has no tokenizer; the server needs one to read and write text")
     state.max_model_len = engine.max_model_len
     engine.grammars.prepare()  # tool choices and response formats then never wait for it
+    start = time.perf_counter()
+    compiled = engine.warmup()  # early requests with short client timeouts never wait for a compile
+    log.info("compiled %d engine step programs in %.1f s", compiled, time.perf_counter() - start)
     state.tool_format = tool_format_for(engine.tokenizer.chat_template)
     state.engine = AsyncEngine(engine)  # last: /health turns 200 only once everything above is set
     log.info("serving %s (max_model_len %d, tool format %s%s)", state.model_name, state.max_model_len,

@@ -52,6 +52,8 @@ class _EngineCollector:
                       stats.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens received.", stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield counter("compiles", "Engine step programs compiled (plain steps all compile before /health is ready).",
+                      stats.num_compiles)
 
 
 class ServerMetrics:

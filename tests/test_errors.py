@@ -91,6 +91,50 @@ def test_missing_tensor_is_named(tiny_hf_dir, tmp_path):
         load_model(out)
 
 
+@pytest.mark.parametrize("layers", [3, 1000])
+def test_a_config_with_more_layers_than_the_checkpoint_fails_at_once(tiny_hf_dir, tmp_path, layers):
+    """Checked against the checkpoint's tensor names before the model is built (1000 layers once hung for
+    minutes while the model was built abstractly)."""
+    import json
+
+    out = tmp_path / "deeper"
+    out.mkdir()
+    for f in tiny_hf_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((out / "config.json").read_text())
+    held = config["num_hidden_layers"]
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    with pytest.raises(CheckpointError, match=f"num_hidden_layers={layers}, but the checkpoint holds the weights "
+                                              f"of {held} layer"):
+        load_model(out)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not json", "config not an object"])
+def test_a_bad_tokenizer_file_is_one_line(tiny_hf_dir, tmp_path, damage):
+    out = tmp_path / "tok"
+    out.mkdir()
+    for f in tiny_hf_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    tokenizer = out / "tokenizer.json"
+    if damage == "truncated":
+        tokenizer.write_bytes(tokenizer.read_bytes()[:2000])
+        assert "tokenizer.json is not a readable tokenizer.json" in _cli_error(out)
+    elif damage == "not json":
+        tokenizer.write_text("{ not json")
+        assert "tokenizer.json is not a readable tokenizer.json" in _cli_error(out)
+    else:
+        (out / "tokenizer_config.json").write_text("[1, 2]")
+        assert "tokenizer_config.json must hold a JSON object" in _cli_error(out)
+
+
+@pytest.mark.parametrize("port", ["0", "99999", "-1"])
+def test_serve_port_out_of_range(port, capsys):
+    from tunix_rt.cli import main
+
+    assert main(["serve", "--port", port]) == 2
+    assert f"--port must be in 1..65535, got {port}" in capsys.readouterr().err
+
+
 def test_default_model_missing_names_the_install_command(monkeypatch):
     import importlib.metadata
 

@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("--format", required=True, choices=sorted(FORMATS))
     quant.add_argument("--group-size", type=int, default=None, help="int8/int4: 32, 64 or 128 (default 32)")
     quant.add_argument("--output", required=True, help="directory to write (HF layout; --model accepts it)")
+    quant.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
 
     serve = sub.add_parser("serve", help="serve the OpenAI API (/v1) plus /health and /metrics")
     _add_model_arg(serve)
@@ -83,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
         train.add_argument("--output", default=None, help="run directory: metrics.jsonl, checkpoints/, final/")
         train.add_argument("--steps", type=int, default=None, help="optimizer steps (default: one pass over the data)")
         train.add_argument("--lora-rank", type=int, default=None, help="0 = full fine-tuning")
+        train.add_argument("--overwrite", action="store_true", default=None,
+                           help="write into a non-empty --output that holds no run; with resume=false, start a run "
+                                "over in place")
         if name == "distill":
             train.add_argument("--teacher", default=None, help="teacher model (same tokenizer as the student)")
         if name in ("grpo", "ppo"):
@@ -94,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a model (GGUF, quantized or HF) as an HF directory transformers loads")
     _add_model_arg(export, dequantize_flag=False)
     export.add_argument("--output", required=True)
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
     export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
     plot = sub.add_parser("plot", help="draw a run's metrics.jsonl curves to PNG")
@@ -167,7 +172,8 @@ def _quantize(args) -> int:
     from tunix_rt.checkpoints.quantized_dir import quantize_checkpoint
 
     start = time.perf_counter()
-    summary = quantize_checkpoint(resolve_model_path(args.model), Path(args.output), args.format, args.group_size)
+    summary = quantize_checkpoint(resolve_model_path(args.model), Path(args.output), args.format, args.group_size,
+                                  overwrite=args.overwrite)
     print(f"wrote {args.output}: {summary['quantized']} weights quantized to {args.format}, {summary['kept']} kept, "
           f"{summary['bytes'] / 1e6:.1f} MB (source {summary['source_bytes'] / 1e6:.1f} MB) "
           f"in {time.perf_counter() - start:.1f}s")
@@ -205,9 +211,10 @@ def _info(args) -> int:
 def _serve(args) -> int:
     from serving.app import ServeOptions, serve
 
-    for name in ("port", "max_body_bytes"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     engine = EngineConfig(**{f.name: getattr(args, f.name) for f in EngineConfig.flags()})  # checks them
@@ -225,7 +232,7 @@ def _train(args) -> int:
 
     explicit = {"model": args.model, "data": args.data, "output": args.output, "steps": args.steps,
                 "lora_rank": args.lora_rank, "teacher": getattr(args, "teacher", None),
-                "reward": getattr(args, "reward", None)}
+                "reward": getattr(args, "reward", None), "overwrite": args.overwrite}
     cfg = build_config(CONFIGS[args.command], config_file=args.config, overrides=args.overrides, **explicit)
     logging.getLogger("tunix_rt").setLevel(logging.INFO)
     final = run(cfg)
@@ -237,11 +244,14 @@ def _export(args) -> int:
     from pathlib import Path
 
     from tunix_rt.checkpoints.hf_export import export_hf
-    from tunix_rt.checkpoints.loader import load_model
+    from tunix_rt.checkpoints.loader import load_model, resolve_model_path
+    from tunix_rt.checkpoints.output_dir import check_output_dir
 
-    loaded = load_model(args.model)
+    source = resolve_model_path(args.model)
+    check_output_dir(args.output, overwrite=args.overwrite, sources=[source], what="export target")  # before loading
+    loaded = load_model(source)
     out = export_hf(loaded.model, loaded.tokenizer, loaded.hf_config, Path(args.output), dtype=args.dtype,
-                    generation_config=loaded.generation_config or None)
+                    generation_config=loaded.generation_config or None, overwrite=args.overwrite, sources=[source])
     print(f"wrote {out}")
     return 0
 
@@ -289,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, DefaultModelMissing, UnsupportedArchitecture, TrainingError) as e:
         print(f"tunix-rt {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C: one line (a training run's says where it can resume), no traceback
+        print(f"tunix-rt {args.command}: {e or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -91,16 +91,23 @@ def test_our_loader_reloads_the_export(exported):
 
 
 @pytest.mark.parametrize("exported", ["llama"], indirect=True)
-def test_export_overwrites_a_model_dir_and_refuses_other_dirs(exported, tmp_path):
+def test_export_replaces_a_directory_only_when_told(exported, tmp_path):
     _, _, first, dst = exported
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    with pytest.raises(FileExistsError, match="non-empty directory.*--overwrite"):
+        export_hf(first.model, first.tokenizer, first.hf_config, dst)
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before  # untouched
     (dst / "model.safetensors.index.json").write_text("{}")  # stale files that would shadow the new weights
     (dst / "model-00001-of-00002.safetensors").write_bytes(b"x")
-    export_hf(first.model, first.tokenizer, first.hf_config, dst)
-    assert not (dst / "model.safetensors.index.json").exists() and not (dst / "model-00001-of-00002.safetensors").exists()
+    export_hf(first.model, first.tokenizer, first.hf_config, dst, overwrite=True)
+    assert sorted(p.name for p in dst.iterdir()) == sorted(before)  # replaced as a whole: no stale file stays
     assert np.array_equal(_logits(load_model(dst).model, TOKENS[:1, :6]), _logits(first.model, TOKENS[:1, :6]))
-    (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="no config.json"):
-        export_hf(first.model, first.tokenizer, first.hf_config, tmp_path)
+    assert not [p for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}.")]  # no staging left behind
+    with pytest.raises(FileExistsError, match="overlaps the input"):
+        export_hf(first.model, first.tokenizer, first.hf_config, dst, overwrite=True, sources=[dst])
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a directory"):
+        export_hf(first.model, first.tokenizer, first.hf_config, tmp_path / "file")
 
 
 @pytest.mark.parametrize("exported", ["llama"], indirect=True)

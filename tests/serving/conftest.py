@@ -33,6 +33,7 @@ class Server:
     model: str
     health_codes: tuple[int, ...]  # /health answers seen while the server started
     log_path: str
+    compiles_at_ready: float  # engine step programs compiled when /health first answered 200
 
     def client(self, **kw):
         import openai
@@ -61,8 +62,13 @@ def server(tmp_path_factory):
            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
            "--max-num-batched-tokens", "64", "--max-waiting", str(MAX_WAITING),
            "--max-body-bytes", str(MAX_BODY_BYTES), "--allowed-origins", ORIGIN]
+    # The warm-up compiles every plain step program before /health is ready; a compilation cache shared by the
+    # session's servers (one per test worker) lets a second server load them.
+    cache = tmp_path_factory.getbasetemp().parent / "serve_jax_cache"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_COMPILATION_CACHE_DIR": str(cache),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     codes: list[int] = []
     deadline = time.monotonic() + 300
@@ -80,7 +86,10 @@ def server(tmp_path_factory):
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        yield Server(base, API_KEY, "default", tuple(codes), log_path)
+        metrics = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).text
+        compiles = next(float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith("tunix_rt:compiles_total"))
+        yield Server(base, API_KEY, "default", tuple(codes), log_path, compiles)
     finally:
         proc.terminate()
         try:

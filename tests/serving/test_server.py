@@ -691,7 +691,7 @@ def test_metrics_names_and_growth(server, client):
     for name in ("tunix_rt:num_requests_running", "tunix_rt:num_requests_waiting", "tunix_rt:kv_cache_usage_perc",
                  "tunix_rt:prefix_cache_hit_rate", "tunix_rt:num_preemptions_total", "tunix_rt:prompt_tokens_total",
                  "tunix_rt:generation_tokens_total", "tunix_rt:time_to_first_token_seconds_bucket",
-                 "tunix_rt:inter_token_latency_seconds_bucket"):
+                 "tunix_rt:inter_token_latency_seconds_bucket", "tunix_rt:compiles_total"):
         assert name in r.text, name
     before = scrape(server)
     out = client.completions.create(model=MODEL, prompt=FOX, max_tokens=5, temperature=0)
@@ -708,6 +708,16 @@ def test_metrics_names_and_growth(server, client):
     e2e = "tunix_rt:e2e_request_latency_seconds_count"
     assert after[e2e] == before[e2e] + 1
     assert after["tunix_rt:request_success_total"] == before["tunix_rt:request_success_total"] + 1
+
+
+def test_the_engine_compiles_its_step_programs_before_it_is_ready(server, client):
+    """/health turns 200 only once the engine has compiled its plain step programs, so early requests with short
+    client timeouts never wait for a compile; plain requests then compile nothing."""
+    assert server.compiles_at_ready > 0  # before any request was sent
+    before = scrape(server)["tunix_rt:compiles_total"]
+    client.completions.create(model=MODEL, prompt=FOX, max_tokens=3, temperature=0.7, seed=1)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert scrape(server)["tunix_rt:compiles_total"] == before
 
 
 def test_metrics_prefix_cache_hits(server, client):

@@ -577,11 +577,12 @@ def test_export_of_a_quantized_dir_is_float(quantized, tmp_path):
     assert np.abs(logits(again.model) - logits(load_model(quantized).model)).max() < 1e-4
 
 
-def test_export_into_a_non_model_directory(tiny, tmp_path, capsys):
+def test_export_into_a_non_empty_directory(tiny, tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("mine")
     capsys.readouterr()
     assert cli("export", "--model", tiny, "--output", tmp_path) == 2
-    assert "no config.json" in _one_line_error(capsys, "export")
+    assert "non-empty directory" in _one_line_error(capsys, "export")
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
 def test_plot(sft_run, tmp_path, capsys):

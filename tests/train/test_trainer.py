@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import socket
@@ -363,6 +364,12 @@ def test_trainer_takes_the_model_weights_without_a_copy(tmp_path):
         assert after[k].get_value().unsafe_buffer_pointer() == before[k].get_value().unsafe_buffer_pointer(), k
     trainer.run_step(0)
     assert all(v.get_value().is_deleted() for v in before.values())
+
+
+def test_a_batch_larger_than_the_data_warns(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="tunix_rt.train"):
+        Trainer(W.config(tmp_path), W.new_model(), SFTObjective(ITEMS[:3], max_length=W.SEQ, pad_id=0))
+    assert "each step takes 8 items but the data holds 3" in caplog.text
 
 
 @pytest.mark.parallel

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,6 +59,32 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         if not f.is_file():
             raise CheckpointError(f"{f.name} is listed in {INDEX_FILE} but missing from {model_dir}")
     return files
+
+
+def tensor_names(model_dir: Path) -> list[str]:
+    """The names of every tensor, read from the safetensors headers alone (no tensor data)."""
+    from safetensors import SafetensorError, safe_open
+
+    names = []
+    for path in safetensors_files(model_dir):
+        try:
+            with safe_open(str(path), framework="flax") as f:
+                names.extend(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+    return names
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_layer_count(model_dir: Path, num_layers: int) -> None:
+    """A config that asks for more decoder layers than the checkpoint holds fails here, at once, instead of
+    after the whole model is built."""
+    held = {int(m.group(1)) for m in map(_LAYER.search, tensor_names(model_dir)) if m}
+    if held and num_layers > len(held):  # (no layer names at all: an unknown scheme, left to the loader)
+        raise CheckpointError(f"{model_dir / 'config.json'} asks for num_hidden_layers={num_layers}, but the "
+                              f"checkpoint holds the weights of {len(held)} layer(s)")
 
 
 def iter_tensors(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:

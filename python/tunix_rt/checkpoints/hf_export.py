@@ -10,9 +10,9 @@ any variable the table cannot place is an error.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from tunix_rt.checkpoints import hf_dir
+from tunix_rt.checkpoints.output_dir import check_output_dir, staged_output_dir
 from tunix_rt.checkpoints.tokenizer import Tokenizer
 from tunix_rt.checkpoints.weights import _layer_names, expert_names, hf_to_path
 from tunix_rt.models.config import ModelConfig
@@ -43,10 +44,6 @@ ARCHITECTURES = {
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 # Files an earlier checkpoint in out_dir may hold that would shadow or contradict what is written
 # (a shard index is read before model.safetensors; special_tokens_map.json overrides the config's tokens).
-_STALE = ("model.safetensors.index.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-          "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
-
-
 def inverse_names(cfg: ModelConfig) -> dict[tuple, list[tuple[str, bool, int | None]]]:
     """Decoder parameter path -> [(HF tensor name, whether to transpose, expert slice or None)], for
     every tensor `cfg` can have: one entry per path, or one per expert of a stacked expert weight."""
@@ -132,16 +129,6 @@ def _tokenizer_config(tokenizer: Tokenizer, max_length: int) -> dict:
     return {k: v for k, v in config.items() if v is not None}
 
 
-def _replace(path: Path, write) -> None:
-    """Write through a temporary file in the same directory, then rename over `path`."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _save_tensors(tensors: dict, path: Path) -> None:
     from safetensors.numpy import save_file
 
@@ -149,41 +136,31 @@ def _save_tensors(tensors: dict, path: Path) -> None:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    _replace(path, lambda p: p.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"))
-
-
-def _prepare(out_dir: Path) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"export target {out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
-        raise FileExistsError(f"export target {out_dir} is a non-empty directory that holds no model (no config.json); "
-                              "pick an empty or new directory")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in _STALE:
-        (out_dir / name).unlink(missing_ok=True)
-    for shard in out_dir.glob("*.safetensors"):
-        if shard.name != hf_dir.SINGLE_FILE:
-            shard.unlink()
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def export_hf(model: Decoder, tokenizer: Tokenizer, hf_config: dict, out_dir: str | os.PathLike, *,
-              dtype: str = "float32", generation_config: dict | None = None) -> Path:
+              dtype: str = "float32", generation_config: dict | None = None, overwrite: bool = False,
+              sources: Sequence[str | os.PathLike] = ()) -> Path:
     """Write `model` (+ tokenizer) to `out_dir` as an HF checkpoint; returns the directory.
 
-    hf_config is the config.json dict the model was built from (LoadedModel.hf_config). An existing
-    model directory is overwritten; a non-empty directory without config.json is refused.
+    hf_config is the config.json dict the model was built from (LoadedModel.hf_config). The directory is
+    built beside `out_dir` and renamed into place when complete (checkpoints/output_dir.py): a non-empty
+    `out_dir` is refused unless `overwrite`, and so is one that is or overlaps a path in `sources` (the model
+    it was read from).
     """
-    out_dir = Path(out_dir).expanduser()
+    out_dir = check_output_dir(out_dir, overwrite=overwrite, sources=sources, what="export target")
     tensors = hf_tensors(model, dtype)  # before touching out_dir: unknown variables fail first
     gen = _generation_config(tokenizer, generation_config)
     config = _config(model, tokenizer, hf_config, dtype, gen.get("eos_token_id"))
-    _prepare(out_dir)
-    _replace(out_dir / hf_dir.SINGLE_FILE, functools.partial(_save_tensors, tensors))
-    del tensors  # the host copy of the weights goes before the tokenizer files are written
-    _replace(out_dir / "tokenizer.json", lambda p: tokenizer.backend.save(str(p)))
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(tokenizer, model.config.max_position_embeddings))
-    if tokenizer.chat_template is not None:
-        _replace(out_dir / "chat_template.jinja", lambda p: p.write_bytes(tokenizer.chat_template.encode("utf-8")))
-    _write_json(out_dir / "generation_config.json", gen)
-    _write_json(out_dir / "config.json", config)  # last: a directory with a config.json is complete
+    with staged_output_dir(out_dir, overwrite=overwrite, sources=sources, what="export target") as staging:
+        _save_tensors(tensors, staging / hf_dir.SINGLE_FILE)
+        del tensors  # the host copy of the weights goes before the tokenizer files are written
+        tokenizer.backend.save(str(staging / "tokenizer.json"))
+        _write_json(staging / "tokenizer_config.json",
+                    _tokenizer_config(tokenizer, model.config.max_position_embeddings))
+        if tokenizer.chat_template is not None:
+            (staging / "chat_template.jinja").write_bytes(tokenizer.chat_template.encode("utf-8"))
+        _write_json(staging / "generation_config.json", gen)
+        _write_json(staging / "config.json", config)
     return out_dir

@@ -49,6 +49,7 @@ def load_model(model: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32, 
     path = resolve_model_path(model)
     if path.is_dir():
         config = hf_dir.read_config(path)
+        hf_dir.check_layer_count(path, config.num_layers)
         config_dict = {k: v for k, v in hf_dir.read_json(path / "config.json").items() if k != "quantization_config"}
         tokenizer = Tokenizer.from_hf_dir(path)
         tensors = hf_dir.iter_tensors(path)

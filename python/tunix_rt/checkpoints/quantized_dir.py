@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from tunix_rt.checkpoints import hf_dir
 from tunix_rt.checkpoints.errors import CheckpointError
+from tunix_rt.checkpoints.output_dir import check_output_dir, staged_output_dir
 from tunix_rt.ops.quant import QuantizedTensor, check_quantized, quantize, resolve_format
 
 QUANT_METHOD = "tunix_rt"
@@ -42,11 +43,17 @@ def quantization_config(model_dir: Path) -> dict | None:
     return qc
 
 
-def quantize_checkpoint(src: Path, out: Path, fmt: str, group_size: int | None = None) -> dict:
-    """Write `out`: src's HF checkpoint with its linear weights quantized. Returns a summary."""
+def quantize_checkpoint(src: Path, out: Path, fmt: str, group_size: int | None = None, *,
+                        overwrite: bool = False) -> dict:
+    """Write `out`: src's HF checkpoint with its linear weights quantized. Returns a summary.
+
+    `out` is built beside itself and renamed into place when complete (checkpoints/output_dir.py): a
+    non-empty `out` is refused unless `overwrite`, and `out` may never be or overlap `src`.
+    """
     from safetensors.numpy import save_file
 
     f, group = resolve_format(fmt, group_size)
+    out = check_output_dir(out, overwrite=overwrite, sources=[src], what="quantize output")
     if not src.is_dir():
         raise CheckpointError(f"tunix-rt quantize needs an HF model directory, got {str(src)!r}")
     config = hf_dir.read_json(src / "config.json") if (src / "config.json").is_file() else None
@@ -55,7 +62,6 @@ def quantize_checkpoint(src: Path, out: Path, fmt: str, group_size: int | None =
     if "quantization_config" in config:
         raise CheckpointError(f"{src} is already quantized ({config['quantization_config']})")
     hf_dir.read_config(src)  # an architecture we can run
-    out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
     quantized = kept = 0
     unfit = []  # linear weights whose K is not a multiple of the group: left in float
@@ -73,13 +79,14 @@ def quantize_checkpoint(src: Path, out: Path, fmt: str, group_size: int | None =
         else:
             tensors[name] = np.asarray(array)
             kept += 1
-    save_file(tensors, str(out / hf_dir.SINGLE_FILE), metadata={"format": "pt"})
     config["quantization_config"] = {"quant_method": QUANT_METHOD, "format": f.name, "group_size": group}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in _AUX_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
-    size = (out / hf_dir.SINGLE_FILE).stat().st_size
+    with staged_output_dir(out, overwrite=overwrite, sources=[src], what="quantize output") as staging:
+        save_file(tensors, str(staging / hf_dir.SINGLE_FILE), metadata={"format": "pt"})
+        size = (staging / hf_dir.SINGLE_FILE).stat().st_size
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name in _AUX_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, staging / name)
     return {"quantized": quantized, "kept": kept, "unfit": unfit, "bytes": size,
             "source_bytes": sum(p.stat().st_size for p in files)}
 

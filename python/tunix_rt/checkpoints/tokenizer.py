@@ -133,7 +133,10 @@ class Tokenizer:
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ValueError(f"{path} has no tokenizer.json; only checkpoints with a fast tokenizer are supported")
-        backend = Backend.from_file(str(tokenizer_file))
+        try:
+            backend = Backend.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{tokenizer_file} is not a readable tokenizer.json (corrupt or truncated?): {e}") from None
         config = _read_json(path / "tokenizer_config.json")
         # transformers reads special_tokens_map.json only for configs older than `added_tokens_decoder`, and then
         # lets it override the config.
@@ -216,7 +219,15 @@ def _byte_level_decoder() -> dict[str, int]:
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _default_template(template) -> str | None:

@@ -64,6 +64,7 @@ class TrainConfig:
     save_steps: int = 100
     save_total_limit: int = 2
     resume: bool = True  # continue from the newest checkpoint in output/checkpoints
+    overwrite: bool = False  # write into a non-empty directory that is not a run; with resume=false, start over
     export_dtype: str = "float32"
     router_aux_loss_coef: float = 0.0  # MoE models: Switch/Mixtral load-balancing loss weight (HF's name)
     router_z_loss_coef: float = 0.0  # MoE models: ST-MoE router z-loss weight

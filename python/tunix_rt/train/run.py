@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import yaml
 
 from tunix_rt.checkpoints.hf_export import export_hf
 from tunix_rt.checkpoints.loader import LoadedModel, holds_quantized, load_model
+from tunix_rt.checkpoints.output_dir import OutputDirError, check_output_dir
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.parallel.mesh import initialize_distributed
 from tunix_rt.train.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RLConfig, SFTConfig, TrainConfig
@@ -26,6 +28,7 @@ from tunix_rt.train.trainer import Objective, Trainer
 
 log = logging.getLogger("tunix_rt.train")
 FINAL = "final"
+RUN_CONFIG = "config.yaml"
 
 
 def _pad_id(tokenizer) -> int:
@@ -139,13 +142,45 @@ def build_objective(cfg: TrainConfig, loaded: LoadedModel, data: str) -> Objecti
     return algorithm_for(cfg).objective(cfg, loaded, data)
 
 
+def is_run_dir(path: Path) -> bool:
+    """A directory a training run wrote: its config.yaml is a run's record (a mapping with model and output)."""
+    try:
+        record = yaml.safe_load((path / RUN_CONFIG).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(record, dict) and {"model", "output"} <= record.keys()
+
+
+# What a run writes in its directory, and what `resume=false overwrite=true` removes to start over.
+_RUN_OUTPUTS = (RUN_CONFIG, "checkpoints", "metrics.jsonl", "tensorboard", FINAL)
+
+
+def prepare_run_dir(cfg: TrainConfig) -> Path:
+    """The run directory, made or checked before anything loads: a new or empty directory starts fresh, a run
+    directory resumes (or, with resume=false and overwrite, starts over: the run's own files are removed);
+    any other non-empty directory, or a file, is refused unless overwrite."""
+    output = check_output_dir(cfg.output, overwrite=True, what="--output")  # a file is refused
+    if output.is_dir() and any(output.iterdir()):
+        if not is_run_dir(output) and not cfg.overwrite:
+            raise OutputDirError(f"--output {output} is a non-empty directory that holds no tunix-rt run (no "
+                                 f"{RUN_CONFIG}); choose a new or empty directory, or give --overwrite to write into it")
+        if is_run_dir(output) and not cfg.resume and cfg.overwrite and jax.process_index() == 0:
+            for name in _RUN_OUTPUTS:
+                path = output / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
+            log.info("resume=false overwrite=true: removed the earlier run's files in %s", output)
+    output.mkdir(parents=True, exist_ok=True)
+    return output
+
+
 def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
     """Train as `cfg` says; returns DIR/final (an HF directory --model accepts)."""
     if cfg.num_processes > 1:
         initialize_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
-    output = Path(cfg.output)
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    output = prepare_run_dir(cfg)
     loaded = load_model(cfg.model, dequantize=cfg.dequantize)
     objective = build_objective(cfg, loaded, cfg.data)
     eval_objective = build_objective(cfg, loaded, cfg.eval_data) if cfg.eval_data else None
@@ -156,6 +191,8 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
     trainer = algorithm.trainer(cfg, loaded.model, objective, reference=reference)
     log.info("training %d steps on %d items (%s)", trainer.steps, objective.num_items,
              "LoRA" if trainer.lora else "full")
+    if jax.process_index() == 0:  # the run has started: its record says what its checkpoints hold
+        (output / RUN_CONFIG).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     trainer.fit(output=output, eval_objective=eval_objective, stop_after=stop_after)
     final = output / FINAL
     if trainer.step == trainer.steps:
@@ -167,6 +204,6 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
             model = algorithm.exported(model)
         if jax.process_index() == 0:
             export_hf(model, loaded.tokenizer, loaded.hf_config, final, dtype=cfg.export_dtype,
-                      generation_config=loaded.generation_config or None)
+                      generation_config=loaded.generation_config or None, overwrite=True)  # the run's own
     return final
 

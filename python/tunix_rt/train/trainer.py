@@ -35,7 +35,8 @@ from tunix_rt.parallel.mesh import batch_sharding, make_mesh, put_global, state_
 from tunix_rt.train.checkpointing import Checkpointer
 from tunix_rt.train.config import TrainConfig
 from tunix_rt.train.data import DataOrder, harmonized_lengths
-from tunix_rt.train.errors import TrainingError
+from tunix_rt.train.errors import TrainingError, TrainingInterrupted
+from tunix_rt.train.interrupt import StopOnInterrupt
 from tunix_rt.train.lora import HeadParam, apply_lora, has_lora
 from tunix_rt.train.metrics import MetricsWriter
 from tunix_rt.train.rollout_engine import RolloutEngine
@@ -221,6 +222,10 @@ class Trainer:
         self._score_fn = None
         self._planned_lengths: dict[int, tuple[int, ...]] | None = None
         self.data_order = DataOrder(objective.num_items, self._items_per_step(), seed=cfg.seed, shuffle=cfg.shuffle)
+        if self._items_per_step() > objective.num_items:
+            log.warning("each step takes %d items but the data holds %d: every step repeats items (a smaller "
+                        "batch_size or gradient_accumulation_steps avoids it)", self._items_per_step(),
+                        objective.num_items)
         if objective.rollout is not None:  # it samples from the model being trained
             objective.rollout.bind(self.inference_model)
 
@@ -478,7 +483,8 @@ class Trainer:
         if latest is not None and not cfg.resume:
             checkpointer.close()
             raise ValueError(f"{checkpointer.directory} holds checkpoints of an earlier run (up to step {latest}); "
-                             "resume=false would mix the two runs: remove that directory or choose another --output")
+                             "resume=false would mix the two runs: give --overwrite to start over in place, or choose another "
+                             "--output")
         if eval_objective is not None and eval_objective.rollout is not None:
             eval_objective.rollout.bind(self.inference_model)
         for objective in (self.objective, eval_objective):
@@ -498,31 +504,38 @@ class Trainer:
                    disable=not (cfg.progress and main), dynamic_ncols=True)
         last_saved = latest
         try:
-            while self.step < self.steps and (stop_after is None or self.step < stop_after):
-                start = time.perf_counter()
-                out = self.run_step(self.step)
-                if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])):
-                    if last_saved != self.step and self.step > 0:  # keep the last good state
+            with StopOnInterrupt() as interrupt:
+                while self.step < self.steps and (stop_after is None or self.step < stop_after):
+                    if interrupt.requested:  # the first Ctrl-C, at a step boundary
+                        raise KeyboardInterrupt
+                    start = time.perf_counter()
+                    out = self.run_step(self.step)
+                    if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])):
+                        if last_saved != self.step and self.step > 0:  # keep the last good state
+                            checkpointer.save(self.step, self.state(), {"step": self.step})
+                        kept = (f"the last good state is saved at step {self.step}" if self.step > 0
+                                else "nothing was saved (no step had succeeded)")
+                        raise TrainingError(
+                            f"step {self.step + 1}: the loss ({out['loss']}) or gradient norm ({out['grad_norm']}) is not "
+                            f"finite, so training stopped; the update was skipped and {kept}. Lower learning_rate, set "
+                            "max_grad_norm, or check the data.")
+                    self.step += 1
+                    out["step_time"] = time.perf_counter() - start
+                    out["epoch"] = self._epoch(self.step)
+                    if eval_objective is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0:
+                        out.update(self.evaluate(eval_objective))
+                    records.append({"step": self.step, **out})
+                    if writer is not None and (self.step % cfg.logging_steps == 0 or self.step == self.steps):
+                        writer.write(self.step, out)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{out['loss']:.4f}")
+                    if self.step % cfg.save_steps == 0 or self.step == self.steps:
                         checkpointer.save(self.step, self.state(), {"step": self.step})
-                    kept = (f"the last good state is saved at step {self.step}" if self.step > 0
-                            else "nothing was saved (no step had succeeded)")
-                    raise TrainingError(
-                        f"step {self.step + 1}: the loss ({out['loss']}) or gradient norm ({out['grad_norm']}) is not "
-                        f"finite, so training stopped; the update was skipped and {kept}. Lower learning_rate, set "
-                        "max_grad_norm, or check the data.")
-                self.step += 1
-                out["step_time"] = time.perf_counter() - start
-                out["epoch"] = self._epoch(self.step)
-                if eval_objective is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0:
-                    out.update(self.evaluate(eval_objective))
-                records.append({"step": self.step, **out})
-                if writer is not None and (self.step % cfg.logging_steps == 0 or self.step == self.steps):
-                    writer.write(self.step, out)
-                bar.update(1)
-                bar.set_postfix(loss=f"{out['loss']:.4f}")
-                if self.step % cfg.save_steps == 0 or self.step == self.steps:
-                    checkpointer.save(self.step, self.state(), {"step": self.step})
-                    last_saved = self.step
+                        last_saved = self.step
+        except KeyboardInterrupt:  # at a step boundary, or a second Ctrl-C wherever it lands
+            resumes = (f"the checkpoint at step {last_saved} is kept: re-run the same command to resume"
+                       if last_saved else "no checkpoint was saved yet")
+            raise TrainingInterrupted(f"interrupted at step {self.step + 1} of {self.steps}; {resumes}") from None
         finally:
             bar.close()
             checkpointer.close()

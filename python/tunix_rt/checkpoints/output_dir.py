@@ -1,0 +1,64 @@
+"""Directories a command writes, written so that nothing the user owns is lost.
+
+A command that writes a directory (export, quantize, a training run's final model) builds it in a hidden
+sibling (`.NAME.partial-XXXX`) and renames it into place once complete, so a crash at any point leaves the old
+contents intact. Before anything is written the target is checked: a path that is a file, that is the
+command's own input (or holds it, or lies inside it), or a non-empty directory without `overwrite` is refused
+with a line naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+
+class OutputDirError(FileExistsError):
+    """The output path cannot be written as asked; the message names it and what to do."""
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    return a == b or a in b.parents or b in a.parents
+
+
+def check_output_dir(target: str | os.PathLike, *, overwrite: bool = False,
+                     sources: Sequence[str | os.PathLike] = (), what: str = "output") -> Path:
+    """The target as an absolute path, if a command may write it (see the module docstring)."""
+    target = Path(target).expanduser().absolute()
+    if target.exists() and not target.is_dir():
+        raise OutputDirError(f"{what} {target} exists and is not a directory; choose a directory path")
+    for source in sources:
+        source = Path(source).expanduser().absolute()
+        if _overlaps(target.resolve(), source.resolve()):
+            raise OutputDirError(f"{what} {target} is or overlaps the input {source}: writing it would destroy what "
+                                 "is read; choose another directory")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise OutputDirError(f"{what} {target} is a non-empty directory; choose a new or empty directory, or give "
+                             "--overwrite to replace it")
+    return target
+
+
+@contextlib.contextmanager
+def staged_output_dir(target: str | os.PathLike, *, overwrite: bool = False,
+                      sources: Sequence[str | os.PathLike] = (), what: str = "output") -> Iterator[Path]:
+    """Yields an empty hidden sibling of `target` to write into; on success it replaces `target` (the old
+    contents are removed only after the new directory is in place), on an exception it is removed."""
+    target = check_output_dir(target, overwrite=overwrite, sources=sources, what=what)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        yield staging
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old)  # an empty directory is replaced by the target's rename
+            os.replace(staging, target)
+            shutil.rmtree(old)
+        else:
+            os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,131 @@
+"""Nothing the user owns is lost (checkpoints/output_dir.py), through the CLI as a user runs it: a command never
+writes into its own input, never replaces a non-empty directory without --overwrite (a training run recognises
+its own run directory and resumes), and an --output naming a file is one clear line. Each refused case leaves
+the original bytes intact."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.models.hf_tiny import make_tiny_model_dir
+from tests.train.test_train_cli import cli, write_jsonl
+from tunix_rt.checkpoints.output_dir import staged_output_dir
+from tunix_rt.train.metrics import read_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compiles")]
+
+SFT = ("--steps", "1", "max_length=64", "progress=false", "save_steps=1")
+
+
+def snapshot(directory) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def leftovers(directory) -> list[str]:
+    """Staging siblings (.NAME.partial-*, .NAME.old-*) left beside a directory."""
+    return [p.name for p in directory.parent.iterdir() if p.name.startswith(f".{directory.name}.")]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("source") / "model"
+    make_tiny_model_dir(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("data") / "chats.jsonl",
+                       [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"the {i}"}]}
+                        for i in range(4)])
+
+
+def test_quantize_into_its_own_source_is_refused_before_anything_is_written(model, capsys):
+    before = snapshot(model)
+    for output, extra in ((model, ()), (model, ("--overwrite",)), (model / "q8", ())):
+        assert cli("quantize", "--model", model, "--format", "q8_0", "--output", output, *extra) == 2
+        assert "overlaps the input" in capsys.readouterr().err
+    assert snapshot(model) == before
+
+
+def test_export_and_quantize_replace_a_directory_only_with_overwrite(model, tmp_path, capsys):
+    final = tmp_path / "run" / "final"
+    assert cli("export", "--model", model, "--output", final) == 0
+    before = snapshot(final)
+    for command in (("quantize", "--format", "q8_0"), ("export",)):
+        assert cli(*command, "--model", model, "--output", final) == 2
+        err = capsys.readouterr().err
+        assert "non-empty directory" in err and "--overwrite" in err
+        assert snapshot(final) == before
+    assert cli("quantize", "--format", "q8_0", "--model", model, "--output", final, "--overwrite") == 0
+    assert json.loads((final / "config.json").read_text())["quantization_config"]["format"] == "q8_0"
+    assert not leftovers(final)
+
+
+def test_a_failed_write_leaves_the_old_directory_intact(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "weights").write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="crash"):
+        with staged_output_dir(target, overwrite=True) as staging:
+            (staging / "weights").write_bytes(b"new, half written")
+            raise RuntimeError("crash")
+    assert snapshot(target) == {"weights": b"old"} and not leftovers(target)
+
+
+def test_an_output_naming_a_file_is_one_line(model, chats, tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    for command in (("export",), ("quantize", "--format", "q8_0"), ("sft", "--data", chats, *SFT)):
+        assert cli(*command, "--model", model, "--output", tmp_path / "file") == 2
+        err = capsys.readouterr().err
+        assert "exists and is not a directory" in err and "Traceback" not in err and "Errno" not in err
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_training_refuses_a_directory_it_did_not_write(model, chats, tmp_path, capsys):
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"a": 1}\n')
+    assert cli("sft", "--model", model, "--data", chats, "--output", out, *SFT) == 2
+    assert "holds no tunix-rt run" in capsys.readouterr().err
+    assert snapshot(out) == {"metrics.jsonl": b'{"a": 1}\n'}
+
+    assert cli("sft", "--model", model, "--data", chats, "--output", out, "--overwrite", *SFT) == 0
+    assert (out / "final" / "config.json").is_file() and [r["step"] for r in read_metrics(out)] == [1]
+    # now a run directory: a second run resumes it (nothing left to do at step 1 of 1) ...
+    assert cli("sft", "--model", model, "--data", chats, "--output", out, *SFT) == 0
+    # ... resume=false would mix two runs, unless --overwrite starts over in place
+    assert cli("sft", "--model", model, "--data", chats, "--output", out, *SFT, "resume=false") == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert cli("sft", "--model", model, "--data", chats, "--output", out, *SFT, "resume=false", "--overwrite") == 0
+    assert [r["step"] for r in read_metrics(out)] == [1]
+
+
+def test_ctrl_c_stops_a_run_with_one_line_and_keeps_its_checkpoint(model, chats, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "tunix_rt.cli", "sft", "--model", str(model), "--data", chats,
+                             "--output", str(out), "--steps", "100000", "max_length=64", "progress=false",
+                             "save_steps=1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            # as a terminal runs it: a test runner started in the background may ignore SIGINT
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline, metrics = time.monotonic() + 300, out / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().endswith("\n")):  # a step done and saved (save_steps=1)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "hung"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert re.fullmatch(r"tunix-rt sft: interrupted at step \d+ of 100000; the checkpoint at step \d+ is kept: "
+                        r"re-run the same command to resume", err.strip().splitlines()[-1]), err

@@ -99,8 +99,16 @@ def test_training_refuses_a_directory_it_did_not_write(model, chats, tmp_path, c
 
     assert cli("sft", "--model", model, "--data", chats, "--output", out, "--overwrite", *SFT) == 0
     assert (out / "final" / "config.json").is_file() and [r["step"] for r in read_metrics(out)] == [1]
-    # now a run directory: a second run resumes it (nothing left to do at step 1 of 1) ...
-    assert cli("sft", "--model", model, "--data", chats, "--output", out, *SFT) == 0
+    # now a run directory: a second run resumes it (nothing left to do at step 1 of 1), and says what changed ...
+    capsys.readouterr()
+    assert cli("sft", "--model", model, "--data", chats, "--output", out, *SFT, "learning_rate=0.001") == 0
+    assert "with changed options: learning_rate None -> 0.001" in capsys.readouterr().err
+    # ... but not under options its checkpoints cannot hold
+    stored = (out / "config.yaml").read_bytes()
+    assert cli("sft", "--model", model, "--data", chats, "--output", out, *SFT, "--lora-rank", "4") == 2
+    err = capsys.readouterr().err
+    assert "a run with lora_rank=0; this run has lora_rank=4" in err and len(err.strip().splitlines()) == 1
+    assert (out / "config.yaml").read_bytes() == stored  # the run's record still says what its checkpoints hold
     # ... resume=false would mix two runs, unless --overwrite starts over in place
     assert cli("sft", "--model", model, "--data", chats, "--output", out, *SFT, "resume=false") == 2
     assert "--overwrite" in capsys.readouterr().err
@@ -129,3 +137,34 @@ def test_ctrl_c_stops_a_run_with_one_line_and_keeps_its_checkpoint(model, chats,
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert re.fullmatch(r"tunix-rt sft: interrupted at step \d+ of 100000; the checkpoint at step \d+ is kept: "
                         r"re-run the same command to resume", err.strip().splitlines()[-1]), err
+
+
+def test_a_killed_export_leaves_the_old_directory_intact_and_the_next_one_completes(tmp_path):
+    """SIGKILL while the weights are being written (the default model's 540 MB take a moment)."""
+    from tunix_rt.checkpoints.default_model import DefaultModelMissing, default_model_path
+
+    try:
+        default = default_model_path()
+    except DefaultModelMissing as e:
+        pytest.skip(f"exports the default model: {e}")
+    target = tmp_path / "final"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    command = [sys.executable, "-m", "tunix_rt.cli", "export", "--model", str(default), "--output", str(target),
+               "--overwrite"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(tmp_path.glob(".final.partial-*/*")):  # writing into the staging directory
+            assert proc.poll() is None and time.monotonic() < deadline, "the export ended before it was killed"
+            time.sleep(0.01)
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert snapshot(target) == {"config.json": b"{}"}
+    assert subprocess.run(command, capture_output=True, timeout=600).returncode == 0
+    assert json.loads((target / "config.json").read_text())["model_type"] == "llama"
+    assert not leftovers(target)  # the killed export's staging directory went with the next one

@@ -10,6 +10,7 @@ with a line naming it.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import tempfile
@@ -42,18 +43,39 @@ def check_output_dir(target: str | os.PathLike, *, overwrite: bool = False,
     return target
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _remove_stale_staging(target: Path) -> None:
+    """Staging siblings of `target` left by a writer that was killed (its pid, in the name, is gone)."""
+    for path in target.parent.glob(f".{glob.escape(target.name)}.*-*-*"):
+        kind, _, rest = path.name[len(target.name) + 2:].partition("-")
+        pid = rest.partition("-")[0]
+        if kind in ("partial", "old") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def staged_output_dir(target: str | os.PathLike, *, overwrite: bool = False,
                       sources: Sequence[str | os.PathLike] = (), what: str = "output") -> Iterator[Path]:
     """Yields an empty hidden sibling of `target` to write into; on success it replaces `target` (the old
-    contents are removed only after the new directory is in place), on an exception it is removed."""
+    contents are removed only after the new directory is in place), on an exception it is removed. What a
+    killed writer left beside `target` is removed first."""
     target = check_output_dir(target, overwrite=overwrite, sources=sources, what=what)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    _remove_stale_staging(target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
     try:
         yield staging
         if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{os.getpid()}-", dir=target.parent))
             os.replace(target, old)  # an empty directory is replaced by the target's rename
             os.replace(staging, target)
             shutil.rmtree(old)

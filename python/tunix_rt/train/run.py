@@ -172,8 +172,31 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
                 else:
                     path.unlink(missing_ok=True)
             log.info("resume=false overwrite=true: removed the earlier run's files in %s", output)
+        elif is_run_dir(output) and cfg.resume and (output / "checkpoints").is_dir():
+            check_resumed_options(yaml.safe_load((output / RUN_CONFIG).read_text()), cfg)
     output.mkdir(parents=True, exist_ok=True)
     return output
+
+
+# Options the checkpoints' parameters and moments depend on: a resume that changes one is refused.
+_FIXED_BY_CHECKPOINT = ("model", "lora_rank", "lora_targets", "dequantize")
+# Options whose change nobody needs told of.
+_QUIET = ("output", "resume", "overwrite", "progress", "coordinator_address", "process_id")
+
+
+def check_resumed_options(stored: dict, cfg: TrainConfig) -> None:
+    """A resume under options that make its checkpoints meaningless is refused with the option and both values;
+    the other changes it accepts (learning rate, steps, data, ...) are logged."""
+    new = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))  # as config.yaml holds it
+    for name in _FIXED_BY_CHECKPOINT:
+        if name in stored and stored[name] != new.get(name):
+            raise ValueError(f"--output {cfg.output} holds checkpoints of a run with {name}={stored[name]!r}; this run "
+                             f"has {name}={new.get(name)!r}, which they cannot resume. Choose another --output, or "
+                             "give resume=false --overwrite to start over")
+    changed = {k: (stored.get(k), v) for k, v in new.items() if k not in _QUIET and stored.get(k) != v}
+    if changed:
+        log.warning("resuming %s with changed options: %s", cfg.output,
+                    ", ".join(f"{k} {old!r} -> {v!r}" for k, (old, v) in changed.items()))
 
 
 def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:

@@ -103,6 +103,8 @@ def test_training_refuses_a_directory_it_did_not_write(model, chats, tmp_path, c
     capsys.readouterr()
     assert cli("sft", "--model", model, "--data", chats, "--output", out, *SFT, "learning_rate=0.001") == 0
     assert "with changed options: learning_rate None -> 0.001" in capsys.readouterr().err
+    assert cli("sft", "--model", f"{model}/.", "--data", chats, "--output", out, *SFT, "learning_rate=0.001") == 0
+    assert "changed options" not in capsys.readouterr().err  # the same model, spelled otherwise
     # ... but not under options its checkpoints cannot hold
     stored = (out / "config.yaml").read_bytes()
     assert cli("sft", "--model", model, "--data", chats, "--output", out, *SFT, "--lora-rank", "4") == 2

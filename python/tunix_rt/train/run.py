@@ -15,8 +15,9 @@ from pathlib import Path
 import jax
 import yaml
 
+from tunix_rt.checkpoints.default_model import DefaultModelMissing
 from tunix_rt.checkpoints.hf_export import export_hf
-from tunix_rt.checkpoints.loader import LoadedModel, holds_quantized, load_model
+from tunix_rt.checkpoints.loader import LoadedModel, holds_quantized, load_model, resolve_model_path
 from tunix_rt.checkpoints.output_dir import OutputDirError, check_output_dir
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.parallel.mesh import initialize_distributed
@@ -178,6 +179,13 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     return output
 
 
+def _model_path(model) -> str | None:
+    try:
+        return str(resolve_model_path(model).resolve())
+    except (OSError, ValueError, DefaultModelMissing):
+        return None if model is None else str(model)
+
+
 # Options the checkpoints' parameters and moments depend on: a resume that changes one is refused.
 _FIXED_BY_CHECKPOINT = ("model", "lora_rank", "lora_targets", "dequantize")
 # Options whose change nobody needs told of.
@@ -188,12 +196,14 @@ def check_resumed_options(stored: dict, cfg: TrainConfig) -> None:
     """A resume under options that make its checkpoints meaningless is refused with the option and both values;
     the other changes it accepts (learning rate, steps, data, ...) are logged."""
     new = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))  # as config.yaml holds it
+    same_model = _model_path(stored.get("model")) == _model_path(new["model"])  # "m", "./m" and its full path
     for name in _FIXED_BY_CHECKPOINT:
-        if name in stored and stored[name] != new.get(name):
+        if name in stored and stored[name] != new.get(name) and not (name == "model" and same_model):
             raise ValueError(f"--output {cfg.output} holds checkpoints of a run with {name}={stored[name]!r}; this run "
                              f"has {name}={new.get(name)!r}, which they cannot resume. Choose another --output, or "
                              "give resume=false --overwrite to start over")
-    changed = {k: (stored.get(k), v) for k, v in new.items() if k not in _QUIET and stored.get(k) != v}
+    changed = {k: (stored.get(k), v) for k, v in new.items()
+               if k not in _QUIET and stored.get(k) != v and not (k == "model" and same_model)}
     if changed:
         log.warning("resuming %s with changed options: %s", cfg.output,
                     ", ".join(f"{k} {old!r} -> {v!r}" for k, (old, v) in changed.items()))

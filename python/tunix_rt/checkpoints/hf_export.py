@@ -42,8 +42,8 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-# Files an earlier checkpoint in out_dir may hold that would shadow or contradict what is written
-# (a shard index is read before model.safetensors; special_tokens_map.json overrides the config's tokens).
+
+
 def inverse_names(cfg: ModelConfig) -> dict[tuple, list[tuple[str, bool, int | None]]]:
     """Decoder parameter path -> [(HF tensor name, whether to transpose, expert slice or None)], for
     every tensor `cfg` can have: one entry per path, or one per expert of a stacked expert weight."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ def read_json(path: Path) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
@@ -61,17 +62,24 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def tensor_names(model_dir: Path) -> list[str]:
-    """The names of every tensor, read from the safetensors headers alone (no tensor data)."""
+@contextlib.contextmanager
+def _reading(path: Path):
+    """A safetensors file opened for reading; what it cannot read is a CheckpointError naming the file."""
     from safetensors import SafetensorError, safe_open
 
+    try:
+        with safe_open(str(path), framework="flax") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+
+
+def tensor_names(model_dir: Path) -> list[str]:
+    """The names of every tensor, read from the safetensors headers alone (no tensor data)."""
     names = []
     for path in safetensors_files(model_dir):
-        try:
-            with safe_open(str(path), framework="flax") as f:
-                names.extend(f.keys())
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+        with _reading(path) as f:
+            names.extend(f.keys())
     return names
 
 
@@ -89,12 +97,7 @@ def check_layer_count(model_dir: Path, num_layers: int) -> None:
 
 def iter_tensors(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) for every tensor; bf16 arrives as ml_dtypes.bfloat16."""
-    from safetensors import SafetensorError, safe_open
-
     for path in safetensors_files(model_dir):
-        try:
-            with safe_open(str(path), framework="flax") as f:
-                for name in f.keys():
-                    yield name, np.asarray(f.get_tensor(name))
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+        with _reading(path) as f:
+            for name in f.keys():
+                yield name, np.asarray(f.get_tensor(name))

@@ -20,6 +20,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
+from tunix_rt.checkpoints import hf_dir
+
 if TYPE_CHECKING:
     import gguf
 
@@ -219,15 +221,8 @@ def _byte_level_decoder() -> dict[str, int]:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
+    """An optional JSON object file of the checkpoint: {} when absent, one clear error when unreadable."""
+    return hf_dir.read_json(path) if path.is_file() else {}
 
 
 def _default_template(template) -> str | None:

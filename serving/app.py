@@ -202,9 +202,13 @@ def build_state(options: ServeOptions) -> ServerState:
     return state
 
 
-def load_engine(state: ServerState, options: ServeOptions) -> None:
+def load_engine(state: ServerState, options: ServeOptions, stopping: threading.Event | None = None) -> None:
+    """Load the model, compile the engine's steps, then set state.engine; a `stopping` server (Ctrl-C while this
+    runs) ends it after the compile in progress, with no engine set."""
     from tunix_rt.engine.async_engine import AsyncEngine
     from tunix_rt.engine.engine import Engine
+
+    stopping = stopping or threading.Event()
 
     engine = Engine(options.model, None, options.engine, dequantize=options.dequantize)
     state.tokenizer = engine.tokenizer
@@ -213,7 +217,9 @@ def load_engine(state: ServerState, options: ServeOptions) -> None:
     state.max_model_len = engine.max_model_len
     engine.grammars.prepare()  # tool choices and response formats then never wait for it
     start = time.perf_counter()
-    compiled = engine.warmup()  # early requests with short client timeouts never wait for a compile
+    compiled = engine.warmup(stopping.is_set)  # early requests with short client timeouts never wait for a compile
+    if stopping.is_set():
+        return
     log.info("compiled %d engine step programs in %.1f s", compiled, time.perf_counter() - start)
     state.tool_format = tool_format_for(engine.tokenizer.chat_template)
     state.engine = AsyncEngine(engine)  # last: /health turns 200 only once everything above is set
@@ -230,18 +236,28 @@ def serve(options: ServeOptions) -> None:
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
                                            timeout_graceful_shutdown=5))
     failure: list[BaseException] = []
+    stopping = threading.Event()
 
     def load():
         try:
-            load_engine(state, options)
+            load_engine(state, options, stopping)
         except BaseException as e:  # noqa: BLE001 - reported below; the server must not keep answering 503
             log.error("loading %s failed: %s", options.model, e)
             failure.append(e)
             server.should_exit = True
 
-    threading.Thread(target=load, name="tunix-rt-load", daemon=True).start()
-    server.run()
-    if state.engine is not None:
-        state.engine.shutdown()
+    loader = threading.Thread(target=load, name="tunix-rt-load", daemon=True)
+    loader.start()
+    try:
+        server.run()
+    finally:
+        # Shut down while loading: the load ends after its compile in progress; a process that exited in the
+        # middle of an XLA compile would abort ("terminate called ...") instead of stopping cleanly.
+        stopping.set()
+        if loader.is_alive():
+            log.info("waiting for the model load to stop")
+            loader.join()
+        if state.engine is not None:
+            state.engine.shutdown()
     if failure:
         raise failure[0]

@@ -17,7 +17,7 @@ import pytest
 from tests.models.hf_tiny import make_tiny_model_dir
 from tests.train.test_train_cli import cli, write_jsonl
 from tunix_rt.checkpoints.output_dir import staged_output_dir
-from tunix_rt.train.metrics import read_metrics
+from tunix_rt.train.metrics import read_events, read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compiles")]
 
@@ -80,6 +80,26 @@ def test_a_failed_write_leaves_the_old_directory_intact(tmp_path):
     assert snapshot(target) == {"weights": b"old"} and not leftovers(target)
 
 
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_writer_killed_between_its_two_renames_gets_its_old_directory_back(tmp_path):
+    """The old target is moved aside before the new one is renamed in: a kill between the two leaves no target,
+    and the next writer puts the old one back (and, without overwrite, refuses to replace it)."""
+    target = tmp_path / "out"
+    old = tmp_path / f".out.old-{dead_pid()}-abcd"
+    old.mkdir()
+    (old / "weights").write_bytes(b"old")
+    (tmp_path / f".out.partial-{dead_pid()}-efgh").mkdir()  # and the new one, complete or not
+    with pytest.raises(FileExistsError, match="non-empty directory"):
+        with staged_output_dir(target):
+            pass
+    assert snapshot(target) == {"weights": b"old"} and not leftovers(target)
+
+
 def test_an_output_naming_a_file_is_one_line(model, chats, tmp_path, capsys):
     (tmp_path / "file").write_text("mine")
     for command in (("export",), ("quantize", "--format", "q8_0"), ("sft", "--data", chats, *SFT)):
@@ -103,6 +123,8 @@ def test_training_refuses_a_directory_it_did_not_write(model, chats, tmp_path, c
     capsys.readouterr()
     assert cli("sft", "--model", model, "--data", chats, "--output", out, *SFT, "learning_rate=0.001") == 0
     assert "with changed options: learning_rate None -> 0.001" in capsys.readouterr().err
+    assert read_events(out) == [{"step": 1, "event": "resumed",
+                                 "changed": {"learning_rate": {"from": None, "to": 0.001}}}]  # in the run's record
     assert cli("sft", "--model", f"{model}/.", "--data", chats, "--output", out, *SFT, "learning_rate=0.001") == 0
     assert "changed options" not in capsys.readouterr().err  # the same model, spelled otherwise
     # ... but not under options its checkpoints cannot hold
@@ -170,3 +192,78 @@ def test_a_killed_export_leaves_the_old_directory_intact_and_the_next_one_comple
     assert subprocess.run(command, capture_output=True, timeout=600).returncode == 0
     assert json.loads((target / "config.json").read_text())["model_type"] == "llama"
     assert not leftovers(target)  # the killed export's staging directory went with the next one
+
+
+def test_plot_replaces_only_its_own_file(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(b"mine")
+    assert cli("plot", run, "--output", mine) == 2
+    err = capsys.readouterr().err
+    assert "exists" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert mine.read_bytes() == b"mine"
+    for output, message in ((run / "metrics.jsonl", "is the input"), (tmp_path, "is a directory")):
+        assert cli("plot", run, "--output", output, "--overwrite") == 2
+        assert message in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text().startswith('{"step": 1')
+    assert cli("plot", run, "--output", mine, "--overwrite") == 0
+    assert mine.read_bytes().startswith(b"\x89PNG")
+    for _ in range(2):  # RUN_DIR/metrics.png is the run's own plot: redrawn each time
+        assert cli("plot", run) == 0 and (run / "metrics.png").read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "metrics.png"]  # no staging file left
+
+
+# Runs the CLI with safetensors' writer replaced by one that writes part of the file, says so (touching the
+# file named first), and waits to be killed: a SIGKILL while the weights are half written, at a known moment.
+_KILLED_WHILE_WRITING = """
+import pathlib, sys, time
+import safetensors.numpy
+def save_file(tensors, path, metadata=None):
+    pathlib.Path(path).write_bytes(b"half a safetensors file")
+    pathlib.Path(sys.argv[1]).touch()
+    time.sleep(600)
+safetensors.numpy.save_file = save_file
+from tunix_rt.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def kill_while_writing(tmp_path, *argv) -> None:
+    marker = tmp_path / "writing"
+    marker.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WHILE_WRITING, str(marker), *map(str, argv)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert proc.poll() is None, f"exited with {proc.returncode} before writing: {proc.stderr.read()}"
+            assert time.monotonic() < deadline, "never started writing"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_killed_quantize_leaves_the_old_directory_intact_and_the_next_one_completes(model, tmp_path):
+    out = tmp_path / "q"
+    assert cli("quantize", "--model", model, "--format", "q8_0", "--output", out) == 0
+    before = snapshot(out)
+    kill_while_writing(tmp_path, "quantize", "--model", model, "--format", "int8", "--output", out, "--overwrite")
+    assert snapshot(out) == before and leftovers(out)  # the killed one's staging directory is still there
+    assert cli("quantize", "--model", model, "--format", "int8", "--output", out, "--overwrite") == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "int8"
+    assert not leftovers(out)
+
+
+def test_a_run_killed_in_its_final_save_keeps_the_old_final_and_the_next_run_completes(model, chats, tmp_path):
+    out = tmp_path / "run"
+    argv = ("sft", "--model", model, "--data", chats, "--output", out, *SFT)
+    assert cli(*argv) == 0
+    before = snapshot(out / "final")
+    kill_while_writing(tmp_path, *argv, "--steps", "2")  # resumes at step 1, trains step 2, dies writing final/
+    assert snapshot(out / "final") == before
+    assert cli(*argv, "--steps", "2") == 0  # resumes at step 2 (its checkpoint was saved) and writes final/
+    assert snapshot(out / "final") != before and not leftovers(out / "final")
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]

@@ -105,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", help="a training output directory")
     plot.add_argument("--metrics", nargs="*", default=None, help="which metrics (default: all)")
     plot.add_argument("--output", default=None, help="PNG path (default: RUN_DIR/metrics.png)")
+    plot.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
 
     sub.add_parser("info", help="versions, devices, CPU ISA features and registered FFI targets")
     return parser
@@ -259,7 +260,7 @@ def _export(args) -> int:
 def _plot(args) -> int:
     from tunix_rt.train.plot import plot_metrics
 
-    print(f"wrote {plot_metrics(args.run_dir, args.metrics, args.output)}")
+    print(f"wrote {plot_metrics(args.run_dir, args.metrics, args.output, overwrite=args.overwrite)}")
     return 0
 
 
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tunix-rt {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C: one line (a training run's says where it can resume), no traceback
-        print(f"tunix-rt {args.command}: {e or 'interrupted'}", file=sys.stderr)
+        print(f"tunix-rt {args.command}: {str(e) or 'interrupted'}", file=sys.stderr)
         return 130
 
 

@@ -370,6 +370,20 @@ def _masks_and_vocab(draw):
     return mask, vocab
 
 
+def test_a_tokenizer_llguidance_cannot_read_is_indexed_from_its_token_bytes(tmp_path):
+    """llguidance reads a tokenizer.json's decoder itself and refuses a Metaspace one (the tiny test tokenizer's,
+    and many SentencePiece conversions'); the compiler then gives it each token's bytes instead."""
+    from tests.models.hf_tiny import write_tiny_tokenizer
+    from tunix_rt.checkpoints.tokenizer import Tokenizer
+
+    write_tiny_tokenizer(tmp_path)
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    compiler = GrammarCompiler(tok, 128, tok.eos_token_ids)  # a model vocabulary padded past the tokenizer's 105
+    matcher = compiler.compile(StructuredOutputsParams(regex=" the|th"))
+    first = np.flatnonzero(_unpack(compiler.fill_masks([(matcher, 0)], 1), 128)[0])
+    assert sorted(tok.backend.id_to_token(int(i)) for i in first) == sorted(["▁", "▁t", "▁th", "▁the", "t", "th"])
+
+
 _allowed_tokens = jax.jit(allowed_tokens, static_argnums=1)
 
 

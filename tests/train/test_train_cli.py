@@ -29,7 +29,7 @@ from tunix_rt.cli import main
 from tunix_rt.models.quant_layers import QuantLinear, QuantWeight
 from tunix_rt.train import run as run_module
 from tunix_rt.train.lora import LoRALinear, apply_lora, has_lora, merge_lora
-from tunix_rt.train.metrics import read_metrics
+from tunix_rt.train.metrics import read_events, read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compiles")]
 
@@ -169,12 +169,13 @@ def test_sft_final_generates(sft_run, capsys):
 
 def test_rerun_on_a_finished_run_resumes_at_the_end(sft_run, capsys):
     argv, out, _ = sft_run
-    before = (out / "metrics.jsonl").read_text()
+    before = read_metrics(out)
     final_before = logits(load_model(out / "final").model)
     with recording_trainers() as trainers:
         assert cli(*argv) == 0
     assert trainers[0].step == 3 and trainers[0].compiles == 0  # restored at step 3: no step ran
-    assert (out / "metrics.jsonl").read_text() == before
+    assert read_metrics(out) == before
+    assert read_events(out)[-1] == {"step": 3, "event": "resumed", "changed": {}}
     assert [p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()] == ["3"]
     assert np.array_equal(logits(load_model(out / "final").model), final_before)
     assert "resumed" in capsys.readouterr().err

@@ -4,7 +4,8 @@ A command that writes a directory (export, quantize, a training run's final mode
 sibling (`.NAME.partial-XXXX`) and renames it into place once complete, so a crash at any point leaves the old
 contents intact. Before anything is written the target is checked: a path that is a file, that is the
 command's own input (or holds it, or lies inside it), or a non-empty directory without `overwrite` is refused
-with a line naming it.
+with a line naming it. A single output file (a plot) is written the same way: beside its target, renamed into
+place, and an existing file is replaced only with `overwrite`.
 """
 
 from __future__ import annotations
@@ -54,12 +55,17 @@ def _alive(pid: int) -> bool:
 
 
 def _remove_stale_staging(target: Path) -> None:
-    """Staging siblings of `target` left by a writer that was killed (its pid, in the name, is gone)."""
-    for path in target.parent.glob(f".{glob.escape(target.name)}.*-*-*"):
+    """Staging siblings of `target` left by a writer that was killed (its pid, in the name, is gone). A writer
+    killed between moving the old `target` aside and renaming the new one into place left no `target`: its old
+    contents are put back rather than removed."""
+    for path in sorted(target.parent.glob(f".{glob.escape(target.name)}.*-*-*")):
         kind, _, rest = path.name[len(target.name) + 2:].partition("-")
         pid = rest.partition("-")[0]
         if kind in ("partial", "old") and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
+            if kind == "old" and not target.exists():
+                os.replace(path, target)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -67,10 +73,11 @@ def staged_output_dir(target: str | os.PathLike, *, overwrite: bool = False,
                       sources: Sequence[str | os.PathLike] = (), what: str = "output") -> Iterator[Path]:
     """Yields an empty hidden sibling of `target` to write into; on success it replaces `target` (the old
     contents are removed only after the new directory is in place), on an exception it is removed. What a
-    killed writer left beside `target` is removed first."""
+    killed writer left beside `target` is cleaned up first."""
+    target = Path(target).expanduser().absolute()
+    _remove_stale_staging(target)  # first: it may put a killed writer's old target back, which is then checked
     target = check_output_dir(target, overwrite=overwrite, sources=sources, what=what)
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_staging(target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
     try:
         yield staging
@@ -84,3 +91,30 @@ def staged_output_dir(target: str | os.PathLike, *, overwrite: bool = False,
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_output_file(target: str | os.PathLike, *, overwrite: bool = False,
+                       sources: Sequence[str | os.PathLike] = (), what: str = "output") -> Iterator[Path]:
+    """Yields a hidden sibling path of `target` to write; on success it replaces `target`, on an exception it is
+    removed. A directory, one of `sources`, or an existing file without `overwrite` is refused first."""
+    target = Path(target).expanduser().absolute()
+    if target.is_dir():
+        raise OutputDirError(f"{what} {target} is a directory; give a file path")
+    for source in sources:
+        if target.exists() and Path(source).exists() and target.samefile(source):
+            raise OutputDirError(f"{what} {target} is the input {source}: writing it would destroy what is read; "
+                                 "choose another path")
+    if target.exists() and not overwrite:
+        raise OutputDirError(f"{what} {target} exists; choose another path, or give --overwrite to replace it")
+    if not target.parent.is_dir():
+        raise OutputDirError(f"{what} {target}: the directory {target.parent} does not exist")
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.partial-{os.getpid()}-", suffix=target.suffix,
+                                dir=target.parent)
+    os.close(fd)
+    staging = Path(name)
+    try:
+        yield staging
+        os.replace(staging, target)
+    finally:
+        staging.unlink(missing_ok=True)

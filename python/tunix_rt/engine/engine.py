@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 from flax import nnx
@@ -288,13 +288,14 @@ class Engine:
             if remaining:
                 self.abort(rid)
 
-    def warmup(self) -> int:
+    def warmup(self, stop: Callable[[], bool] = lambda: False) -> int:
         """Compile every step program plain sampling can need (each token bucket's forward, the sampler of
         each reachable batch shape), so a running engine compiles nothing new; returns the count compiled.
-        Steps with penalties, top logprobs or a grammar have programs of their own, compiled on first use."""
+        Steps with penalties, top logprobs or a grammar have programs of their own, compiled on first use.
+        `stop` ends it early, between two compiles (a server shut down while it loads)."""
         if self.is_sleeping:
             raise EngineUnavailableError("the engine is asleep: call wake_up() before warmup()")
-        return self.runner.warmup()
+        return self.runner.warmup(stop)
 
     # -- weights and memory -----------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -181,11 +182,11 @@ class ModelRunner:
         return [(t, b) for t in self.token_buckets for b in self.seq_buckets
                 if b <= _fit(min(t, self.max_num_seqs), self.seq_buckets)]
 
-    def warmup(self) -> int:
+    def warmup(self, stop: Callable[[], bool] = lambda: False) -> int:
         """Compile the forward of every token bucket and the plain sampler (no penalties, logprobs of the
         sampled token only, no grammar) of every reachable shape, and the decode loop of every bucket a
         decode-only step can land in, on all-padding steps that write nothing; returns how many
-        programs that compiled."""
+        programs that compiled. It ends early, between two compiles, once `stop()` is true."""
         before = len(self.compiled)
         decode_buckets = {_fit(n, self.token_buckets) for n in range(1, min(self.max_num_seqs,
                                                                              self.token_buckets[-1]) + 1)}
@@ -193,18 +194,22 @@ class ModelRunner:
             pad = np.full(t_b, -1, np.int32)
             tables = np.zeros((min(t_b, self.max_num_seqs), self.max_blocks_per_seq), np.int32)
             for int8 in {False, self.int8_decode(t_b, True)}:
+                if stop():
+                    return len(self.compiled) - before
                 self._note_compile(("forward", t_b, int8))
                 hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
                                                        np.zeros(t_b, np.int32), pad, pad, tables, int8)
             for t, b_b in self.reachable_shapes():
                 if t != t_b:
                     continue
+                if stop():
+                    return len(self.compiled) - before
                 rows_params = SamplingTensors.from_rows([], b_b)
                 hist = np.full((b_b, 1), -1, np.int32)
                 self._note_compile(("sample", t_b, b_b, 1, 0, False))
                 jax.block_until_ready(self._sample(self.head_leaves, hidden, np.zeros(b_b, np.int32), rows_params,
                                                    hist, hist, 0, None))
-            if self.decode_steps > 1 and t_b in decode_buckets:
+            if self.decode_steps > 1 and t_b in decode_buckets and not stop():
                 int8 = self.int8_decode(t_b, True)
                 self._note_compile(("decode_loop", t_b, self.decode_steps, int8, 0))
                 _, self.k, self.v = self._decode_loop(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),

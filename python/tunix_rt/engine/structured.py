@@ -66,6 +66,20 @@ class StructuredOutputsParams:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
 
 
+class _TokenTable:
+    """A tokenizer as llguidance.TokenizerWrapper reads it: each token's bytes, its special ids, and an encoder."""
+
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int]):
+        self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        self.special_token_ids = sorted(tokenizer.backend.get_added_tokens_decoder())
+        self.eos_token_id = eos_token_ids[0]
+        self.bos_token_id = tokenizer.bos_token_id
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; the vocabulary index is built once, on first use."""
 
@@ -84,8 +98,12 @@ class GrammarCompiler:
             if not self._eos:
                 raise InvalidStructuredOutputError(
                     "structured outputs need an end-of-sequence token to finish on; the tokenizer defines none")
-            self._index = llguidance.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
-                                                 eos_token=self._eos)
+            try:
+                self._index = llguidance.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                                     eos_token=self._eos)
+            except ValueError:  # llguidance reads tokenizer.json's decoder itself, and not every one (Metaspace)
+                self._index = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(self._tokenizer, self._eos)),
+                                                     n_vocab=self.vocab_size, eos_token=self._eos)
             self._executor = llguidance.LLExecutor()
 
     def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from tunix_rt.checkpoints.output_dir import staged_output_file
 from tunix_rt.train.metrics import METRICS_FILE, read_metrics
 
 _SKIP = {"step", "epoch"}
 
 
-def plot_metrics(output: str | Path, keys: list[str] | None = None, out_file: str | Path | None = None) -> Path:
-    """Write DIR/metrics.png (or out_file) and return its path."""
+def plot_metrics(output: str | Path, keys: list[str] | None = None, out_file: str | Path | None = None, *,
+                 overwrite: bool = False) -> Path:
+    """Write DIR/metrics.png (the run's own plot, redrawn each time) or `out_file` (an existing file is replaced
+    only with `overwrite`) and return its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -38,6 +41,10 @@ def plot_metrics(output: str | Path, keys: list[str] | None = None, out_file: st
         ax.set_visible(False)
     fig.tight_layout()
     out = Path(out_file) if out_file else Path(output) / "metrics.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        with staged_output_file(out, overwrite=overwrite or not out_file, sources=[Path(output) / METRICS_FILE],
+                                what="--output") as staging:
+            fig.savefig(staging, dpi=100, format="png")
+    finally:
+        plt.close(fig)
     return out

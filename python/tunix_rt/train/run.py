@@ -156,11 +156,12 @@ def is_run_dir(path: Path) -> bool:
 _RUN_OUTPUTS = (RUN_CONFIG, "checkpoints", "metrics.jsonl", "tensorboard", FINAL)
 
 
-def prepare_run_dir(cfg: TrainConfig) -> Path:
-    """The run directory, made or checked before anything loads: a new or empty directory starts fresh, a run
-    directory resumes (or, with resume=false and overwrite, starts over: the run's own files are removed);
-    any other non-empty directory, or a file, is refused unless overwrite."""
+def prepare_run_dir(cfg: TrainConfig) -> tuple[Path, dict[str, dict]]:
+    """The run directory, made or checked before anything loads, and the options a resume of it changes: a new
+    or empty directory starts fresh, a run directory resumes (or, with resume=false and overwrite, starts over:
+    the run's own files are removed); any other non-empty directory, or a file, is refused unless overwrite."""
     output = check_output_dir(cfg.output, overwrite=True, what="--output")  # a file is refused
+    changed = {}
     if output.is_dir() and any(output.iterdir()):
         if not is_run_dir(output) and not cfg.overwrite:
             raise OutputDirError(f"--output {output} is a non-empty directory that holds no tunix-rt run (no "
@@ -174,9 +175,9 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
                     path.unlink(missing_ok=True)
             log.info("resume=false overwrite=true: removed the earlier run's files in %s", output)
         elif is_run_dir(output) and cfg.resume and (output / "checkpoints").is_dir():
-            check_resumed_options(yaml.safe_load((output / RUN_CONFIG).read_text()), cfg)
+            changed = check_resumed_options(yaml.safe_load((output / RUN_CONFIG).read_text()), cfg)
     output.mkdir(parents=True, exist_ok=True)
-    return output
+    return output, changed
 
 
 def _model_path(model) -> str | None:
@@ -192,9 +193,10 @@ _FIXED_BY_CHECKPOINT = ("model", "lora_rank", "lora_targets", "dequantize")
 _QUIET = ("output", "resume", "overwrite", "progress", "coordinator_address", "process_id")
 
 
-def check_resumed_options(stored: dict, cfg: TrainConfig) -> None:
+def check_resumed_options(stored: dict, cfg: TrainConfig) -> dict[str, dict]:
     """A resume under options that make its checkpoints meaningless is refused with the option and both values;
-    the other changes it accepts (learning rate, steps, data, ...) are logged."""
+    the other changes it accepts (learning rate, steps, data, ...) are logged and returned as
+    {option: {"from": stored, "to": new}} for the run's metrics."""
     new = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))  # as config.yaml holds it
     same_model = _model_path(stored.get("model")) == _model_path(new["model"])  # "m", "./m" and its full path
     for name in _FIXED_BY_CHECKPOINT:
@@ -202,18 +204,19 @@ def check_resumed_options(stored: dict, cfg: TrainConfig) -> None:
             raise ValueError(f"--output {cfg.output} holds checkpoints of a run with {name}={stored[name]!r}; this run "
                              f"has {name}={new.get(name)!r}, which they cannot resume. Choose another --output, or "
                              "give resume=false --overwrite to start over")
-    changed = {k: (stored.get(k), v) for k, v in new.items()
+    changed = {k: {"from": stored.get(k), "to": v} for k, v in new.items()
                if k not in _QUIET and stored.get(k) != v and not (k == "model" and same_model)}
     if changed:
         log.warning("resuming %s with changed options: %s", cfg.output,
-                    ", ".join(f"{k} {old!r} -> {v!r}" for k, (old, v) in changed.items()))
+                    ", ".join(f"{k} {c['from']!r} -> {c['to']!r}" for k, c in changed.items()))
+    return changed
 
 
 def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
     """Train as `cfg` says; returns DIR/final (an HF directory --model accepts)."""
     if cfg.num_processes > 1:
         initialize_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
-    output = prepare_run_dir(cfg)
+    output, changed = prepare_run_dir(cfg)
     loaded = load_model(cfg.model, dequantize=cfg.dequantize)
     objective = build_objective(cfg, loaded, cfg.data)
     eval_objective = build_objective(cfg, loaded, cfg.eval_data) if cfg.eval_data else None
@@ -226,7 +229,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
              "LoRA" if trainer.lora else "full")
     if jax.process_index() == 0:  # the run has started: its record says what its checkpoints hold
         (output / RUN_CONFIG).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    trainer.fit(output=output, eval_objective=eval_objective, stop_after=stop_after)
+    trainer.fit(output=output, eval_objective=eval_objective, stop_after=stop_after, resumed_with=changed)
     final = output / FINAL
     if trainer.step == trainer.steps:
         trainer.release_optimizer()

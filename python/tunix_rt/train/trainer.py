@@ -471,10 +471,12 @@ class Trainer:
         return model
 
     def fit(self, *, output: str | Path, eval_objective: DatasetObjective | None = None,
-            stop_after: int | None = None) -> list[dict]:
+            stop_after: int | None = None, resumed_with: dict | None = None) -> list[dict]:
         """Train to cfg.steps (resuming from output/checkpoints when cfg.resume); returns the records.
 
-        `stop_after` ends the run early at that step (tests use it to simulate an interruption).
+        A resume is recorded in metrics.jsonl as a "resumed" event with `resumed_with`, the options it changed
+        (run.check_resumed_options). `stop_after` ends the run early at that step (tests use it to simulate an
+        interruption).
         """
         cfg, output = self.cfg, Path(output)
         main = jax.process_index() == 0
@@ -499,6 +501,8 @@ class Trainer:
             self.step = record["step"]
             log.info("resumed from %s at step %d", checkpointer.directory, self.step)
         writer = MetricsWriter(output, resume_step=self.step) if main else None
+        if writer is not None and latest is not None:
+            writer.event(self.step, "resumed", changed=resumed_with or {})
         records = []
         bar = tqdm(total=self.steps, initial=self.step, desc="train", unit="step", file=sys.stderr,
                    disable=not (cfg.progress and main), dynamic_ncols=True)

@@ -9,13 +9,16 @@ from pathlib import Path
 import pytest
 
 from tests.models.hf_tiny import make_hf_model
+from tests.ports import free_port
 from tunix_rt.checkpoints import default_model
 from tunix_rt.checkpoints.errors import CheckpointError
 from tunix_rt.checkpoints.loader import load_model
 
 
-def _cli_error(model: Path | str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "tunix_rt.cli", "score", "--model", str(model), "--text", "hi"],
+def _cli_error(model: Path | str, *command: str) -> str:
+    """The one line `tunix-rt COMMAND --model MODEL` (default: score) fails with."""
+    command = command or ("score", "--text", "hi")
+    proc = subprocess.run([sys.executable, "-m", "tunix_rt.cli", command[0], "--model", str(model), *command[1:]],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
@@ -104,9 +107,10 @@ def test_a_config_with_more_layers_than_the_checkpoint_fails_at_once(tiny_hf_dir
     config = json.loads((out / "config.json").read_text())
     held = config["num_hidden_layers"]
     (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
-    with pytest.raises(CheckpointError, match=f"num_hidden_layers={layers}, but the checkpoint holds the weights "
-                                              f"of {held} layer"):
+    message = f"num_hidden_layers={layers}, but the checkpoint holds the weights of {held} layer"
+    with pytest.raises(CheckpointError, match=message):
         load_model(out)
+    assert message in _cli_error(out)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not json", "config not an object"])
@@ -116,9 +120,18 @@ def test_a_bad_tokenizer_file_is_one_line(tiny_hf_dir, tmp_path, damage):
     for f in tiny_hf_dir.iterdir():
         (out / f.name).write_bytes(f.read_bytes())
     tokenizer = out / "tokenizer.json"
-    if damage == "truncated":
+    if damage == "truncated":  # through each command that reads it: generate, sft and serve
         tokenizer.write_bytes(tokenizer.read_bytes()[:2000])
-        assert "tokenizer.json is not a readable tokenizer.json" in _cli_error(out)
+        assert "tokenizer.json is not a readable tokenizer.json" in _cli_error(out, "generate", "--prompt", "hi")
+        data = tmp_path / "chats.jsonl"
+        data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+        assert "tokenizer.json is not a readable tokenizer.json" in _cli_error(
+            out, "sft", "--data", str(data), "--output", str(tmp_path / "run"))
+        serve = subprocess.run([sys.executable, "-m", "tunix_rt.cli", "serve", "--model", str(out), "--port",
+                                str(free_port())], capture_output=True, text=True, timeout=300)
+        assert serve.returncode == 2 and "Traceback" not in serve.stderr, serve.stderr
+        assert serve.stderr.strip().splitlines()[-1].startswith("tunix-rt serve: error: ")
+        assert "tokenizer.json is not a readable tokenizer.json" in serve.stderr.strip().splitlines()[-1]
     elif damage == "not json":
         tokenizer.write_text("{ not json")
         assert "tokenizer.json is not a readable tokenizer.json" in _cli_error(out)

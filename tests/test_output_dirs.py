@@ -101,11 +101,14 @@ def test_a_writer_killed_between_its_two_renames_gets_its_old_directory_back(tmp
 
 
 def test_an_output_naming_a_file_is_one_line(model, chats, tmp_path, capsys):
+    """So are an empty --output (not the current directory) and one that cannot be created."""
     (tmp_path / "file").write_text("mine")
     for command in (("export",), ("quantize", "--format", "q8_0"), ("sft", "--data", chats, *SFT)):
-        assert cli(*command, "--model", model, "--output", tmp_path / "file") == 2
-        err = capsys.readouterr().err
-        assert "exists and is not a directory" in err and "Traceback" not in err and "Errno" not in err
+        for output, message in ((tmp_path / "file", "exists and is not a directory"), ("", "is empty"),
+                                (tmp_path / "file" / "sub" / "dir", "cannot create the directory: Not a directory")):
+            assert cli(*command, "--model", model, "--output", output) == 2
+            err = capsys.readouterr().err
+            assert message in err and "Traceback" not in err and "Errno" not in err, err
     assert (tmp_path / "file").read_text() == "mine"
 
 
@@ -119,6 +122,14 @@ def test_training_refuses_a_directory_it_did_not_write(model, chats, tmp_path, c
 
     assert cli("sft", "--model", model, "--data", chats, "--output", out, "--overwrite", *SFT) == 0
     assert (out / "final" / "config.json").is_file() and [r["step"] for r in read_metrics(out)] == [1]
+    # batch_size 8 over 4 rows: said, not silent
+    assert "each step takes 8 items but the data holds 4" in capsys.readouterr().err
+    # a command that fails (here on its data) leaves the run's record as it was
+    stored = (out / "config.yaml").read_bytes()
+    (out.parent / "bad.jsonl").write_text("{not json\n")
+    assert cli("sft", "--model", model, "--data", out.parent / "bad.jsonl", "--output", out, *SFT,
+               "learning_rate=0.5") == 2
+    assert (out / "config.yaml").read_bytes() == stored and "bad.jsonl" in capsys.readouterr().err
     # now a run directory: a second run resumes it (nothing left to do at step 1 of 1), and says what changed ...
     capsys.readouterr()
     assert cli("sft", "--model", model, "--data", chats, "--output", out, *SFT, "learning_rate=0.001") == 0

@@ -167,13 +167,11 @@ def _score(args) -> int:
 
 
 def _quantize(args) -> int:
-    from pathlib import Path
-
     from tunix_rt.checkpoints.loader import resolve_model_path
     from tunix_rt.checkpoints.quantized_dir import quantize_checkpoint
 
     start = time.perf_counter()
-    summary = quantize_checkpoint(resolve_model_path(args.model), Path(args.output), args.format, args.group_size,
+    summary = quantize_checkpoint(resolve_model_path(args.model), args.output, args.format, args.group_size,
                                   overwrite=args.overwrite)
     print(f"wrote {args.output}: {summary['quantized']} weights quantized to {args.format}, {summary['kept']} kept, "
           f"{summary['bytes'] / 1e6:.1f} MB (source {summary['source_bytes'] / 1e6:.1f} MB) "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import time
 import httpx2 as httpx
 import pytest
 
+from tests.ports import free_port
 from tunix_rt.checkpoints.default_model import DefaultModelMissing, default_model_path
 
 API_KEY = "test-key"
@@ -44,19 +44,13 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     try:
         default_model_path()
     except DefaultModelMissing as e:
         pytest.skip(f"the server tests run the default model: {e}")
-    port = _free_port()
+    port = free_port()
     log_path = str(tmp_path_factory.mktemp("serve") / "serve.log")
     cmd = [sys.executable, "-m", "tunix_rt.cli", "serve", "--port", str(port), "--api-key", API_KEY,
            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),

@@ -13,7 +13,7 @@ import httpx2 as httpx
 import pytest
 
 from tests.models.hf_tiny import make_tiny_model_dir
-from tests.serving.conftest import _free_port
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -59,14 +59,14 @@ def interrupt(proc: subprocess.Popen, log_path) -> str:
 
 def test_ctrl_c_while_the_model_compiles(model, tmp_path):
     log_path = tmp_path / "serve.log"
-    proc = start(model, _free_port(), log_path)
+    proc = start(model, free_port(), log_path)
     wait_for(proc, log_path, lambda: "compiling" in log_path.read_text(), "compile")
     text = interrupt(proc, log_path)
     assert "serving" not in text  # it stopped before it was ready
 
 
 def test_ctrl_c_once_serving(model, tmp_path):
-    log_path, port = tmp_path / "serve.log", _free_port()
+    log_path, port = tmp_path / "serve.log", free_port()
     proc = start(model, port, log_path)
 
     def healthy() -> bool:

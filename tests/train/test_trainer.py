@@ -22,7 +22,6 @@ import json
 import logging
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tests.ports import free_port
 from tests.train import sharded_worker as W
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.parallel.mesh import make_mesh, put_global
@@ -426,12 +426,6 @@ def test_meshes_match_one_device(resumed, compile_cache, tmp_path):
 
 
 # --- 7. jax.distributed -----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parallel

@@ -30,6 +30,8 @@ def _overlaps(a: Path, b: Path) -> bool:
 def check_output_dir(target: str | os.PathLike, *, overwrite: bool = False,
                      sources: Sequence[str | os.PathLike] = (), what: str = "output") -> Path:
     """The target as an absolute path, if a command may write it (see the module docstring)."""
+    if not os.fspath(target).strip():
+        raise OutputDirError(f"{what} is empty; give a directory path")
     target = Path(target).expanduser().absolute()
     if target.exists() and not target.is_dir():
         raise OutputDirError(f"{what} {target} exists and is not a directory; choose a directory path")
@@ -42,6 +44,14 @@ def check_output_dir(target: str | os.PathLike, *, overwrite: bool = False,
         raise OutputDirError(f"{what} {target} is a non-empty directory; choose a new or empty directory, or give "
                              "--overwrite to replace it")
     return target
+
+
+def make_dirs(path: Path, what: str = "output") -> None:
+    """mkdir -p, failing with a line that names the option rather than a bare errno."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"{what} {path}: cannot create the directory: {e.strerror or e}") from None
 
 
 def _alive(pid: int) -> bool:
@@ -74,10 +84,10 @@ def staged_output_dir(target: str | os.PathLike, *, overwrite: bool = False,
     """Yields an empty hidden sibling of `target` to write into; on success it replaces `target` (the old
     contents are removed only after the new directory is in place), on an exception it is removed. What a
     killed writer left beside `target` is cleaned up first."""
-    target = Path(target).expanduser().absolute()
+    target = check_output_dir(target, overwrite=True, what=what)  # an empty path, a file: refused
     _remove_stale_staging(target)  # first: it may put a killed writer's old target back, which is then checked
     target = check_output_dir(target, overwrite=overwrite, sources=sources, what=what)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(target.parent, what)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
     try:
         yield staging

@@ -10,6 +10,7 @@ Embeddings and norms stay as they were.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Iterable, Iterator
@@ -43,7 +44,7 @@ def quantization_config(model_dir: Path) -> dict | None:
     return qc
 
 
-def quantize_checkpoint(src: Path, out: Path, fmt: str, group_size: int | None = None, *,
+def quantize_checkpoint(src: Path, out: str | os.PathLike, fmt: str, group_size: int | None = None, *,
                         overwrite: bool = False) -> dict:
     """Write `out`: src's HF checkpoint with its linear weights quantized. Returns a summary.
 

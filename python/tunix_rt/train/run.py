@@ -18,7 +18,7 @@ import yaml
 from tunix_rt.checkpoints.default_model import DefaultModelMissing
 from tunix_rt.checkpoints.hf_export import export_hf
 from tunix_rt.checkpoints.loader import LoadedModel, holds_quantized, load_model, resolve_model_path
-from tunix_rt.checkpoints.output_dir import OutputDirError, check_output_dir
+from tunix_rt.checkpoints.output_dir import OutputDirError, check_output_dir, make_dirs
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.parallel.mesh import initialize_distributed
 from tunix_rt.train.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RLConfig, SFTConfig, TrainConfig
@@ -176,7 +176,7 @@ def prepare_run_dir(cfg: TrainConfig) -> tuple[Path, dict[str, dict]]:
             log.info("resume=false overwrite=true: removed the earlier run's files in %s", output)
         elif is_run_dir(output) and cfg.resume and (output / "checkpoints").is_dir():
             changed = check_resumed_options(yaml.safe_load((output / RUN_CONFIG).read_text()), cfg)
-    output.mkdir(parents=True, exist_ok=True)
+    make_dirs(output, "--output")
     return output, changed
 
 

@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
             serve.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
                                help=field.metadata["flag"])
         else:
-            serve.add_argument(flag, type=int, default=field.default, help=field.metadata["flag"])
+            serve.add_argument(flag, type=str if field.type in (str, "str") else int, default=field.default,
+                               help=field.metadata["flag"])
 
     for name, what in (("sft", "supervised fine-tuning (full, LoRA, QLoRA)"),
                        ("dpo", "preference optimisation: DPO, IPO, hinge, robust, ORPO, SimPO"),

@@ -675,6 +675,29 @@ def test_logprobs_match_the_model(llama):
     assert_idle(engine)
 
 
+def test_processed_logprobs_are_of_the_tempered_distribution(llama):
+    """logprobs_mode="processed_logprobs" (what RL rollouts use): the same tokens as the raw mode, their log-probs
+    under softmax(logits / T), the distribution drawn from, through prefill steps and decode loops alike."""
+    model, raw_engine = llama
+    engine = _engine(model, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4,
+                     num_kv_blocks=64, logprobs_mode="processed_logprobs")
+    prompts = _prompts(17, [6, 25, 3])
+    t = 0.6
+    params = SamplingParams(logprobs=2, temperature=t, seed=9, max_tokens=12)
+    outs, raw = engine.generate(prompts, params), raw_engine.generate(prompts, params)
+    for prompt, out, plain in zip(prompts, outs, raw):
+        assert out.token_ids == plain.token_ids
+        lsm = _log_softmax_teacher_forced(model, prompt + out.token_ids).astype(np.float64)  # logits - a constant
+        for i, (tok, lp, top) in enumerate(zip(out.token_ids, out.logprobs, out.top_logprobs)):
+            row = lsm[len(prompt) - 1 + i] / t
+            tempered = row - row.max() - np.log(np.exp(row - row.max()).sum())
+            assert lp == pytest.approx(tempered[tok], abs=1e-4)
+            assert {k: pytest.approx(v, abs=1e-4) for k, v in top.items()} == {k: tempered[k] for k in top}
+    with pytest.raises(ValueError, match="logprobs_mode must be one of raw_logprobs, processed_logprobs"):
+        EngineConfig(logprobs_mode="raw_logits")
+    assert_idle(engine)
+
+
 def test_logprobs_with_a_vocabulary_smaller_than_max_logprobs():
     cfg = _llama_config(vocab_size=11, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1)
     engine = _engine(Decoder(cfg, rngs=nnx.Rngs(0)), max_model_len=8, max_num_seqs=1, max_num_batched_tokens=4,

@@ -245,6 +245,34 @@ def test_logprobs_are_raw(seed):
     assert plain.top_ids.shape == plain.top_logprobs.shape == (B, 0) and plain.tokens.shape == (B,)
 
 
+_sample_processed = jax.jit(functools.partial(sample_tokens, num_top_logprobs=K, processed_logprobs=True))
+
+
+@settings(max_examples=15)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_processed_logprobs_are_of_the_distribution_drawn_from(seed):
+    """vLLM's "processed_logprobs": log_softmax after penalties, temperature and min_p/top_k/top_p (a greedy row's
+    after penalties only); the tokens drawn are the raw mode's."""
+    logits, params, prompt, output = _random_case(np.random.default_rng(seed), greedy_frac=0.3)
+    out = _sample_processed(logits, params, prompt, output)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(_sample(logits, params, prompt, output).tokens))
+    penalised = _np_penalties(logits, prompt, output, params.presence_penalty, params.frequency_penalty,
+                              params.repetition_penalty)
+    tokens = np.asarray(out.tokens)
+    for b in range(B):
+        t = float(params.temperature[b])
+        if t == 0:
+            want = _np_log_softmax(penalised[b])
+        else:
+            scaled = penalised[b] / np.float32(t)
+            kept = _np_filter(scaled, int(params.top_k[b]), float(params.top_p[b]), float(params.min_p[b]))
+            want = np.where(kept, _np_log_softmax(np.where(kept, scaled, -np.inf)), -np.inf)
+        assert np.isfinite(want[tokens[b]])  # the drawn token survived the filters
+        assert float(out.logprobs[b]) == pytest.approx(want[tokens[b]], abs=2e-5)
+        top_ids = np.asarray(out.top_ids[b])
+        np.testing.assert_allclose(np.asarray(out.top_logprobs[b]), want[top_ids], rtol=1e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (2.0, 3)])
 def test_draw_frequencies_match_softmax(temperature, top_k):
     logits = np.array([[1.0, 0.5, 0.0, -0.5, -1.5]], np.float32)

@@ -94,6 +94,13 @@ def test_grpo_writes_metrics_checkpoints_and_final(grpo_run):
         assert all(math.isfinite(r[k]) for k in ("loss", "grad_norm", "kl", "entropy", "clip_ratio"))
         assert 0 <= r["clip_ratio"] <= 1 and r["kl"] >= 0
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
+    # The engine's log-probs against the trainer's, on each rollout's first step only (the policy then moves).
+    mismatch = ("mismatch/logp_abs_max", "mismatch/logp_abs_mean", "mismatch/kl")
+    assert [r["step"] for r in records if all(k in r for k in mismatch)] == [1, 3]
+    assert not any(k in r for r in records if r["step"] in (2, 4) for k in mismatch)
+    for r in rollouts:
+        assert 0 <= r["mismatch/logp_abs_mean"] <= r["mismatch/logp_abs_max"] < 1e-3  # f32 weights: rounding only
+        assert 0 <= r["mismatch/kl"] < 1e-6
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
     assert trainer.lora and trainer.objective.rollout.engine is not None
     np.testing.assert_allclose(logits(load_model(out / "final").model), logits(run_module.merge_lora(trainer.model())),
@@ -115,18 +122,21 @@ def test_first_iteration_ratio_is_one_with_engine_logprobs(grpo_run):
 
 
 def test_engine_logprobs_align_with_the_trainers(tiny, prompts, root):
-    """Each completion's log-probs three ways agree: the engine's (old_logps), the trainer's on the packed
-    group rows (the prompt once, the G completions behind it), and a plain forward of prompt + completion
-    alone. A misaligned window, a leaking segment or a stale engine shows up here."""
-    cfg = build_config(GRPOConfig, overrides=[*COMMON, "num_iterations=2", "save_steps=2"], model=str(tiny),
-                       data=prompts, output=str(root / "align"), reward=["brevity"])
+    """Each completion's tempered log-probs three ways agree: the engine's (sampler_logps: the processed
+    distribution it drew from), the trainer's on the packed group rows (the prompt once, the G completions
+    behind it), and a plain forward of prompt + completion alone. A misaligned window, a leaking segment, a
+    stale engine or a temperature applied on one side only shows up here."""
+    t = 0.7
+    cfg = build_config(GRPOConfig, overrides=[*COMMON, "num_iterations=2", "save_steps=2", f"temperature={t}"],
+                       model=str(tiny), data=prompts, output=str(root / "align"), reward=["brevity"])
+    assert not run_module.build_objective(cfg, load_model(cfg.model), cfg.data).old_from_score
     loaded = load_model(cfg.model, dequantize=True)
     trainer = RLTrainer(cfg, loaded.model, run_module.build_objective(cfg, loaded, cfg.data))
     trainer.run_step(0)  # a step, so the weights differ from the loaded ones
     trainer._rollout = None
     batch = {k: v[0] for k, v in trainer.train_batch(2).items()}
     model = trainer.model()
-    packed = np.asarray(completion_logprobs(model, batch, 1.0)[0])
+    packed = np.asarray(completion_logprobs(model, batch, t)[0])
     host = {k: np.asarray(v) for k, v in batch.items()}
     g = cfg.num_generations
     assert host["tokens"].shape[0] * g == host["targets"].shape[0]
@@ -134,11 +144,11 @@ def test_engine_logprobs_align_with_the_trainers(tiny, prompts, root):
         row = host["tokens"][i // g]
         prompt = row[host["segment_ids"][i // g] == -1]
         alone = np.concatenate([prompt, targets[mask]])[None]
-        logp = jax.nn.log_softmax(logits(model, alone)[0], axis=-1)
+        logp = jax.nn.log_softmax(logits(model, alone)[0] / t, axis=-1)
         plain = np.asarray(logp)[len(prompt) - 1 : len(alone[0]) - 1][np.arange(mask.sum()), targets[mask]]
         np.testing.assert_allclose(packed[i][mask], plain, atol=1e-4)
-        np.testing.assert_allclose(host["old_logps"][i][mask], plain, atol=2e-4)
-        assert (host["old_logps"][i][~mask] == 0).all()
+        np.testing.assert_allclose(host["sampler_logps"][i][mask], plain, atol=2e-4)
+        assert (host["sampler_logps"][i][~mask] == 0).all()
 
 
 def test_engine_greedy_equals_trainer_greedy_after_a_step(tiny, prompts, root):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names (its *_logits modes are not offered)
+
 
 def _flag(default, help: str):
     return dataclasses.field(default=default, metadata={"flag": help})
@@ -27,6 +29,8 @@ class EngineConfig:
     seed: int = 0  # seeds the requests that name none
     token_buckets: Sequence[int] | None = None  # step sizes compiled (the largest = max_num_batched_tokens)
     decode_steps: int = _flag(8, "decode steps run as one program when a step has only decodes")
+    logprobs_mode: str = _flag("raw_logprobs", "log-probs reported: raw_logprobs (the model's distribution) or "
+                               "processed_logprobs (the one sampled from: after penalties, temperature, top-k/p)")
 
     def __post_init__(self):
         def positive(name, value):
@@ -38,6 +42,9 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 positive(name, getattr(self, name))
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"Engine: logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got "
+                             f"{self.logprobs_mode!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"Engine: seed must be an integer, got {self.seed!r}")
         if self.token_buckets is not None:

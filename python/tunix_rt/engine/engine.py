@@ -94,7 +94,8 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks=num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                                   grammars=self.grammars, token_buckets=config.token_buckets,
-                                  decode_steps=config.decode_steps)
+                                  decode_steps=config.decode_steps,
+                                  processed_logprobs=config.logprobs_mode == "processed_logprobs")
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()

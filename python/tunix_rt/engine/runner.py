@@ -50,7 +50,7 @@ def _fit(n: int, sizes: tuple[int, ...]) -> int:
     return next(s for s in sizes if s >= n)
 
 
-def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size):
+def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size, processed_logprobs):
     """The three jitted programs with the model's structure closed over: a static graphdef argument
     would be hashed on every call, and flat weight leaves skip pytree flattening. The sampler
     takes only the output head's leaves: every leaf passed costs dispatch time on each step."""
@@ -69,7 +69,7 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size)
         head = nnx.merge(head_def, jax.tree.unflatten(head_treedef, head_leaves))
         logits = head_logits(config, head, hidden[rows])
         return sample_tokens(logits, params, prompt_tokens, output_tokens, num_top_logprobs=num_top_logprobs,
-                             bitmask=bitmask)
+                             bitmask=bitmask, processed_logprobs=processed_logprobs)
 
     @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnums=(9, 10, 11))
     def decode_loop(leaves, k, v, tokens, positions, token_seq, block_tables, limits, params, max_steps, int8_decode,
@@ -94,7 +94,8 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size)
                                  jnp.where(live, token_seq, -1), block_tables)
             h, cache = model.hidden_states(tok[None], pos[None], cache)
             out = sample_tokens(head_logits(config, head, h[0]), dataclasses.replace(params, step=params.step + i),
-                                no_history, no_history, num_top_logprobs=num_top_logprobs)
+                                no_history, no_history, num_top_logprobs=num_top_logprobs,
+                                processed_logprobs=processed_logprobs)
             outs = jax.tree.map(lambda buf, new: buf.at[i].set(new), outs, out)
             return cache.k, cache.v, out.tokens, pos + live, outs
 
@@ -116,7 +117,8 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, grammars: GrammarCompiler | None = None,
-                 token_buckets: tuple[int, ...] | None = None, decode_steps: int = 1):
+                 token_buckets: tuple[int, ...] | None = None, decode_steps: int = 1,
+                 processed_logprobs: bool = False):
         self.graphdef, state = nnx.split(model)
         self.leaves, self.treedef = jax.tree.flatten(state)
         self.quantized = any(isinstance(v, QuantizedTensor)
@@ -124,7 +126,8 @@ class ModelRunner:
         head_def, head_state = nnx.split(model.output_head())
         self.head_leaves, head_treedef = jax.tree.flatten(head_state)
         self._forward, self._sample, self._decode_loop = _compile_step(self.graphdef, self.treedef, head_def,
-                                                                       head_treedef, model.config, block_size)
+                                                                       head_treedef, model.config, block_size,
+                                                                       processed_logprobs)
         self.decode_steps = decode_steps
         cfg = model.config
         self.cache_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)

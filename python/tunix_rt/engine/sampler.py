@@ -12,11 +12,13 @@ requests and changing a value never recompiles. The order follows vLLM v1:
    with the row's own key `fold_in(key(seed), step)`, so a request's tokens depend only on its
    seed, its step counter and its logits, never on the batch it shares.
 
-Logprobs are of the raw model distribution (log_softmax of the logits before penalties and
-filters, vLLM's default "raw_logprobs"); a structured-output grammar's mask comes first, so a
-constrained row's logprobs are those of the masked distribution (as in vLLM). Costly parts are
-skipped at run time with `lax.cond` when no row needs them: the penalty scatters, the draw (and its
-vocab sort), and statically the top-k logprobs.
+Logprobs are, as vLLM's `logprobs_mode` names them, either "raw_logprobs" (the default: log_softmax of the
+logits before penalties, temperature and filters) or "processed_logprobs" (the distribution the token was
+drawn from: after penalties, temperature and min_p/top_k/top_p; a greedy row's after penalties), which is
+what an RL trainer's tempered log-probs are compared with. A structured-output grammar's mask comes first
+either way, so a constrained row's logprobs are those of the masked distribution (as in vLLM). Costly parts
+are skipped at run time with `lax.cond` when no row needs them: the penalty scatters, the draw (and its
+vocab sort; always run for processed logprobs, which report it), and statically the top-k logprobs.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ class SamplingTensors:
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
     tokens: jax.Array  # (B,) i32
-    logprobs: jax.Array  # (B,) f32: log p of the chosen token under the raw model distribution
+    logprobs: jax.Array  # (B,) f32: log p of the chosen token (raw or processed distribution)
     top_ids: jax.Array  # (B, K) i32: the K most likely tokens of the raw distribution, descending
     top_logprobs: jax.Array  # (B, K) f32
 
@@ -204,7 +206,8 @@ def allowed_tokens(bitmask: jax.Array, vocab: int) -> jax.Array:
 
 
 def sample_tokens(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax.Array, output_tokens: jax.Array,
-                  *, num_top_logprobs: int = 0, bitmask: jax.Array | None = None) -> SamplerOutput:
+                  *, num_top_logprobs: int = 0, bitmask: jax.Array | None = None,
+                  processed_logprobs: bool = False) -> SamplerOutput:
     """One token per row, vLLM v1 semantics (see the module docstring). Trace it inside a jitted step.
 
     logits (B, V); params: (B,) arrays; prompt_tokens (B, Lp) and output_tokens (B, Lo) int32 padded
@@ -236,20 +239,25 @@ def sample_tokens(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax
     greedy_rows = params.temperature < SAMPLING_EPS
     greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
 
-    def draw():
+    def filtered_logits():
         scaled = penalised / jnp.where(greedy_rows, 1.0, params.temperature)[:, None]
         # Greedy rows' filters are turned off so they cannot make the sort run for nothing.
-        filtered = filter_logits(scaled, jnp.where(greedy_rows, 0, params.top_k),
-                                 jnp.where(greedy_rows, 1.0, params.top_p),
-                                 jnp.where(greedy_rows, 0.0, params.min_p))
-        keys = _row_keys(params.seed, params.step)
-        drawn = categorical(keys, filtered)
-        return jnp.where(greedy_rows, greedy, drawn)
+        return filter_logits(scaled, jnp.where(greedy_rows, 0, params.top_k), jnp.where(greedy_rows, 1.0, params.top_p),
+                             jnp.where(greedy_rows, 0.0, params.min_p))
 
-    tokens = jax.lax.cond(jnp.any(~greedy_rows), draw, lambda: greedy)
-    logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    def draw(filtered):
+        return jnp.where(greedy_rows, greedy, categorical(_row_keys(params.seed, params.step), filtered))
+
+    if processed_logprobs:
+        filtered = filtered_logits()
+        tokens = draw(filtered)
+        reported = jax.nn.log_softmax(filtered, axis=-1)
+    else:
+        tokens = jax.lax.cond(jnp.any(~greedy_rows), lambda: draw(filtered_logits()), lambda: greedy)
+        reported = raw_logprobs
+    logprobs = jnp.take_along_axis(reported, tokens[:, None], axis=-1)[:, 0]
     if num_top_logprobs:
-        top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
+        top_logprobs, top_ids = jax.lax.top_k(reported, num_top_logprobs)
     else:
         top_logprobs, top_ids = jnp.zeros((batch, 0), jnp.float32), jnp.zeros((batch, 0), jnp.int32)
     return SamplerOutput(tokens, logprobs, top_ids.astype(jnp.int32), top_logprobs)

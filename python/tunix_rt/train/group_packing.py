@@ -20,8 +20,9 @@ def pack_groups(c: Completions, cfg: RLConfig, seq_len: int, pad_id: int) -> dic
     completions (segments 1..G, positions continuing the prompt's), so the prompt's tokens run through
     the model once, not G times. Per completion, in the window (N, max_completion_length):
     `completion_index` (the row position whose output predicts completion token j: the prompt's last
-    token for j = 0, else the completion's token j - 1), targets, loss_mask, and old_logps (the
-    engine's). Truncated completions lose their loss mask when mask_truncated_completions is set."""
+    token for j = 0, else the completion's token j - 1), targets, loss_mask, and sampler_logps (the
+    engine's, of the distribution it drew from). Truncated completions lose their loss mask when
+    mask_truncated_completions is set."""
     g, width = cfg.num_generations, cfg.max_completion_length
     n = len(c)
     groups = n // g
@@ -31,7 +32,7 @@ def pack_groups(c: Completions, cfg: RLConfig, seq_len: int, pad_id: int) -> dic
              "completion_index": np.zeros((n, width), np.int32),
              "targets": np.zeros((n, width), np.int32),
              "loss_mask": np.zeros((n, width), np.float32),
-             "old_logps": np.zeros((n, width), np.float32)}
+             "sampler_logps": np.zeros((n, width), np.float32)}
     for row in range(groups):
         prompt = c.prompts[row * g].prompt_ids
         p = len(prompt)
@@ -50,7 +51,7 @@ def pack_groups(c: Completions, cfg: RLConfig, seq_len: int, pad_id: int) -> dic
             batch["completion_index"][i, 1:m] = np.arange(offset, offset + m - 1)
             batch["targets"][i, :m] = ids
             batch["loss_mask"][i, :m] = 1.0
-            batch["old_logps"][i, :len(lp)] = lp
+            batch["sampler_logps"][i, :len(lp)] = lp
             offset += m
     if cfg.mask_truncated_completions:
         batch["loss_mask"] *= ~c.truncated[:, None]

@@ -4,8 +4,10 @@ three loss aggregations, truncated-completion masking and DAPO's dynamic samplin
 
 Old log-probs: with one iteration per rollout the ratio is 1 by construction (the current policy,
 detached, as TRL does); with num_iterations > 1 they are the engine's log-probs of the sampled tokens
-(temperature 1), or a scoring pass of the policy at rollout time when the temperature differs from 1
-(the engine reports the raw distribution, the loss uses the tempered one).
+(its processed_logprobs: the tempered distribution it drew from, the one the loss uses), or a scoring pass
+of the policy at rollout time when top_k, top_p or min_p truncate that distribution (the loss's is not).
+Either way the engine's log-probs are compared with the trainer's on each rollout's first step
+(RLObjective.mismatch).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ class GRPOObjective(RLObjective):
     def __init__(self, cfg: GRPOConfig, sampler, tokenizer, pad_id: int):
         super().__init__(cfg, sampler, tokenizer, pad_id)
         self.needs_reference = cfg.beta > 0
-        self.old_from_score = cfg.num_iterations > 1 and cfg.temperature != 1.0
+        truncated = cfg.top_k > 0 or cfg.top_p < 1.0 or cfg.min_p > 0.0
+        self.old_from_score = cfg.num_iterations > 1 and truncated
 
     # --- host: rollouts -------------------------------------------------------------------------------
 
@@ -81,14 +84,18 @@ class GRPOObjective(RLObjective):
         cfg = self.cfg
         logps, entropy = completion_logprobs(ctx.policy, batch, cfg.temperature, entropy=True)
         mask = batch["loss_mask"]
-        old = batch["old_logps"] if cfg.num_iterations > 1 else jax.lax.stop_gradient(logps)
+        if cfg.num_iterations == 1:
+            old = jax.lax.stop_gradient(logps)
+        else:
+            old = batch["old_logps"] if self.old_from_score else batch["sampler_logps"]
         per_token, clip = clipped_policy_loss(logps, old, batch["advantages"], mask, epsilon=cfg.epsilon,
                                               epsilon_high=cfg.epsilon_high,
                                               importance_sampling_level=cfg.importance_sampling_level)
-        token_metrics = {**clip, "entropy": jax.lax.stop_gradient(entropy)}
+        mismatch, maxima = self.mismatch(logps, batch["sampler_logps"], mask)
+        token_metrics = {**clip, **mismatch, "entropy": jax.lax.stop_gradient(entropy)}
         if self.needs_reference:
             kl = kl_k3(logps, batch["ref_logps"])
             per_token = per_token + cfg.beta * kl
             token_metrics["kl"] = jax.lax.stop_gradient(kl)
         loss_sum, weight = aggregate(per_token, mask, cfg.loss_agg_mode, max_len=cfg.max_completion_length)
-        return loss_sum, weight, self.token_sums(token_metrics, mask)
+        return loss_sum, weight, {**self.token_sums(token_metrics, mask), **maxima}

@@ -100,8 +100,9 @@ class PPOObjective(RLObjective):
             per_token = per_token - cfg.entropy_coef * entropy
         loss_sum, weight = aggregate(per_token, mask, cfg.loss_agg_mode, max_len=cfg.max_completion_length)
         sg = jax.lax.stop_gradient
-        metrics = {**clip, "entropy": sg(entropy), "value_loss": sg(vf), "policy_loss": sg(pg),
+        mismatch, maxima = self.mismatch(logps, batch["sampler_logps"], mask)
+        metrics = {**clip, **mismatch, "entropy": sg(entropy), "value_loss": sg(vf), "policy_loss": sg(pg),
                    "approx_kl": sg(0.5 * (logps - batch["old_logps"]) ** 2)}
         if self.needs_reference:
             metrics["kl"] = batch["kl"]
-        return loss_sum, weight, self.token_sums(metrics, mask)
+        return loss_sum, weight, {**self.token_sums(metrics, mask), **maxima}

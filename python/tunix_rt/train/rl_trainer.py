@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from tunix_rt.train.config import RLConfig
 from tunix_rt.train.rollout_engine import RolloutEngine, rollout_config
-from tunix_rt.train.trainer import LossContext, Trainer
+from tunix_rt.train.trainer import LossContext, Trainer, is_max_metric
 
 _CORE_KEYS = frozenset({"loss", "grad_norm", "weight", "learning_rate"})  # what the trainer core's step reports
 
@@ -61,7 +61,8 @@ class RLObjective:
         rows = cfg.batch_size * cfg.gradient_accumulation_steps
         self.rollout = RolloutEngine(tokenizer, rollout_config(
             cfg.rollout, decode_and_prefill_buckets=True, max_model_len=sampler.max_model_len, max_num_seqs=rows,
-            max_num_batched_tokens=max(512, rows), kv_cache_memory=256 << 20, seed=cfg.seed),
+            max_num_batched_tokens=max(512, rows), kv_cache_memory=256 << 20, seed=cfg.seed,
+            logprobs_mode="processed_logprobs"),
             seed=cfg.seed, sleep=cfg.sleep_engine)
 
     def aux(self):
@@ -69,6 +70,17 @@ class RLObjective:
 
     def precompute(self, score) -> None:
         pass  # what stays fixed per rollout is scored after each rollout (RLTrainer._score)
+
+    @staticmethod
+    def mismatch(logps: jax.Array, sampler_logps: jax.Array, mask: jax.Array) -> tuple[dict, dict]:
+        """How far the engine's sampling is from the policy trained, on the sampled tokens: the trainer's tempered
+        log-probs against the engine's log-probs of the distribution it drew from (processed_logprobs). Returns
+        (per-token metrics for token_sums: |difference| and the k3 estimate of KL(sampler || trainer), whose mean
+        over sampled tokens is unbiased), and the largest |difference| (a *_max metric). Meaningful on a rollout's
+        first step only, before the policy moves (RLTrainer reports them then)."""
+        diff = jax.lax.stop_gradient(logps) - sampler_logps  # log of r = p_trainer / p_sampler
+        per_token = {"mismatch/logp_abs_mean": jnp.abs(diff), "mismatch/kl": jnp.expm1(diff) - diff}
+        return per_token, {"mismatch/logp_abs_max": jnp.max(jnp.where(mask > 0, jnp.abs(diff), 0.0))}
 
     @staticmethod
     def token_sums(metrics: dict[str, jax.Array], mask: jax.Array) -> dict[str, jax.Array]:
@@ -152,7 +164,10 @@ class RLTrainer(Trainer):
         out = super().run_step(step)
         tokens = out.pop("tokens")
         for name in set(out) - _CORE_KEYS:  # the objective's token sums, both divided by the same weight
-            out[name] = out[name] / tokens if tokens > 0 else 0.0
+            if not is_max_metric(name):
+                out[name] = out[name] / tokens if tokens > 0 else 0.0
+        if not fresh:  # the policy has moved since the rollout: no longer the sampler's
+            out = {k: v for k, v in out.items() if not k.startswith("mismatch/")}
         out["time/train"] = time.perf_counter() - start
         out.update(batch_metrics)
         out["compiles"] = float(self.num_compiles())

@@ -24,7 +24,7 @@ class Completions:
 
     prompts: list[PromptExample]  # one per row (repeated G times)
     token_ids: list[np.ndarray]
-    logprobs: list[np.ndarray]  # the engine's log p of each sampled token (raw distribution)
+    logprobs: list[np.ndarray]  # the engine's log p of each sampled token (as its logprobs_mode reports)
     truncated: np.ndarray  # (N,) bool: cut at max_completion_length, no EOS
     rewards: np.ndarray  # (N,) weighted total
     rewards_per_fn: np.ndarray  # (F, N), NaN where a function returned None

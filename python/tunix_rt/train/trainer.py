@@ -44,6 +44,19 @@ from tunix_rt.train.rollout_engine import RolloutEngine
 log = logging.getLogger("tunix_rt.train")
 
 
+def is_max_metric(name: str) -> bool:
+    """Metrics named *_max are maxima (combined by max, never divided); the others are sums over weight units."""
+    return name.endswith("_max")
+
+
+def combine_metrics(a: dict, b: dict) -> dict:
+    """Two micro-batches' (or eval batches') metrics as one: sums added, maxima maxed; a key only one has is kept."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = v if k not in a else (jnp.maximum(a[k], v) if is_max_metric(k) else a[k] + v)
+    return out
+
+
 @dataclasses.dataclass
 class LossContext:
     """What an objective's loss sees inside the jitted step."""
@@ -63,7 +76,8 @@ class Objective(Protocol):
     rollout: RolloutEngine | None
 
     def loss(self, ctx: LossContext, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-        """(loss summed over weight units, weight, metrics summed over the same units)."""
+        """(loss summed over weight units, weight, metrics summed over the same units). A metric whose name ends
+        in "_max" is a maximum instead: combined over micro-batches by max and reported as it is."""
 
     def aux(self) -> Any:
         """Extra state the loss reads (a pytree of arrays), or None."""
@@ -308,8 +322,7 @@ class Trainer:
         def micro(carry, batch):
             grads, rngs, loss_sum, weight, metrics = carry
             (loss, (w, m, rngs)), g = grad_fn(params, rngs, frozen, rest, aux, batch, self.graphdef)
-            add = lambda a, b: jax.tree.map(jnp.add, a, b)
-            return (add(grads, g), rngs, loss_sum + loss, weight + w, add(metrics, m)), None
+            return (jax.tree.map(jnp.add, grads, g), rngs, loss_sum + loss, weight + w, combine_metrics(metrics, m)), None
 
         first = jax.tree.map(lambda x: x[0], batches)
         (loss, (w, m, rngs)), g = grad_fn(params, rngs, frozen, rest, aux, first, self.graphdef)
@@ -334,7 +347,8 @@ class Trainer:
         # into the donated buffers instead of holding a second copy of the params and Adam's moments.
         new_params, new_compute, new_opt = jax.lax.cond(finite, update, lambda state: state,
                                                         (params, compute, opt_state))
-        out = {"loss": loss, "grad_norm": grad_norm, "weight": weight, **{k: v / denom for k, v in metrics.items()}}
+        out = {"loss": loss, "grad_norm": grad_norm, "weight": weight,
+               **{k: v if is_max_metric(k) else v / denom for k, v in metrics.items()}}
         return new_params, new_compute, new_opt, rngs, out
 
     def _eval(self, params, rngs, frozen, rest, aux, batch):
@@ -437,9 +451,8 @@ class Trainer:
             loss_sum, w, metrics = jax.device_get(self._eval_step(self.params, self.rngs, self.frozen_compute, self.rest,
                                                                   self._aux(), batch))
             weight += float(w)
-            for k, v in {"loss": loss_sum, **metrics}.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
-        return {f"eval_{k}": v / max(weight, 1e-9) for k, v in totals.items()}
+            totals = combine_metrics(totals, {"loss": float(loss_sum), **{k: float(v) for k, v in metrics.items()}})
+        return {f"eval_{k}": v if is_max_metric(k) else v / max(weight, 1e-9) for k, v in totals.items()}
 
     def state(self) -> dict:
         return {"params": self.params, "opt_state": self.opt_state, "rngs": self.rngs}

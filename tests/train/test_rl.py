@@ -101,6 +101,10 @@ def test_grpo_writes_metrics_checkpoints_and_final(grpo_run):
     for r in rollouts:
         assert 0 <= r["mismatch/logp_abs_mean"] <= r["mismatch/logp_abs_max"] < 1e-3  # f32 weights: rounding only
         assert 0 <= r["mismatch/kl"] < 1e-6
+    # ... and the sampling correction (on by default, sequence_mask) weighs each sequence by about 1, masks none
+    for r in records:
+        assert abs(r["importance_sampling/weight_min"] - 1) < 1e-2 and abs(r["importance_sampling/weight_max"] - 1) < 1e-2
+        assert r["importance_sampling/capped_fraction"] == 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
     assert trainer.lora and trainer.objective.rollout.engine is not None
     np.testing.assert_allclose(logits(load_model(out / "final").model), logits(run_module.merge_lora(trainer.model())),
@@ -115,8 +119,8 @@ def test_no_recompiles_after_the_first_step(grpo_run):
 
 
 def test_first_iteration_ratio_is_one_with_engine_logprobs(grpo_run):
-    """num_iterations=2 at temperature 1 trains on the engine's log-probs as old log-probs: on a rollout's first
-    step they equal the policy's own, so nothing is clipped and the KL to the reference starts at 0."""
+    """num_iterations=2: the old log-probs (the trainer's, from the scoring pass, as the sampling correction
+    wants them) equal the policy's own on a rollout's first step, so nothing is clipped."""
     records = read_metrics(grpo_run[0])
     assert records[0]["clip_ratio"] == 0.0
 
@@ -127,8 +131,10 @@ def test_engine_logprobs_align_with_the_trainers(tiny, prompts, root):
     behind it), and a plain forward of prompt + completion alone. A misaligned window, a leaking segment, a
     stale engine or a temperature applied on one side only shows up here."""
     t = 0.7
-    cfg = build_config(GRPOConfig, overrides=[*COMMON, "num_iterations=2", "save_steps=2", f"temperature={t}"],
+    cfg = build_config(GRPOConfig, overrides=[*COMMON, "num_iterations=2", "save_steps=2", f"temperature={t}",
+                                              "importance_sampling_correction=false"],
                        model=str(tiny), data=prompts, output=str(root / "align"), reward=["brevity"])
+    # without the correction, and untruncated, the engine's log-probs are the old ones: no scoring pass for them
     assert not run_module.build_objective(cfg, load_model(cfg.model), cfg.data).old_from_score
     loaded = load_model(cfg.model, dequantize=True)
     trainer = RLTrainer(cfg, loaded.model, run_module.build_objective(cfg, loaded, cfg.data))
@@ -291,6 +297,8 @@ def test_reward_errors_name_the_function(root, tiny, prompts, capsys, tmp_path):
     ([{"prompt": "a"}], ("--reward", "nonesuch"), "unknown reward 'nonesuch'"),
     ([{"prompt": "a"}], ("batch_size=6",), "batch_size \\(6\\) must be a multiple of num_generations"),
     ([{"prompt": "a"}], ("num_iterations=3",), "save_steps .* must be a multiple of num_iterations"),
+    ([{"prompt": "a"}], ("importance_sampling_mode=token",), "importance_sampling_mode must be one of token_truncate"),
+    ([{"prompt": "a"}], ("importance_sampling_cap=0",), "importance_sampling_cap must be positive, got 0"),
 ])
 def test_bad_inputs_are_one_line_errors(tiny, tmp_path, capsys, rows, extra, message):
     data = write_jsonl(tmp_path / "prompts.jsonl", rows)

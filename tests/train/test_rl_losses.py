@@ -3,6 +3,8 @@ formulas), on hypothesis-drawn rewards, lengths and masks."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -285,3 +287,65 @@ def test_clipped_value_loss_matches_numpy(data, clip):
     v, o, r = values.astype(np.float64), old.astype(np.float64), returns.astype(np.float64)
     clipped = np.clip(v, o - clip, o + clip)
     np.testing.assert_allclose(ours, 0.5 * np.maximum((v - r) ** 2, (clipped - r) ** 2), rtol=1e-4, atol=1e-5)
+
+
+# --- importance sampling over the sampler/trainer mismatch ---------------------------------------------------
+
+
+def np_sampling_correction(trainer, sampler, mask, mode, cap):
+    """TRL's vllm_importance_sampling_ratio, one row at a time: exp of the per-token (or summed per-sequence)
+    log-ratio, clipped at cap (truncate) or zeroed above it (mask)."""
+    b, t = trainer.shape
+    out, ratios = np.zeros((b, t)), np.zeros((b, t))
+    for r in range(b):
+        diffs = [(trainer[r, i] - sampler[r, i]) * mask[r, i] for i in range(t)]
+        for i in range(t):
+            ratios[r, i] = math.exp(sum(diffs)) if mode.startswith("sequence") else math.exp(diffs[i])
+            out[r, i] = min(ratios[r, i], cap) if mode.endswith("truncate") else (0.0 if ratios[r, i] > cap
+                                                                                   else ratios[r, i])
+    return out, ratios
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@SETTINGS
+@given(data=token_batch(with_empty_rows=True), cap=st.sampled_from([0.8, 1.2, 3.0]))
+def test_sampling_correction_matches_numpy(mode, data, cap):
+    trainer, sampler, mask, _ = data
+    weights, per_token, extremes = rl.sampling_correction(jnp.asarray(trainer), jnp.asarray(sampler),
+                                                          jnp.asarray(mask), mode=mode, cap=cap)
+    want, ratios = np_sampling_correction(trainer.astype(np.float64), sampler.astype(np.float64), mask, mode, cap)
+    np.testing.assert_allclose(np.asarray(weights) * mask, want * mask, rtol=1e-5, atol=1e-6)
+    counted = mask > 0
+    if counted.any():
+        assert float(extremes["importance_sampling/weight_max"]) == pytest.approx(want[counted].max(), rel=1e-5)
+        assert float(extremes["importance_sampling/weight_min"]) == pytest.approx(want[counted].min(), rel=1e-5)
+    capped = np.asarray(per_token["importance_sampling/capped_fraction"])[counted]
+    near = np.isclose(ratios[counted], cap, rtol=1e-5)  # f32 and f64 may fall on either side of the cap
+    np.testing.assert_array_equal(capped[~near], ratios[counted][~near] > cap)
+    # a constant: no gradient reaches the trainer's log-probs through the weights
+    grad = jax.grad(lambda lp: rl.sampling_correction(lp, jnp.asarray(sampler), jnp.asarray(mask), mode=mode,
+                                                      cap=cap)[0].sum())(jnp.asarray(trainer))
+    assert not np.asarray(grad).any()
+
+
+def test_sampling_correction_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match="importance_sampling_mode must be one of token_truncate"):
+        rl.sampling_correction(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones((1, 2)), mode="token", cap=2.0)
+
+
+@SETTINGS
+@given(data=token_batch())
+def test_bias_corrected_kl_matches_its_gradient(data):
+    """TRL's use_bias_correction_kl: k3(logp, ref) * pi / pi_old, whose gradient in logp is
+    (1 - exp(ref - logp)) r + k3 r with r = exp(logp - old)."""
+    logps, old, mask, rng = data
+    ref = (logps + rng.normal(0, 0.3, logps.shape)).astype(np.float32)
+
+    def corrected(lp):
+        return rl.kl_k3(lp, jnp.asarray(ref)) * rl.policy_ratio(lp, jnp.asarray(old), jnp.asarray(mask))
+
+    lp, o, r = logps.astype(np.float64), old.astype(np.float64), ref.astype(np.float64)
+    k3, ratio = np.exp(r - lp) - (r - lp) - 1, np.exp(lp - o)
+    np.testing.assert_allclose(np.asarray(corrected(jnp.asarray(logps))), k3 * ratio, rtol=1e-4, atol=1e-6)
+    grad = jax.grad(lambda x: corrected(x).sum())(jnp.asarray(logps))
+    np.testing.assert_allclose(np.asarray(grad), (1 - np.exp(r - lp)) * ratio + k3 * ratio, rtol=1e-4, atol=1e-5)

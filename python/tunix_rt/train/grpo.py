@@ -7,7 +7,10 @@ detached, as TRL does); with num_iterations > 1 they are the engine's log-probs 
 (its processed_logprobs: the tempered distribution it drew from, the one the loss uses), or a scoring pass
 of the policy at rollout time when top_k, top_p or min_p truncate that distribution (the loss's is not).
 Either way the engine's log-probs are compared with the trainer's on each rollout's first step
-(RLObjective.mismatch).
+(RLObjective.mismatch), and with importance_sampling_correction (on by default, as in TRL) each token's
+policy loss is weighed by p_trainer / p_sampler (RLObjective.sampling_weights); the old log-probs are then
+the trainer's too, so the mismatch is weighed out rather than clipped. With use_bias_correction_kl the k3 KL
+is multiplied by pi / pi_old, as TRL does.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 
 from tunix_rt.train.config import GRPOConfig
 from tunix_rt.train.group_packing import pack_groups
-from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, group_advantages, kl_k3
+from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, group_advantages, kl_k3, policy_ratio
 from tunix_rt.train.rl_trainer import RLObjective, completion_logprobs
 from tunix_rt.train.rollout import Completions
 from tunix_rt.train.trainer import LossContext
@@ -28,7 +31,9 @@ class GRPOObjective(RLObjective):
         super().__init__(cfg, sampler, tokenizer, pad_id)
         self.needs_reference = cfg.beta > 0
         truncated = cfg.top_k > 0 or cfg.top_p < 1.0 or cfg.min_p > 0.0
-        self.old_from_score = cfg.num_iterations > 1 and truncated
+        # Old log-probs from the engine would put its mismatch into the clipped ratio, so the sampling correction
+        # (which weighs it out) and a truncated sampling distribution (not the loss's) take the trainer's.
+        self.old_from_score = cfg.num_iterations > 1 and (truncated or cfg.importance_sampling_correction)
 
     # --- host: rollouts -------------------------------------------------------------------------------
 
@@ -91,11 +96,18 @@ class GRPOObjective(RLObjective):
         per_token, clip = clipped_policy_loss(logps, old, batch["advantages"], mask, epsilon=cfg.epsilon,
                                               epsilon_high=cfg.epsilon_high,
                                               importance_sampling_level=cfg.importance_sampling_level)
-        mismatch, maxima = self.mismatch(logps, batch["sampler_logps"], mask)
+        mismatch, extremes = self.mismatch(logps, batch["sampler_logps"], mask)
         token_metrics = {**clip, **mismatch, "entropy": jax.lax.stop_gradient(entropy)}
+        if cfg.importance_sampling_correction:  # old: the trainer's log-probs at rollout time (see __init__)
+            weights, is_metrics, is_extremes = self.sampling_weights(old, batch, mask)
+            per_token = per_token * weights
+            token_metrics.update(is_metrics)
+            extremes.update(is_extremes)
         if self.needs_reference:
             kl = kl_k3(logps, batch["ref_logps"])
-            per_token = per_token + cfg.beta * kl
             token_metrics["kl"] = jax.lax.stop_gradient(kl)
+            if cfg.use_bias_correction_kl:
+                kl = kl * policy_ratio(logps, old, mask, cfg.importance_sampling_level)
+            per_token = per_token + cfg.beta * kl
         loss_sum, weight = aggregate(per_token, mask, cfg.loss_agg_mode, max_len=cfg.max_completion_length)
-        return loss_sum, weight, {**self.token_sums(token_metrics, mask), **maxima}
+        return loss_sum, weight, {**self.token_sums(token_metrics, mask), **extremes}

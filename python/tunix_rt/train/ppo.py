@@ -94,15 +94,20 @@ class PPOObjective(RLObjective):
         logps, entropy, values = _forward(ctx.policy, batch, cfg.temperature, entropy=True)
         pg, clip = clipped_policy_loss(logps, batch["old_logps"], batch["advantages"], mask, epsilon=cfg.epsilon,
                                        epsilon_high=cfg.epsilon_high)
+        mismatch, extremes = self.mismatch(logps, batch["sampler_logps"], mask)
+        if cfg.importance_sampling_correction:  # old_logps: the trainer's at rollout time (the scoring pass)
+            weights, is_metrics, is_extremes = self.sampling_weights(batch["old_logps"], batch, mask)
+            pg = pg * weights
+            mismatch.update(is_metrics)
+            extremes.update(is_extremes)
         vf = clipped_value_loss(values, batch["old_values"], batch["returns"], clip_range=cfg.cliprange_value)
         per_token = pg + cfg.vf_coef * vf
         if cfg.entropy_coef:
             per_token = per_token - cfg.entropy_coef * entropy
         loss_sum, weight = aggregate(per_token, mask, cfg.loss_agg_mode, max_len=cfg.max_completion_length)
         sg = jax.lax.stop_gradient
-        mismatch, maxima = self.mismatch(logps, batch["sampler_logps"], mask)
         metrics = {**clip, **mismatch, "entropy": sg(entropy), "value_loss": sg(vf), "policy_loss": sg(pg),
                    "approx_kl": sg(0.5 * (logps - batch["old_logps"]) ** 2)}
         if self.needs_reference:
             metrics["kl"] = batch["kl"]
-        return loss_sum, weight, {**self.token_sums(metrics, mask), **maxima}
+        return loss_sum, weight, {**self.token_sums(metrics, mask), **extremes}

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from tunix_rt.train.config import SAMPLING_CORRECTION_MODES
+
 Metrics = dict[str, jax.Array]
 
 # --------------------------------------------------------------------------------------------------
@@ -181,6 +183,16 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, *, max_len: int 
 IMPORTANCE_LEVELS = ("token", "sequence")
 
 
+def policy_ratio(logps: jax.Array, old_logps: jax.Array, mask: jax.Array, level: str = "token") -> jax.Array:
+    """pi / pi_old: (B, T) per token, or (B, 1) for GSPO's sequence level (the exponent of the sequence's mean
+    log-ratio); differentiable in logps only."""
+    log_ratio = logps - jax.lax.stop_gradient(old_logps)
+    if level == "sequence":
+        m = mask.astype(jnp.float32)
+        log_ratio = (log_ratio * m).sum(-1, keepdims=True) / jnp.maximum(m.sum(-1, keepdims=True), 1.0)
+    return jnp.exp(log_ratio)
+
+
 def clipped_policy_loss(logps: jax.Array, old_logps: jax.Array, advantages: jax.Array, mask: jax.Array, *,
                         epsilon: float, epsilon_high: float | None = None,
                         importance_sampling_level: str = "token") -> tuple[jax.Array, Metrics]:
@@ -201,11 +213,7 @@ def clipped_policy_loss(logps: jax.Array, old_logps: jax.Array, advantages: jax.
     if jnp.shape(adv)[0] != jnp.shape(logps)[0] or jnp.ndim(adv) != 2:
         raise ValueError(f"advantages {jnp.shape(advantages)} must be (B,) or (B, T) for logps {jnp.shape(logps)}")
     eps_low, eps_high = epsilon, epsilon if epsilon_high is None else epsilon_high
-    m = mask.astype(jnp.float32)
-    log_ratio = logps - jax.lax.stop_gradient(old_logps)
-    if importance_sampling_level == "sequence":
-        log_ratio = (log_ratio * m).sum(-1, keepdims=True) / jnp.maximum(m.sum(-1, keepdims=True), 1.0)
-    ratio = jnp.exp(log_ratio)
+    ratio = policy_ratio(logps, old_logps, mask, importance_sampling_level)
     clipped = jnp.clip(ratio, 1 - eps_low, 1 + eps_high)
     per_token = -jnp.minimum(ratio * adv, clipped * adv)
     per_token = jnp.broadcast_to(per_token, jnp.shape(logps))
@@ -219,3 +227,34 @@ def clipped_value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Ar
     """Per-token 0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2) (PPO's value clipping)."""
     clipped = old_values + jnp.clip(values - old_values, -clip_range, clip_range)
     return 0.5 * jnp.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Importance sampling over the sampler/trainer mismatch
+# --------------------------------------------------------------------------------------------------
+
+def sampling_correction(trainer_logps: jax.Array, sampler_logps: jax.Array, mask: jax.Array, *, mode: str,
+                        cap: float) -> tuple[jax.Array, Metrics, Metrics]:
+    """The weight of each sampled token's policy loss for having been sampled by the engine rather than the
+    policy trained (TRL's vllm_importance_sampling_correction): the ratio p_trainer / p_sampler of the sampled
+    tokens, per token (token_*) or per sequence (sequence_*: the product over its counted tokens), truncated at
+    `cap` (*_truncate) or set to 0 above it (*_mask). `trainer_logps` are the trainer's log-probs at sampling
+    time (a constant here). Returns the (B, T) weights, per-token metrics for masked means (the weight, and
+    "capped": whether the ratio was over the cap), and the weight's extremes over counted tokens (*_max, *_min).
+    """
+    if mode not in SAMPLING_CORRECTION_MODES:
+        raise ValueError(f"importance_sampling_mode must be one of {', '.join(SAMPLING_CORRECTION_MODES)}, got {mode!r}")
+    m = mask.astype(jnp.float32)
+    log_ratio = (jax.lax.stop_gradient(trainer_logps) - sampler_logps) * m
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(-1, keepdims=True)
+    ratio = jnp.exp(log_ratio)
+    capped = ratio > cap
+    weight = jnp.minimum(ratio, cap) if mode.endswith("truncate") else jnp.where(capped, 0.0, ratio)
+    weight = jnp.broadcast_to(weight, jnp.shape(mask))
+    counted = m > 0
+    extremes = {"importance_sampling/weight_max": jnp.max(jnp.where(counted, weight, -jnp.inf)),
+                "importance_sampling/weight_min": jnp.min(jnp.where(counted, weight, jnp.inf))}
+    per_token = {"importance_sampling/weight_mean": weight,
+                 "importance_sampling/capped_fraction": jnp.broadcast_to(capped, jnp.shape(mask))}
+    return weight, per_token, extremes

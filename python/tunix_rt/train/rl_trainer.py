@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from tunix_rt.train.config import RLConfig
+from tunix_rt.train.rl_losses import sampling_correction
 from tunix_rt.train.rollout_engine import RolloutEngine, rollout_config
-from tunix_rt.train.trainer import LossContext, Trainer, is_max_metric
+from tunix_rt.train.trainer import LossContext, Trainer, is_extreme_metric
 
 _CORE_KEYS = frozenset({"loss", "grad_norm", "weight", "learning_rate"})  # what the trainer core's step reports
 
@@ -81,6 +82,14 @@ class RLObjective:
         diff = jax.lax.stop_gradient(logps) - sampler_logps  # log of r = p_trainer / p_sampler
         per_token = {"mismatch/logp_abs_mean": jnp.abs(diff), "mismatch/kl": jnp.expm1(diff) - diff}
         return per_token, {"mismatch/logp_abs_max": jnp.max(jnp.where(mask > 0, jnp.abs(diff), 0.0))}
+
+    def sampling_weights(self, trainer_logps: jax.Array, batch: dict, mask: jax.Array) -> tuple[jax.Array, dict, dict]:
+        """The run's importance sampling over the mismatch (rl_losses.sampling_correction): the (B, T) weights of
+        the policy loss, their per-token metrics and their extremes. `trainer_logps`: the policy's log-probs of the
+        sampled tokens at rollout time."""
+        cfg = self.cfg
+        return sampling_correction(trainer_logps, batch["sampler_logps"], mask, mode=cfg.importance_sampling_mode,
+                                   cap=cfg.importance_sampling_cap)
 
     @staticmethod
     def token_sums(metrics: dict[str, jax.Array], mask: jax.Array) -> dict[str, jax.Array]:
@@ -164,7 +173,7 @@ class RLTrainer(Trainer):
         out = super().run_step(step)
         tokens = out.pop("tokens")
         for name in set(out) - _CORE_KEYS:  # the objective's token sums, both divided by the same weight
-            if not is_max_metric(name):
+            if not is_extreme_metric(name):
                 out[name] = out[name] / tokens if tokens > 0 else 0.0
         if not fresh:  # the policy has moved since the rollout: no longer the sampler's
             out = {k: v for k, v in out.items() if not k.startswith("mismatch/")}

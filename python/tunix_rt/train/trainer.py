@@ -44,16 +44,23 @@ from tunix_rt.train.rollout_engine import RolloutEngine
 log = logging.getLogger("tunix_rt.train")
 
 
-def is_max_metric(name: str) -> bool:
-    """Metrics named *_max are maxima (combined by max, never divided); the others are sums over weight units."""
-    return name.endswith("_max")
+def is_extreme_metric(name: str) -> bool:
+    """Metrics named *_max or *_min are extremes (combined by max or min, never divided); the others are sums
+    over weight units."""
+    return name.endswith(("_max", "_min"))
 
 
 def combine_metrics(a: dict, b: dict) -> dict:
-    """Two micro-batches' (or eval batches') metrics as one: sums added, maxima maxed; a key only one has is kept."""
+    """Two micro-batches' (or eval batches') metrics as one: sums added, extremes taken; a key only one has is
+    kept."""
     out = dict(a)
     for k, v in b.items():
-        out[k] = v if k not in a else (jnp.maximum(a[k], v) if is_max_metric(k) else a[k] + v)
+        if k not in a:
+            out[k] = v
+        elif is_extreme_metric(k):
+            out[k] = (jnp.maximum if k.endswith("_max") else jnp.minimum)(a[k], v)
+        else:
+            out[k] = a[k] + v
     return out
 
 
@@ -77,7 +84,8 @@ class Objective(Protocol):
 
     def loss(self, ctx: LossContext, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """(loss summed over weight units, weight, metrics summed over the same units). A metric whose name ends
-        in "_max" is a maximum instead: combined over micro-batches by max and reported as it is."""
+        in "_max" ("_min") is a maximum (minimum) instead: combined over micro-batches by max (min) and reported
+        as it is."""
 
     def aux(self) -> Any:
         """Extra state the loss reads (a pytree of arrays), or None."""
@@ -348,7 +356,7 @@ class Trainer:
         new_params, new_compute, new_opt = jax.lax.cond(finite, update, lambda state: state,
                                                         (params, compute, opt_state))
         out = {"loss": loss, "grad_norm": grad_norm, "weight": weight,
-               **{k: v if is_max_metric(k) else v / denom for k, v in metrics.items()}}
+               **{k: v if is_extreme_metric(k) else v / denom for k, v in metrics.items()}}
         return new_params, new_compute, new_opt, rngs, out
 
     def _eval(self, params, rngs, frozen, rest, aux, batch):
@@ -452,7 +460,7 @@ class Trainer:
                                                                   self._aux(), batch))
             weight += float(w)
             totals = combine_metrics(totals, {"loss": float(loss_sum), **{k: float(v) for k, v in metrics.items()}})
-        return {f"eval_{k}": v if is_max_metric(k) else v / max(weight, 1e-9) for k, v in totals.items()}
+        return {f"eval_{k}": v if is_extreme_metric(k) else v / max(weight, 1e-9) for k, v in totals.items()}
 
     def state(self) -> dict:
         return {"params": self.params, "opt_state": self.opt_state, "rngs": self.rngs}

@@ -162,7 +162,7 @@ class SamplingTensors:
 class SamplerOutput:
     tokens: jax.Array  # (B,) i32
     logprobs: jax.Array  # (B,) f32: log p of the chosen token (raw or processed distribution)
-    top_ids: jax.Array  # (B, K) i32: the K most likely tokens of the raw distribution, descending
+    top_ids: jax.Array  # (B, K) i32: the K most likely tokens of that distribution, descending
     top_logprobs: jax.Array  # (B, K) f32
 
 
@@ -214,7 +214,8 @@ def sample_tokens(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax
     with -1 (any Lp, Lo >= 1; a width-1 all -1 array when no row has penalties). num_top_logprobs
     (static) K: SamplerOutput.top_ids / top_logprobs are (B, K), (B, 0) when K == 0. bitmask:
     structured outputs' (B, ceil(V / 32)) int32 allowed-token masks (all ones = unconstrained), applied
-    first, so logprobs are those of the constrained distribution (as in vLLM).
+    first, so logprobs are those of the constrained distribution (as in vLLM). processed_logprobs (static):
+    logprobs and top logprobs of the distribution drawn from instead of the raw one.
     """
     if logits.ndim != 2:
         raise ValueError(f"logits must be (B, V), got shape {logits.shape}")

@@ -44,6 +44,7 @@ class ServeOptions:
     max_body_bytes: int = 8 << 20
     dequantize: bool = False
     engine: EngineConfig = EngineConfig()  # the engine's limits and sizing
+    compile_cache_dir: str | None = None  # a persistent XLA compilation cache (engine/compile_cache.py); None: off
 
 
 class _BodyLimit:
@@ -231,6 +232,10 @@ def serve(options: ServeOptions) -> None:
     """Run the server until interrupted; the model loads while /health already answers (503)."""
     import uvicorn
 
+    from tunix_rt.engine.compile_cache import use_compile_cache
+
+    cache = use_compile_cache(options.compile_cache_dir)
+    log.info("compilation cache: %s", cache or "off")
     state = build_state(options)
     app = _BodyLimit(create_app(state, options), options.max_body_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="info",

@@ -10,6 +10,7 @@ import sys
 import time
 
 from tunix_rt.checkpoints.loader import DEFAULT
+from tunix_rt.engine.compile_cache import DEFAULT_DIR as DEFAULT_COMPILE_CACHE
 from tunix_rt.engine.config import EngineConfig
 from tunix_rt.ops.quant import FORMATS
 
@@ -63,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="sequences queued beyond --max-num-seqs before requests get 429")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    serve.add_argument("--compile-cache-dir", default=DEFAULT_COMPILE_CACHE,
+                       help="persistent XLA compilation cache: a restart loads the engine's compiled step programs "
+                            f"instead of compiling them again ('' turns it off; default {DEFAULT_COMPILE_CACHE}; "
+                            "JAX_COMPILATION_CACHE_DIR, when set, wins)")
     for field in EngineConfig.flags():  # the engine's own options, named and defaulted as EngineConfig has them
         flag = "--" + field.name.replace("_", "-")
         if field.type in (bool, "bool"):
@@ -222,7 +227,7 @@ def _serve(args) -> int:
     serve(ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                        served_model_name=args.served_model_name, allowed_origins=tuple(args.allowed_origins),
                        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, dequantize=args.dequantize,
-                       engine=engine))
+                       engine=engine, compile_cache_dir=args.compile_cache_dir))
     return 0
 
 

@@ -128,7 +128,8 @@ def test_a_bad_tokenizer_file_is_one_line(tiny_hf_dir, tmp_path, damage):
         assert "tokenizer.json is not a readable tokenizer.json" in _cli_error(
             out, "sft", "--data", str(data), "--output", str(tmp_path / "run"))
         serve = subprocess.run([sys.executable, "-m", "tunix_rt.cli", "serve", "--model", str(out), "--port",
-                                str(free_port())], capture_output=True, text=True, timeout=300)
+                                str(free_port()), "--compile-cache-dir", ""], capture_output=True, text=True,
+                               timeout=300)
         assert serve.returncode == 2 and "Traceback" not in serve.stderr, serve.stderr
         assert serve.stderr.strip().splitlines()[-1].startswith("tunix-rt serve: error: ")
         assert "tokenizer.json is not a readable tokenizer.json" in serve.stderr.strip().splitlines()[-1]

@@ -442,8 +442,10 @@ def test_warmup_compiles_every_plain_program(llama):
     asked = []
     assert engine.warmup(stop=lambda: asked.append(1) or len(asked) > 1) == 1  # stopped after its first compile
     compiled = 1 + engine.warmup()
-    # two forwards (4 and 16 tokens), the samplers, and the decode loop of the one decode bucket (4 rows)
-    assert compiled == 2 + len(engine.runner.reachable_shapes()) + 1 == engine.stats().num_compiles
+    # two forwards (4 and 16 tokens), the row gathers of the reachable shapes, one sampler per row bucket,
+    # and the decode loop of the one decode bucket (4 rows)
+    shapes = engine.runner.reachable_shapes()
+    assert compiled == 2 + len(shapes) + len({b for _, b in shapes}) + 1 == engine.stats().num_compiles
     assert engine.stats().kv_cache_usage == 0
     prompts = _prompts(7, [1, 3, 9, 20])
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
@@ -507,11 +509,12 @@ def test_no_recompiles_after_warm_up(llama):
         engine.reset_prefix_cache()  # so every prompt token is computed
         engine.generate(_prompts(100 + i, lengths), SamplingParams(max_tokens=1, **GREEDY))
     assert not runner.quantized  # f32 weights: one forward program per bucket, no int8-decode twin
-    expected = {("forward", t, False) for t in runner.token_buckets} | {("sample", t, b, 1, 0, False) for t, b in shapes}
+    expected = ({("forward", t, False) for t in runner.token_buckets} | {("rows", t, b) for t, b in shapes}
+                | {("sample", b, 1, 0, False) for _, b in shapes})
     assert expected <= runner.compiled
     compiled, num_compiles = set(runner.compiled), engine.stats().num_compiles
-    # x {no penalties, penalties} x {no logprobs, logprobs} x {no grammar, grammar}
-    bound = len(runner.token_buckets) + len(shapes) * 2 * 2 * 2
+    # samplers per row bucket x {no penalties, penalties} x {no logprobs, logprobs} x {no grammar, grammar}
+    bound = len(runner.token_buckets) + len(shapes) + len(runner.seq_buckets) * 2 * 2 * 2
     assert num_compiles <= bound
 
     # ~50 requests of varied lengths and options arriving while others run

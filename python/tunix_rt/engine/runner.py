@@ -51,9 +51,11 @@ def _fit(n: int, sizes: tuple[int, ...]) -> int:
 
 
 def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size, processed_logprobs):
-    """The three jitted programs with the model's structure closed over: a static graphdef argument
-    would be hashed on every call, and flat weight leaves skip pytree flattening. The sampler
-    takes only the output head's leaves: every leaf passed costs dispatch time on each step."""
+    """The jitted programs with the model's structure closed over: a static graphdef argument would be
+    hashed on every call, and flat weight leaves skip pytree flattening. The sampler takes only the
+    output head's leaves (every leaf passed costs dispatch time on each step) and the sampled rows'
+    hidden states, gathered by a program of their own: the sampler, whose compile is the costly one,
+    then has one program per row bucket rather than one per (token bucket, row bucket) pair."""
 
     @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnums=8)
     def forward(leaves, k, v, tokens, positions, slots, token_seq, block_tables, int8_decode):
@@ -64,10 +66,14 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
         h, cache = model.hidden_states(tokens[None], positions[None], cache)
         return h[0], cache.k, cache.v
 
-    @functools.partial(jax.jit, static_argnums=6)
-    def sample(head_leaves, hidden, rows, params, prompt_tokens, output_tokens, num_top_logprobs, bitmask):
+    @jax.jit
+    def take_rows(hidden, rows):
+        return hidden[rows]
+
+    @functools.partial(jax.jit, static_argnums=5)
+    def sample(head_leaves, hidden_rows, params, prompt_tokens, output_tokens, num_top_logprobs, bitmask):
         head = nnx.merge(head_def, jax.tree.unflatten(head_treedef, head_leaves))
-        logits = head_logits(config, head, hidden[rows])
+        logits = head_logits(config, head, hidden_rows)
         return sample_tokens(logits, params, prompt_tokens, output_tokens, num_top_logprobs=num_top_logprobs,
                              bitmask=bitmask, processed_logprobs=processed_logprobs)
 
@@ -103,7 +109,7 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
         k, v, _, _, outs = jax.lax.fori_loop(0, jnp.max(limits), one_step, (k, v, tokens, positions, outs))
         return outs, k, v
 
-    return forward, sample, decode_loop
+    return forward, take_rows, sample, decode_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +131,8 @@ class ModelRunner:
                              for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, QuantizedTensor)))
         head_def, head_state = nnx.split(model.output_head())
         self.head_leaves, head_treedef = jax.tree.flatten(head_state)
-        self._forward, self._sample, self._decode_loop = _compile_step(self.graphdef, self.treedef, head_def,
-                                                                       head_treedef, model.config, block_size,
-                                                                       processed_logprobs)
+        self._forward, self._take_rows, self._sample, self._decode_loop = _compile_step(
+            self.graphdef, self.treedef, head_def, head_treedef, model.config, block_size, processed_logprobs)
         self.decode_steps = decode_steps
         cfg = model.config
         self.cache_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -186,10 +191,11 @@ class ModelRunner:
                 if b <= _fit(min(t, self.max_num_seqs), self.seq_buckets)]
 
     def warmup(self, stop: Callable[[], bool] = lambda: False) -> int:
-        """Compile the forward of every token bucket and the plain sampler (no penalties, logprobs of the
-        sampled token only, no grammar) of every reachable shape, and the decode loop of every bucket a
-        decode-only step can land in, on all-padding steps that write nothing; returns how many
-        programs that compiled. It ends early, between two compiles, once `stop()` is true."""
+        """Compile the forward of every token bucket, the row gather of every reachable shape, the plain
+        sampler (no penalties, logprobs of the sampled token only, no grammar) of every row bucket, and
+        the decode loop of every bucket a decode-only step can land in, on all-padding steps that write
+        nothing; returns how many programs that compiled. It ends early, between two compiles, once
+        `stop()` is true."""
         before = len(self.compiled)
         decode_buckets = {_fit(n, self.token_buckets) for n in range(1, min(self.max_num_seqs,
                                                                              self.token_buckets[-1]) + 1)}
@@ -207,11 +213,13 @@ class ModelRunner:
                     continue
                 if stop():
                     return len(self.compiled) - before
-                rows_params = SamplingTensors.from_rows([], b_b)
-                hist = np.full((b_b, 1), -1, np.int32)
-                self._note_compile(("sample", t_b, b_b, 1, 0, False))
-                jax.block_until_ready(self._sample(self.head_leaves, hidden, np.zeros(b_b, np.int32), rows_params,
-                                                   hist, hist, 0, None))
+                self._note_compile(("rows", t_b, b_b))
+                hidden_rows = self._take_rows(hidden, np.zeros(b_b, np.int32))
+                if ("sample", b_b, 1, 0, False) not in self.compiled:
+                    hist = np.full((b_b, 1), -1, np.int32)
+                    self._note_compile(("sample", b_b, 1, 0, False))
+                    jax.block_until_ready(self._sample(self.head_leaves, hidden_rows, SamplingTensors.from_rows([], b_b),
+                                                       hist, hist, 0, None))
             if self.decode_steps > 1 and t_b in decode_buckets and not stop():
                 int8 = self.int8_decode(t_b, True)
                 self._note_compile(("decode_loop", t_b, self.decode_steps, int8, 0))
@@ -258,9 +266,10 @@ class ModelRunner:
         hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, tokens, positions, slots, token_seq, tables,
                                                int8)
         bitmask = self._grammar_masks(scheduled, b_b)
-        self._note_compile(("sample", t_b, b_b, prompt_hist.shape[1], num_top, bitmask is not None))
-        out: SamplerOutput = self._sample(self.head_leaves, hidden, rows, params, prompt_hist, output_hist, num_top,
-                                          bitmask)
+        self._note_compile(("rows", t_b, b_b))
+        self._note_compile(("sample", b_b, prompt_hist.shape[1], num_top, bitmask is not None))
+        out: SamplerOutput = self._sample(self.head_leaves, self._take_rows(hidden, rows), params, prompt_hist,
+                                          output_hist, num_top, bitmask)
         return self._result(out, len(scheduled), steps_axis=False)
 
     def _run_decode_loop(self, scheduled, t_b, tokens, positions, token_seq, tables, int8) -> StepResult:

@@ -6,13 +6,10 @@ program calls the installed ones."""
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
 from tunix_rt.checkpoints.output_dir import make_dirs
-
-log = logging.getLogger("tunix_rt.engine")
 
 DEFAULT_DIR = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tunix-rt" / "xla")
 
@@ -28,7 +25,8 @@ def use_compile_cache(directory: str | None) -> str | None:
         return configured
     if not directory:
         return None
-    make_dirs(Path(directory).expanduser(), "--compile-cache-dir")
-    jax.config.update("jax_compilation_cache_dir", str(Path(directory).expanduser()))
+    path = Path(directory).expanduser()
+    make_dirs(path, "--compile-cache-dir")
+    jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    return str(Path(directory).expanduser())
+    return str(path)

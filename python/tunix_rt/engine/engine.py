@@ -290,8 +290,9 @@ class Engine:
                 self.abort(rid)
 
     def warmup(self, stop: Callable[[], bool] = lambda: False) -> int:
-        """Compile every step program plain sampling can need (each token bucket's forward, the sampler of
-        each reachable batch shape), so a running engine compiles nothing new; returns the count compiled.
+        """Compile every step program plain sampling can need (each token bucket's forward, the row gather
+        of each reachable shape, the sampler of each row bucket, the decode loops), so a running engine
+        compiles nothing new; returns the count compiled.
         Steps with penalties, top logprobs or a grammar have programs of their own, compiled on first use.
         `stop` ends it early, between two compiles (a server shut down while it loads)."""
         if self.is_sleeping:

@@ -143,13 +143,14 @@ def build_objective(cfg: TrainConfig, loaded: LoadedModel, data: str) -> Objecti
     return algorithm_for(cfg).objective(cfg, loaded, data)
 
 
-def is_run_dir(path: Path) -> bool:
-    """A directory a training run wrote: its config.yaml is a run's record (a mapping with model and output)."""
+def run_record(path: Path) -> dict | None:
+    """The record of the run that wrote `path` (its config.yaml, a mapping with model and output), or None for a
+    directory no training run wrote."""
     try:
         record = yaml.safe_load((path / RUN_CONFIG).read_text())
     except (OSError, yaml.YAMLError):
-        return False
-    return isinstance(record, dict) and {"model", "output"} <= record.keys()
+        return None
+    return record if isinstance(record, dict) and {"model", "output"} <= record.keys() else None
 
 
 # What a run writes in its directory, and what `resume=false overwrite=true` removes to start over.
@@ -163,10 +164,11 @@ def prepare_run_dir(cfg: TrainConfig) -> tuple[Path, dict[str, dict]]:
     output = check_output_dir(cfg.output, overwrite=True, what="--output")  # a file is refused
     changed = {}
     if output.is_dir() and any(output.iterdir()):
-        if not is_run_dir(output) and not cfg.overwrite:
+        record = run_record(output)
+        if record is None and not cfg.overwrite:
             raise OutputDirError(f"--output {output} is a non-empty directory that holds no tunix-rt run (no "
                                  f"{RUN_CONFIG}); choose a new or empty directory, or give --overwrite to write into it")
-        if is_run_dir(output) and not cfg.resume and cfg.overwrite and jax.process_index() == 0:
+        if record is not None and not cfg.resume and cfg.overwrite and jax.process_index() == 0:
             for name in _RUN_OUTPUTS:
                 path = output / name
                 if path.is_dir():
@@ -174,8 +176,8 @@ def prepare_run_dir(cfg: TrainConfig) -> tuple[Path, dict[str, dict]]:
                 else:
                     path.unlink(missing_ok=True)
             log.info("resume=false overwrite=true: removed the earlier run's files in %s", output)
-        elif is_run_dir(output) and cfg.resume and (output / "checkpoints").is_dir():
-            changed = check_resumed_options(yaml.safe_load((output / RUN_CONFIG).read_text()), cfg)
+        elif record is not None and cfg.resume and (output / "checkpoints").is_dir():
+            changed = check_resumed_options(record, cfg)
     make_dirs(output, "--output")
     return output, changed
 

@@ -8,9 +8,8 @@ For GEMV rows (M <= 4) a last column repeats the ratio with each op run 16 times
 one jitted loop (each input depending on the last output), as a model's decode step runs it: no
 Python dispatch between calls (measured here: the ~0.1 ms a call spends outside its kernel weighs
 on a 0.4 ms GEMV far more than on XLA's 1.6 ms f32 dot).
-Path "int8": x quantized to int8 per block, as decode runs it (int8_rows=64, as the engine's
-decode steps pass); "exact": f32 products over dequantized weights, the default past 4 rows
-(scoring, training).
+Path "int8": x quantized to int8 per block on every row, as the engine runs it (int8_rows=None);
+"exact": f32 products over dequantized weights, the default past 4 rows (scoring, training).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import numpy as np
 
 from tunix_rt.ops import quant_matmul, quantize
 from tunix_rt.ops._ffi import isa_level
-from tunix_rt.ops.quant import MAX_INT8_ROWS
 
 SMOLLM2 = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
 
@@ -84,18 +82,16 @@ def main() -> None:
     rng = np.random.default_rng(0)
     dot = jax.jit(lambda x, w: x @ w)
     dot_chain = chained(lambda x, w: x @ w)
-    int8_chain = chained(functools.partial(quant_matmul, int8_rows=MAX_INT8_ROWS))
+    int8_chain = chained(functools.partial(quant_matmul, int8_rows=None))
     exact = jax.jit(quant_matmul)  # past 4 rows: exact products
-    int8 = jax.jit(functools.partial(quant_matmul, int8_rows=MAX_INT8_ROWS))
+    int8 = jax.jit(functools.partial(quant_matmul, int8_rows=None))
     for k, n in shapes:
         w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
         qts = {fmt: quantize(w, fmt) for fmt in formats}
         for m in ms:
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
             for fmt in formats:
-                paths = []
-                if m <= MAX_INT8_ROWS:
-                    paths.append(("int8", int8))
+                paths = [("int8", int8)]
                 if m > 4:
                     paths.append(("exact", exact))
                 for path, fn in paths:

@@ -7,6 +7,12 @@
 // in 12 registers across a 256-deep K slab. Without it the operands are widened to f32 once and run
 // through the shared f32 GEMM (gemm_f32.h). Products of bf16 values are exact in f32, so both tiers differ
 // only in summation order. The output is f32 or bf16 (rounded to nearest even once, at the end).
+// f32 operands run the shared f32 GEMM in place (f32 output): the engine's products of f32 weights.
+//
+// Every output element is one chain of multiply-adds over a K slab whose depth depends on K alone,
+// added slab after slab into a zeroed sum: no step depends on M, on the work partition or on the
+// other rows, so a row's result is the same in a batch of one and of many (the engine's batch
+// invariance rests on it).
 #include <algorithm>
 #include <memory>
 #include <vector>
@@ -234,28 +240,37 @@ bool HasBf16Kernels() {
 #endif
 }
 
-// a (M, K) or, with transpose_a, (K, M); b (K, N) or, with transpose_b, (N, K); c (M, N) f32 or bf16.
-ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::BF16> b,
-                       ffi::Result<ffi::AnyBuffer> c, bool transpose_a, bool transpose_b) {
+// a (M, K) or, with transpose_a, (K, M); b (K, N) or, with transpose_b, (N, K); both bf16 (c (M, N) f32
+// or bf16) or both f32 (c f32).
+ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> c,
+                       bool transpose_a, bool transpose_b) {
   const auto ad = a.dimensions(), bd = b.dimensions(), cd = c->dimensions();
   if (ad.size() != 2 || bd.size() != 2 || cd.size() != 2)
     return ReadyFuture(InvalidArgument("bf16_matmul: operands must be 2-D"));
+  const bool f32 = a.element_type() == ffi::DataType::F32;
+  if ((!f32 && a.element_type() != ffi::DataType::BF16) || b.element_type() != a.element_type() ||
+      !IsF32OrBf16(c->element_type()) || (f32 && c->element_type() != ffi::DataType::F32))
+    return ReadyFuture(InvalidArgument("bf16_matmul: operands must be both bf16 (f32 or bf16 result) or both f32"));
   const int64_t m = transpose_a ? ad[1] : ad[0], k = transpose_a ? ad[0] : ad[1];
   const int64_t n = transpose_b ? bd[0] : bd[1], kb = transpose_b ? bd[1] : bd[0];
   if (kb != k || cd[0] != m || cd[1] != n) return ReadyFuture(InvalidArgument("bf16_matmul: shapes do not agree"));
-  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.typed_data());
-  const uint16_t* bp = reinterpret_cast<const uint16_t*>(b.typed_data());
+  const uint16_t* ap = static_cast<const uint16_t*>(a.untyped_data());
+  const uint16_t* bp = static_cast<const uint16_t*>(b.untyped_data());
   const Bf16Matrix am = transpose_a ? Bf16Matrix{ap, 1, m} : Bf16Matrix{ap, k, 1};
   const Bf16Matrix bm = transpose_b ? Bf16Matrix{bp, 1, k} : Bf16Matrix{bp, n, 1};
   const bool out_f32 = c->element_type() == ffi::DataType::F32;
   float* cf = out_f32 ? static_cast<float*>(c->untyped_data()) : nullptr;
   uint16_t* c16 = out_f32 ? nullptr : static_cast<uint16_t*>(c->untyped_data());
-  // Without BF16 kernels both operands are widened once and every block runs the f32 GEMM on them.
-  const bool bf16_kernels = HasBf16Kernels();
+  // Without BF16 kernels bf16 operands are widened once and every block runs the f32 GEMM on them.
+  const bool bf16_kernels = !f32 && HasBf16Kernels();
   std::shared_ptr<std::vector<float>> af, bf;
-  if (!bf16_kernels) {
+  const float* a32 = static_cast<const float*>(a.untyped_data());
+  const float* b32 = static_cast<const float*>(b.untyped_data());
+  if (!f32 && !bf16_kernels) {
     af = WidenBf16(ap, a.element_count());
     bf = WidenBf16(bp, b.element_count());
+    a32 = af->data();
+    b32 = bf->data();
   }
   if (k == 0) {
     if (cf) std::fill(cf, cf + m * n, 0.0f);
@@ -282,8 +297,8 @@ ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buff
 #endif
       } else {
         for (int64_t r = 0; r < rows; ++r) std::fill(block + r * ldc, block + r * ldc + cols, 0.0f);
-        GemmAccumulate({af->data() + r0 * am.row_stride, am.row_stride, am.col_stride},
-                       {bf->data() + c0 * bm.col_stride, bm.row_stride, bm.col_stride}, rows, cols, k, block, ldc);
+        GemmAccumulate({a32 + r0 * am.row_stride, am.row_stride, am.col_stride},
+                       {b32 + c0 * bm.col_stride, bm.row_stride, bm.col_stride}, rows, cols, k, block, ldc);
       }
       if (c16)
         for (int64_t r = 0; r < rows; ++r) {
@@ -307,8 +322,8 @@ ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16MatmulHandler, Bf16Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transpose_a")
                                   .Attr<bool>("transpose_b"));

@@ -66,7 +66,9 @@ ffi::Future Dequantize(ffi::ThreadPool pool, ffi::AnyBuffer qs, ffi::AnyBuffer s
 }
 
 ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer qs, ffi::AnyBuffer scales,
-                        ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y, int32_t fmt, int64_t group, bool exact) {
+                        ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y, int32_t fmt, int64_t group, int32_t route) {
+  if (route < kInt8 || route > kExactRowInvariant)
+    return ReadyFuture(InvalidArgument("quant_matmul: route must be 0 (int8), 1 (exact) or 2 (exact, row-invariant)"));
   const auto xd = x.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || !FloatInput(x) || y->element_type() != x.element_type() || yd[0] != xd[0])
     return ReadyFuture(InvalidArgument("quant_matmul: x must be (M, K) f32/bf16 and y (M, N) of x's dtype"));
@@ -77,7 +79,7 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
   if (m == 0 || l.n == 0) return ReadyFuture(ffi::Error::Success());
   const Weights w{l, static_cast<const uint8_t*>(qs.untyped_data()), scales.untyped_data(),
                   static_cast<const uint16_t*>(mins.untyped_data())};
-  if (exact || m > kInt8Rows) return QuantGemm(pool, w, x, *y);
+  if (route != kInt8) return QuantGemm(pool, w, x, *y, route == kExactRowInvariant);
 #ifdef TUNIX_RT_X86
   if (m > kGemvRows && HasVnni()) return VnniGemm(pool, w, x, *y);
 #endif
@@ -117,6 +119,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulHandler, quant::QuantMatmul,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("group")
-                                  .Attr<bool>("exact"));
+                                  .Attr<int32_t>("route"));
 
 }  // namespace tunix_rt

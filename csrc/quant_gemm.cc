@@ -233,17 +233,19 @@ std::vector<float> PackPanels(const float* x, int64_t m, int64_t k) {
 }
 
 // Columns [c_begin, c_end) of y (f32, row stride n, zeroed) from x (M, K) f32, or, past kGemvRows
-// rows, from x packed by PackPanels.
+// rows and unless `row_invariant`, from x packed by PackPanels. The column dots sum each row alone,
+// four rows at a time, in one order whatever M: the row-invariant route.
 void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, const float* xp_all, int64_t m, float* y,
-                 int64_t c_begin, int64_t c_end) {
+                 int64_t c_begin, int64_t c_end, bool row_invariant) {
   const int64_t k = w.l.k, n = w.l.n;
-  if (m <= kGemvRows) {  // too few rows to pay for panels: dequantize a column, dot it with each row
+  if (m <= kGemvRows || row_invariant) {  // dequantize a column, dot it with each row
     std::vector<float> column(k);
     const int64_t ahead = PrefetchAhead(w.l);
     PrefetchColumns(w, c_begin, ahead);
     for (int64_t c = c_begin; c < c_end; ++c) {
       PrefetchColumns(w, c + ahead, 1);
-      g.column_dots(w, c, x, m, column.data(), y, n);
+      for (int64_t r0 = 0; r0 < m; r0 += kGemvRows)
+        g.column_dots(w, c, x + r0 * k, std::min(kGemvRows, m - r0), column.data(), y + r0 * n, n);
     }
     return;
   }
@@ -271,7 +273,7 @@ void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, const f
   }
 }
 
-// ---- int8 GEMM with AVX-512 VNNI: kGemvRows < M <= kInt8Rows ----------------------------------
+// ---- int8 GEMM with AVX-512 VNNI: M > kGemvRows ---------------------------------------------
 //
 // vpdpbusd adds four u8 x s8 products into each int32 lane. Rows ride in the 16 lanes: x is
 // repacked once per call so that one 64-byte load holds 4 consecutive k of 16 rows, and each
@@ -442,7 +444,8 @@ DequantFn DequantizerFor(int32_t fmt) {
   return DequantizeRange;
 }
 
-ffi::Future QuantGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuffer& x, ffi::AnyBuffer y) {
+ffi::Future QuantGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuffer& x, ffi::AnyBuffer y,
+                      bool row_invariant) {
   const int64_t m = x.dimensions()[0], k = w.l.k, n = w.l.n;
   // f32 views of x and y: the buffers themselves for f32, converted copies for bf16.
   std::shared_ptr<std::vector<float>> x_copy, y_copy;
@@ -455,13 +458,14 @@ ffi::Future QuantGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuf
   }
   uint16_t* y_bf16 = out_bf16 ? static_cast<uint16_t*>(y.untyped_data()) : nullptr;
   const GemmKernels kernels = SelectGemm(w.l.format_id());
-  auto xp = std::make_shared<std::vector<float>>(m > kGemvRows ? PackPanels(xf, m, k) : std::vector<float>());
+  const bool panels = m > kGemvRows && !row_invariant;
+  auto xp = std::make_shared<std::vector<float>>(panels ? PackPanels(xf, m, k) : std::vector<float>());
   const int64_t nr = kernels.nr, col_tiles = (n + nr - 1) / nr;
   const int64_t chunks = NumChunks(pool, col_tiles, std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, m * k * nr)));
   return ParallelFor(pool, col_tiles, chunks, [=](int64_t, int64_t begin, int64_t end) {
     const int64_t c_begin = begin * nr, c_end = std::min(n, end * nr);
     for (int64_t r = 0; r < m; ++r) std::fill(yf + r * n + c_begin, yf + r * n + c_end, 0.0f);
-    GemmColumns(w, kernels, xf, xp->data(), m, yf, c_begin, c_end);
+    GemmColumns(w, kernels, xf, xp->data(), m, yf, c_begin, c_end, row_invariant);
     if (y_bf16)
       for (int64_t r = 0; r < m; ++r)
         for (int64_t c = c_begin; c < c_end; ++c) y_bf16[r * n + c] = F32ToBf16(yf[r * n + c]);

@@ -25,9 +25,9 @@ namespace {
 // qsum[b] is sum(q) itself, from which the SIMD kernels' integer corrections come.
 // With `interleave` P (2 for AVX2, 4 for AVX-512), each run of P blocks is stored as
 // [x0[0:16] .. xP-1[0:16] x0[16:32] .. xP-1[16:32]]: the order in which one load of P 4-bit weight
-// blocks unpacks (low nibbles, then high ones), so P blocks take one unpack. Blocks past the last
-// full run stay in natural order. pd and pc are per-kernel lanes of scales and integer corrections
-// (the kernel's prep function fills them; see each kernel).
+// blocks unpacks (low nibbles, then high ones), so P blocks take one unpack. A last, shorter run
+// is interleaved by its own length (one block: natural order). pd and pc are the AVX2 kernel's lanes
+// of scales and integer corrections (its prep function fills them).
 struct QuantizedActivations {
   int64_t m, k;
   std::vector<int8_t> q;
@@ -41,11 +41,11 @@ void QuantizeActivationRow(const float* x, int64_t k, int interleave, bool exact
                            int8_t* q, float* d, float* s, float* e, int32_t* qsum) {
   const int64_t nb = k / kSub;
   for (int64_t b = 0; b < nb; ++b) {
-    const int64_t run = b - b % interleave;  // first block of b's run
-    const bool in_run = interleave > 1 && run + interleave <= nb;
-    // in a run, the j-th block's halves go to run * 32 + j * 16 and 16 P further
-    int8_t* lo = q + (in_run ? run * kSub + (b - run) * 16 : b * kSub);
-    int8_t* hi = in_run ? lo + 16 * interleave : lo + 16;
+    const int64_t run = b - b % interleave;                          // first block of b's run
+    const int64_t length = std::min<int64_t>(interleave, nb - run);  // the last run may be shorter
+    // the j-th block of a run of P blocks has its halves at run * 32 + j * 16 and 16 P further
+    int8_t* lo = q + run * kSub + (b - run) * 16;
+    int8_t* hi = lo + 16 * length;
     float exact = 0.0f;
     d[b] = quantize_block(x + b * kSub, lo, hi, &qsum[b], exact_sums ? &exact : nullptr);
     s[b] = exact_sums ? exact : d[b] * static_cast<float>(qsum[b]);
@@ -57,7 +57,7 @@ void QuantizeActivationRow(const float* x, int64_t k, int interleave, bool exact
 // written to y[r * cols + c].
 using TileFn = void (*)(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols,
                         float* y);
-constexpr int kTileRows = 4, kTileCols = 1, kMaxTileCols = 4;  // kernels may take more columns (SelectGemv)
+constexpr int kTileRows = 4, kTileCols = 1, kMaxTileCols = 16;  // kernels may take more columns (SelectGemv)
 
 // Every kernel computes, per weight group g and activation block b in g:
 //   d_w[g] * d_x[b] * sum(code * xq)  +  correction,
@@ -281,173 +281,223 @@ constexpr TileFn kAvx2Tiles =
            Tile<kBits, kOffset8, kHasMin, kF16, 3, kTileCols>(), Tile<kBits, kOffset8, kHasMin, kF16, 4, kTileCols>()>;
 
 // ---- AVX-512 VNNI GEMV tiles --------------------------------------------------------------------
-// Both walk K in stripes of 16 blocks, so that one f32 vector holds a stripe's scale products
-// d_w * d_x and the float work (convert, scale, accumulate) is shared by 16 lanes of block dots.
-// Columns run one after another; the rows (R <= 4) share each column's codes.
+// Sixteen columns ride in the 16 lanes, so each output is summed exactly as VnniGemm sums it, block
+// after block: acc = fma(float(dot_b), d_x[b] * d_w[b], acc), then for q4_1 acc = fma(s_x[b], m + 8 d_w,
+// acc), where dot_b is the whole block's centred integer dot (codes minus 8 or 128). A row's result
+// thus never depends on the route its call took (GEMV up to kGemvRows rows, VnniGemm past them) or
+// on the rows beside it. Weights are read as stored: one 64-byte load holds four 4-bit blocks (two
+// 8-bit ones) of one column, and the integer partial sums of 16 columns are folded into one vector
+// of whole-block dots per block by packs/madds (4-bit: |lane| <= 8 * 15 * 127 fits int16) or int32
+// unpack-adds (8-bit), then regrouped by 128-bit shuffles. The weight scales of a 16-block stripe are
+// transposed once per tile (columns into lanes) and shared by the rows.
 
-constexpr int64_t kStripe = 16;  // blocks
+constexpr int kColumnTile = 16;  // columns per tile: the lanes
+constexpr int64_t kStripe = 16;  // blocks whose scales are transposed at once
 
 VNNI_FN inline __mmask16 FirstLanes(int64_t count) { return static_cast<__mmask16>((1u << count) - 1); }
 
-VNNI_FN inline int32_t HSum32(__m256i v) { return _mm512_reduce_add_epi32(_mm512_zextsi256_si512(v)); }
+// r[i] lane j <- r[j] lane i (a 16 x 16 transpose of f32).
+VNNI_FN inline void Transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  // r[4q + i] now holds, in 128-bit lane l, elements 4l..4l+3 of column i of rows 4q..4q+3.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
 
-// Scales of blocks [b0, b0 + count) of column col (count <= 16), natural order, zero past count.
-template <bool kF16>
-VNNI_FN inline __m512 StripeScales(const Weights& w, int64_t col, int64_t b0, int64_t count, int shift) {
-  const int64_t g0 = col * w.l.groups();
-  if (shift == 0) {
-    if constexpr (kF16) {
-      return _mm512_cvtph_ps(
-          _mm256_maskz_loadu_epi16(FirstLanes(count), static_cast<const uint16_t*>(w.scales) + g0 + b0));
+// Per block of the stripe [b0, b0 + count): dw[j] lane c = d_w of column cols[c] at block b0 + j and,
+// with mins, mw[j] lane c = m + 8 d_w (VnniGemm's correction factor, rounded once).
+template <bool kHasMin, bool kF16>
+VNNI_FN void StripeColumnScales(const Weights& w, const int64_t* cols, int64_t b0, int64_t count, __m512 dw[kStripe],
+                                __m512 mw[kStripe]) {
+  const int shift = GroupShift(w.l.group);
+  const int64_t groups = w.l.groups();
+  for (int c = 0; c < kColumnTile; ++c) {
+    const int64_t g0 = cols[c] * groups;
+    if (shift == 0) {
+      if constexpr (kF16) {
+        dw[c] = _mm512_cvtph_ps(
+            _mm256_maskz_loadu_epi16(FirstLanes(count), static_cast<const uint16_t*>(w.scales) + g0 + b0));
+      } else {
+        dw[c] = _mm512_maskz_loadu_ps(FirstLanes(count), static_cast<const float*>(w.scales) + g0 + b0);
+      }
+      if constexpr (kHasMin) mw[c] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(FirstLanes(count), w.mins + g0 + b0));
     } else {
-      return _mm512_maskz_loadu_ps(FirstLanes(count), static_cast<const float*>(w.scales) + g0 + b0);
+      alignas(64) float d[kStripe] = {}, m[kStripe] = {};
+      for (int64_t i = 0; i < count; ++i) {
+        d[i] = ScaleAt<kF16>(w.scales, g0 + ((b0 + i) >> shift));
+        if constexpr (kHasMin) m[i] = _cvtsh_ss(w.mins[g0 + ((b0 + i) >> shift)]);
+      }
+      dw[c] = _mm512_load_ps(d);
+      if constexpr (kHasMin) mw[c] = _mm512_load_ps(m);
     }
   }
-  alignas(64) float d[kStripe] = {};
-  for (int64_t i = 0; i < count; ++i) d[i] = ScaleAt<kF16>(w.scales, g0 + ((b0 + i) >> shift));
-  return _mm512_load_ps(d);
-}
-
-// 4-bit formats over activations interleaved by 4. One 64-byte load holds a quad of four weight
-// blocks (128-bit lane j: block j), whose low and high nibbles meet x in two vpdpbusd. A lane's
-// dot is at most 8 * 15 * 127 in magnitude, so a stripe's four quads reduce by int16 packs and
-// pairwise madds to one vector of whole-block dots, lane 4 j + q holding block 4 q + j. pd holds
-// the activation scales in that order and pc (offset formats) 8 * qsum, subtracted from the
-// integer dots: sum((code - 8) * q) exactly. The weights' scales take one permute per stripe.
-alignas(64) constexpr int32_t kTransposed[kStripe] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-
-int64_t QuadStripes(int64_t blocks) { return (blocks / 4 + 3) / 4; }
-
-void PrepQuadStripes(QuantizedActivations& a, bool offset8) {
-  const int64_t nb = a.blocks(), quad_blocks = nb / 4 * 4, stripes = QuadStripes(nb);
-  a.pd.assign(a.m * stripes * kStripe, 0.0f);
-  a.pc.assign(offset8 ? a.m * stripes * kStripe : 0, 0);
-  for (int64_t r = 0; r < a.m; ++r)
-    for (int64_t s = 0; s < stripes; ++s)
-      for (int lane = 0; lane < kStripe; ++lane) {
-        const int64_t b = s * kStripe + kTransposed[lane], at = (r * stripes + s) * kStripe + lane;
-        if (b >= quad_blocks) continue;
-        a.pd[at] = a.d[r * nb + b];
-        if (offset8) a.pc[at] = 8 * a.qsum[r * nb + b];
-      }
-}
-
-template <bool kOffset8, bool kHasMin, bool kF16, int R>
-VNNI_FN void TileQuadStripes(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int cols,
-                             float* y) {
-  const int64_t nb = a.blocks(), quads = nb / 4, stripes = QuadStripes(nb), groups = w.l.groups();
-  const int shift = GroupShift(w.l.group);
-  const __m512i mask = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi16(1), zero = _mm512_setzero_si512();
-  const __m512i transpose = _mm512_load_si512(kTransposed);
-  for (int c = 0; c < cols; ++c) {
-    const uint8_t* wrow = w.row(col + c);
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < stripes; ++s) {
-      const int64_t q0 = s * 4, nq = std::min<int64_t>(4, quads - q0);
-      __m512i lo[4], hi[4];
-      for (int q = 0; q < 4; ++q) {
-        const __m512i raw = q < nq ? _mm512_loadu_si512(wrow + (q0 + q) * 2 * kSub) : zero;
-        lo[q] = _mm512_and_si512(raw, mask);
-        hi[q] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-      }
-      const __m512 dw = _mm512_permutexvar_ps(transpose, StripeScales<kF16>(w, col + c, q0 * 4, nq * 4, shift));
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xq = a.q.data() + (r0 + r) * a.k + q0 * 4 * kSub;
-        __m512i dot[4];
-        for (int q = 0; q < 4; ++q)
-          dot[q] = q < nq ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo[q], _mm512_loadu_si512(xq + q * 4 * kSub)),
-                                                hi[q], _mm512_loadu_si512(xq + q * 4 * kSub + 2 * kSub))
-                          : zero;
-        const __m512i d01 = _mm512_madd_epi16(_mm512_packs_epi32(dot[0], dot[1]), ones);
-        const __m512i d23 = _mm512_madd_epi16(_mm512_packs_epi32(dot[2], dot[3]), ones);
-        __m512i blocks = _mm512_madd_epi16(_mm512_packs_epi32(d01, d23), ones);
-        const int64_t lanes = ((r0 + r) * stripes + s) * kStripe;
-        if constexpr (kOffset8) blocks = _mm512_sub_epi32(blocks, _mm512_loadu_si512(a.pc.data() + lanes));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blocks), _mm512_mul_ps(dw, _mm512_loadu_ps(a.pd.data() + lanes)),
-                                 acc[r]);
-      }
-    }
-    float tail[R] = {};
-    for (int64_t b = quads * 4; b < nb; ++b) {  // blocks past the last quad (natural order)
-      const __m256i codes = LoadCodes<4>(wrow, b);
-      const float d = ScaleAt<kF16>(w.scales, (col + c) * groups + (b >> shift));
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (r0 + r) * nb + b;
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (r0 + r) * a.k + b * kSub));
-        const int32_t dot = HSum32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, xv)) -
-                            (kOffset8 ? 8 * a.qsum[i] : 0);
-        tail[r] += d * a.d[i] * static_cast<float>(dot);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const float corr = kHasMin ? MinCorrectionAvx2(w, a, col + c, r0 + r) : 0.0f;
-      y[r * cols + c] = _mm512_reduce_add_ps(acc[r]) + tail[r] + corr;
-    }
+  Transpose16(dw);
+  if constexpr (kHasMin) {
+    Transpose16(mw);
+    for (int j = 0; j < kStripe; ++j) mw[j] = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), dw[j], mw[j]);
   }
 }
 
-// 8-bit formats over activations in natural order. A 64-byte load holds two weight blocks;
-// vpdpbusd takes the codes as unsigned (c ^ 0x80 = c + 128), starting from pc's -128 * qsum in
-// lane 0 of each block's eight, which leaves sum(c * q) exactly. One permute per pair spreads
-// the stripe's scale products over the pair's lanes.
-void PrepPairs8(QuantizedActivations& a, bool) {
-  a.pc.assign(a.m * a.blocks() * 8, 0);
-  for (int64_t i = 0; i < a.m * a.blocks(); ++i) a.pc[i * 8] = -128 * a.qsum[i];
+// out[j] lane 4 q + i <- v[q] lane 4 j + i: 128-bit lane j of four vectors gathered into one.
+VNNI_FN inline void Transpose128(const __m512i v[4], __m512i out[4]) {
+  const __m512i t0 = _mm512_shuffle_i32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_i32x4(v[0], v[1], 0xee);
+  const __m512i t2 = _mm512_shuffle_i32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_i32x4(v[2], v[3], 0xee);
+  out[0] = _mm512_shuffle_i32x4(t0, t2, 0x88);
+  out[1] = _mm512_shuffle_i32x4(t0, t2, 0xdd);
+  out[2] = _mm512_shuffle_i32x4(t1, t3, 0x88);
+  out[3] = _mm512_shuffle_i32x4(t1, t3, 0xdd);
 }
 
-template <bool kF16, int R>
-VNNI_FN void TilePairStripes8(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int cols,
-                              float* y) {
-  const int64_t nb = a.blocks(), pairs = nb / 2, groups = w.l.groups();
-  const int shift = GroupShift(w.l.group);
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), two = _mm512_set1_epi32(2);
-  const __m512i first_pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  for (int c = 0; c < cols; ++c) {
-    const uint8_t* wrow = w.row(col + c);
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t p0 = 0; p0 < pairs; p0 += kStripe / 2) {
-      const int64_t np = std::min<int64_t>(kStripe / 2, pairs - p0);
-      const __m512 dw = StripeScales<kF16>(w, col + c, 2 * p0, 2 * np, shift);
-      __m512 dwx[R];
-      for (int r = 0; r < R; ++r)
-        dwx[r] = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(FirstLanes(2 * np), a.d.data() + (r0 + r) * nb + 2 * p0));
-      __m512i spread = first_pair;
-      for (int64_t p = p0; p < p0 + np; ++p, spread = _mm512_add_epi32(spread, two)) {
-        const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(wrow + p * 2 * kSub), flip);
+// acc += the blocks [b0, b0 + nq) of one row, dots[j] lane c holding block b0 + j's uncentred dot
+// with column c: VnniGemm's per-block arithmetic, column by column in the lanes.
+template <bool kHasMin>
+VNNI_FN inline __m512 AddBlocks(const QuantizedActivations& a, int64_t row, int64_t b0, int64_t nq, int32_t off,
+                                const __m512i* dots, const __m512* dw, const __m512* mw, __m512 acc) {
+  const int64_t at = row * a.blocks() + b0;
+  for (int64_t j = 0; j < nq; ++j) {
+    const __m512i dot = _mm512_sub_epi32(dots[j], _mm512_set1_epi32(off * a.qsum[at + j]));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(a.d[at + j]), dw[j]), acc);
+    if constexpr (kHasMin) acc = _mm512_fmadd_ps(_mm512_set1_ps(a.s[at + j]), mw[j], acc);
+  }
+  return acc;
+}
+
+// 4-bit formats over activations interleaved by 4 (a last, shorter run by its own length).
+template <bool kHasMin, bool kF16, int R>
+VNNI_FN void TileColumns4(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int cols,
+                          float* y) {
+  const int64_t nb = a.blocks();
+  const __m512i mask = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi16(1);
+  int64_t colv[kColumnTile];
+  const uint8_t* wrow[kColumnTile];
+  for (int c = 0; c < kColumnTile; ++c) {  // a short tile repeats its last column (lanes nobody reads)
+    colv[c] = col + std::min(c, cols - 1);
+    wrow[c] = w.row(colv[c]);
+  }
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 dw[kStripe], mw[kStripe];
+  for (int64_t s0 = 0; s0 < nb; s0 += kStripe) {
+    const int64_t sn = std::min(kStripe, nb - s0);
+    StripeColumnScales<kHasMin, kF16>(w, colv, s0, sn, dw, mw);
+    for (int64_t b0 = s0; b0 < s0 + sn; b0 += 4) {
+      const int64_t nq = std::min<int64_t>(4, nb - b0);
+      const __mmask64 bytes = nq == 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * nq)) - 1;
+      __m512i part[R][4];
+      for (int cq = 0; cq < 4; ++cq) {
+        __m512i lo[4], hi[4];
+        for (int i = 0; i < 4; ++i) {
+          const __m512i raw = _mm512_maskz_loadu_epi8(bytes, wrow[4 * cq + i] + b0 * kSub / 2);
+          lo[i] = _mm512_and_si512(raw, mask);
+          hi[i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+        }
         for (int r = 0; r < R; ++r) {
-          const __m512i init = _mm512_loadu_si512(a.pc.data() + ((r0 + r) * nb + 2 * p) * 8);
-          const __m512i dot = _mm512_dpbusd_epi32(init, u,
-                                                  _mm512_loadu_si512(a.q.data() + (r0 + r) * a.k + p * 2 * kSub));
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, dwx[r]), acc[r]);
+          const int8_t* xq = a.q.data() + (r0 + r) * a.k + b0 * kSub;
+          const __m512i xlo = _mm512_maskz_loadu_epi8(bytes, xq), xhi = _mm512_maskz_loadu_epi8(bytes, xq + 16 * nq);
+          __m512i dot[4];
+          for (int i = 0; i < 4; ++i)
+            dot[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], xlo), hi[i], xhi);
+          const __m512i d01 = _mm512_madd_epi16(_mm512_packs_epi32(dot[0], dot[1]), ones);
+          const __m512i d23 = _mm512_madd_epi16(_mm512_packs_epi32(dot[2], dot[3]), ones);
+          part[r][cq] = _mm512_madd_epi16(_mm512_packs_epi32(d01, d23), ones);  // lane 4 j + i: block j, column i
         }
       }
-    }
-    float tail[R] = {};
-    if (nb % 2) {  // the last, unpaired block
-      const int64_t b = nb - 1;
-      const __m256i u = _mm256_xor_si256(LoadCodes<8>(wrow, b), _mm256_set1_epi8(static_cast<char>(0x80)));
-      const float d = ScaleAt<kF16>(w.scales, (col + c) * groups + (b >> shift));
       for (int r = 0; r < R; ++r) {
-        const int64_t i = (r0 + r) * nb + b;
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (r0 + r) * a.k + b * kSub));
-        const int32_t dot = HSum32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xv)) - 128 * a.qsum[i];
-        tail[r] = d * a.d[i] * static_cast<float>(dot);
+        __m512i dots[4];
+        Transpose128(part[r], dots);
+        acc[r] = AddBlocks<kHasMin>(a, r0 + r, b0, nq, 8, dots, dw + (b0 - s0), mw + (b0 - s0), acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) y[r * cols + c] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float out[kColumnTile];
+    _mm512_store_ps(out, acc[r]);
+    std::memcpy(y + r * cols, out, cols * sizeof(float));
   }
 }
 
-template <bool kOffset8, bool kHasMin, bool kF16>
-constexpr TileFn kQuadStripes =
-    ByRows<TileQuadStripes<kOffset8, kHasMin, kF16, 1>, TileQuadStripes<kOffset8, kHasMin, kF16, 2>,
-           TileQuadStripes<kOffset8, kHasMin, kF16, 3>, TileQuadStripes<kOffset8, kHasMin, kF16, 4>>;
+// 8-bit formats over activations in natural order: one 64-byte load holds two blocks of a column;
+// the codes are the unsigned operand (c ^ 0x80 = c + 128), and 128 * qsum comes off the dot.
+// Each column's eight int32 partial sums per block fold into one lane by three unpack-add levels.
+template <bool kF16, int R>
+VNNI_FN void TileColumns8(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int cols,
+                          float* y) {
+  const int64_t nb = a.blocks();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  int64_t colv[kColumnTile];
+  const uint8_t* wrow[kColumnTile];
+  for (int c = 0; c < kColumnTile; ++c) {
+    colv[c] = col + std::min(c, cols - 1);
+    wrow[c] = w.row(colv[c]);
+  }
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 dw[kStripe];
+  for (int64_t s0 = 0; s0 < nb; s0 += kStripe) {
+    const int64_t sn = std::min(kStripe, nb - s0);
+    StripeColumnScales<false, kF16>(w, colv, s0, sn, dw, nullptr);
+    for (int64_t b0 = s0; b0 < s0 + sn; b0 += 2) {
+      const int64_t np = std::min<int64_t>(2, nb - b0);
+      const __mmask64 bytes = np == 2 ? ~__mmask64{0} : (__mmask64{1} << 32) - 1;
+      __m512i u[kColumnTile];
+      for (int c = 0; c < kColumnTile; ++c)
+        u[c] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, wrow[c] + b0 * kSub), flip);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_maskz_loadu_epi8(bytes, a.q.data() + (r0 + r) * a.k + b0 * kSub);
+        __m512i l2[4];
+        for (int q = 0; q < 4; ++q) {  // columns 4q..4q+3
+          __m512i l1[2];
+          for (int h = 0; h < 2; ++h) {
+            const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[4 * q + 2 * h], xv);
+            const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[4 * q + 2 * h + 1], xv);
+            l1[h] = _mm512_add_epi32(_mm512_unpacklo_epi32(p0, p1), _mm512_unpackhi_epi32(p0, p1));
+          }
+          l2[q] = _mm512_add_epi32(_mm512_unpacklo_epi64(l1[0], l1[1]), _mm512_unpackhi_epi64(l1[0], l1[1]));
+        }
+        // l2[q] 128-bit lanes: block b0 (halves 0, 1), block b0 + 1 (halves 0, 1), columns 4q..4q+3
+        const __m512i s01 = _mm512_add_epi32(_mm512_shuffle_i32x4(l2[0], l2[1], 0x88),
+                                             _mm512_shuffle_i32x4(l2[0], l2[1], 0xdd));
+        const __m512i s23 = _mm512_add_epi32(_mm512_shuffle_i32x4(l2[2], l2[3], 0x88),
+                                             _mm512_shuffle_i32x4(l2[2], l2[3], 0xdd));
+        const __m512i dots[2] = {_mm512_shuffle_i32x4(s01, s23, 0x88), _mm512_shuffle_i32x4(s01, s23, 0xdd)};
+        acc[r] = AddBlocks<false>(a, r0 + r, b0, np, 128, dots, dw + (b0 - s0), nullptr, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float out[kColumnTile];
+    _mm512_store_ps(out, acc[r]);
+    std::memcpy(y + r * cols, out, cols * sizeof(float));
+  }
+}
+
+template <bool kHasMin, bool kF16>
+constexpr TileFn kColumns4 = ByRows<TileColumns4<kHasMin, kF16, 1>, TileColumns4<kHasMin, kF16, 2>,
+                                    TileColumns4<kHasMin, kF16, 3>, TileColumns4<kHasMin, kF16, 4>>;
 
 template <bool kF16>
-constexpr TileFn kPairStripes8 =
-    ByRows<TilePairStripes8<kF16, 1>, TilePairStripes8<kF16, 2>, TilePairStripes8<kF16, 3>, TilePairStripes8<kF16, 4>>;
+constexpr TileFn kColumns8 =
+    ByRows<TileColumns8<kF16, 1>, TileColumns8<kF16, 2>, TileColumns8<kF16, 3>, TileColumns8<kF16, 4>>;
 #endif
 
 // The GEMV kernel of a format for the detected ISA tier, with the activation layout it reads:
@@ -464,14 +514,13 @@ GemvKernel SelectGemv(int32_t fmt) {
 #ifdef TUNIX_RT_X86
   if (HasVnni()) {
     static constexpr TileFn kVnni[kNumFormats] = {
-        kPairStripes8<true>,               // q8_0
-        kQuadStripes<true, false, true>,   // q4_0
-        kQuadStripes<false, true, true>,   // q4_1
-        kPairStripes8<false>,              // int8
-        kQuadStripes<true, false, false>,  // int4
+        kColumns8<true>,          // q8_0
+        kColumns4<false, true>,   // q4_0
+        kColumns4<true, true>,    // q4_1
+        kColumns8<false>,         // int8
+        kColumns4<false, false>,  // int4
     };
-    return kFormats[fmt].bits == 4 ? GemvKernel{kVnni[fmt], 4, kMaxTileCols, PrepQuadStripes, QuantizeBlockAvx512}
-                                   : GemvKernel{kVnni[fmt], 1, kMaxTileCols, PrepPairs8, QuantizeBlockAvx512};
+    return GemvKernel{kVnni[fmt], kFormats[fmt].bits == 4 ? 4 : 1, kColumnTile, nullptr, QuantizeBlockAvx512};
   }
   if (isa_level() >= IsaLevel::kAvx2 && cpu_features().f16c) {
     static constexpr TileFn kAvx2[kNumFormats] = {

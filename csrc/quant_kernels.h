@@ -1,10 +1,12 @@
-// The routes of quant_matmul, by the number of rows M of x (quant.cc picks one), and the dequantizer.
+// The routes of quant_matmul (quant.cc picks one by the caller's `route`) and the dequantizer.
 //
-// The matmul quantizes activations to int8 per 32-block on the fly and takes integer dot products
-// (llama.cpp's q8 scheme) for up to kInt8Rows rows (Python decides how many: quant_matmul's
-// int8_rows): a GEMV for up to kGemvRows rows (quant_gemv.cc), and past that, on AVX-512 VNNI, an
-// int8 GEMM (quant_gemm.cc). More rows, or `exact`, take exact f32 products over dequantized
-// weight panels (quant_gemm.cc). Each writes y (M, N) of x's dtype, f32 or bf16.
+// kInt8 quantizes activations to int8 per 32-block on the fly and takes integer dot products
+// (llama.cpp's q8 scheme), for any number of rows M: a GEMV up to kGemvRows rows (quant_gemv.cc)
+// and, past that on AVX-512 VNNI, an int8 GEMM (quant_gemm.cc). Both sum each output in one order,
+// block after block, so a row's result is the same whichever route and whichever rows beside it.
+// kExact takes exact f32 products over dequantized weight panels, the fastest way for the call's M
+// (quant_gemm.cc); kExactRowInvariant does the same products with one summation order per row
+// whatever M (the GEMV-sized kernel, four rows at a time). Each writes y (M, N) of x's dtype.
 #pragma once
 
 #include <cstdint>
@@ -19,13 +21,15 @@ namespace tunix_rt {
 namespace quant {
 
 constexpr int64_t kGemvRows = 4;
-constexpr int64_t kInt8Rows = 64;
+enum Route : int32_t { kInt8 = 0, kExact = 1, kExactRowInvariant = 2 };
 
-// int8 activations, up to kInt8Rows rows: the GEMV kernels.
+// int8 activations: the GEMV kernels (any M; the int8 GEMM is faster past kGemvRows rows).
 ffi::Future QuantGemv(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuffer& x, ffi::AnyBuffer y);
 
-// Exact f32 products (y equals x @ dequantize(qt) up to f32 summation order), any M.
-ffi::Future QuantGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuffer& x, ffi::AnyBuffer y);
+// Exact f32 products (y equals x @ dequantize(qt) up to f32 summation order), any M; with
+// `row_invariant`, each row summed in the same order whatever M.
+ffi::Future QuantGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuffer& x, ffi::AnyBuffer y,
+                      bool row_invariant);
 
 // Elements [k0, k0 + kk) of column `col` (block aligned) into out[0, kk), as DequantizeRange.
 using DequantFn = void (*)(const Weights& w, int64_t col, int64_t k0, int64_t kk, float* out);
@@ -37,7 +41,7 @@ DequantFn DequantizerFor(int32_t fmt);
 // AVX-512 VNNI (vpdpbusd: four u8 x s8 products into each int32 lane) with F16C.
 inline bool HasVnni() { return isa_level() >= IsaLevel::kAvx512 && cpu_features().avx512vnni && cpu_features().f16c; }
 
-// int8 activations, kGemvRows < M <= kInt8Rows, where HasVnni().
+// int8 activations, M > kGemvRows, where HasVnni().
 ffi::Future VnniGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuffer& x, ffi::AnyBuffer y);
 #endif
 

@@ -5,13 +5,14 @@ What must hold, and how tightly:
   packed bytes (f16 scales/mins, int8 codes, nibble order) and dequantized values, for the FFI op
   and for the reference, on adversarial blocks (ties, zeros, constants, 1e30 / 1e-30, f16-subnormal
   scales, exact .5 rounding points) and bf16 inputs. int8/int4 have no GGUF twin: FFI == reference.
-* quant_matmul, up to int8_rows rows (4 by default, 64 at most), quantizes x to int8 per
+* quant_matmul, up to int8_rows rows (4 by default; None: every row), quantizes x to int8 per
   32-block, so it only approximates
   x @ dequantize(qt): the per-element error is bounded by sum_b (amax_b(x) / 254) * sum_{i in b}
   |w_i| (half an activation step times the weights) plus float rounding; the relative Frobenius
   error is ~0.5%. More rows, or exact=True, multiply by exact dequantized panels: f32 rounding only.
-  Up to 4 rows take GEMV kernels; 5..64 rows the VNNI int8 GEMM where the CPU has it, else 4-row
-  GEMV tiles.
+  Up to 4 rows take GEMV kernels; more the VNNI int8 GEMM where the CPU has it, else 4-row GEMV
+  tiles. Every int8 row equals the same row computed alone, bit for bit, whichever route; exact
+  products with invariant=True too (the engine's batch invariance).
 * Its gradient wrt x is exact: dy @ dequantize(qt).T, the same as through the reference.
 * The references stay bit exact under jit, where XLA contracts multiply-adds into FMAs and turns
   divisions by constants into multiplications.
@@ -44,7 +45,7 @@ from tunix_rt.ops import (
     quantize,
     quantize_reference,
 )
-from tunix_rt.ops.quant import GEMV_ROWS, MAX_INT8_ROWS
+from tunix_rt.ops.quant import GEMV_ROWS
 
 QUANTIZE_TARGET, DEQUANTIZE_TARGET, MATMUL_TARGET = "tunix_rt_quantize", "tunix_rt_dequantize", "tunix_rt_quant_matmul"
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
@@ -706,37 +707,59 @@ def test_quant_matmul_frobenius_every_m(fmt, group, dtype):
             continue
         rel = np.linalg.norm(_f32(y) - _f32(y_ref)) / np.linalg.norm(_f32(y_ref))
         assert rel <= 1e-2, (m, rel)
-        # rows are independent of the other rows in the call: the last row equals the same row in
-        # the smallest call that takes the same kernel (1 row for GEMV, 5 rows for the int8 GEMM)
-        alone = quant_matmul(x[m - 1], qt) if m <= GEMV_ROWS else quant_matmul(x[m - GEMV_ROWS - 1:m], qt)[-1]
-        np.testing.assert_array_equal(_f32(y[m - 1]), _f32(alone))
+        # rows are independent of the other rows in the call: the last row equals the same row alone
+        # (GEMV rows; past 4 the default route is exact, whose panels depend on M)
+        if m <= GEMV_ROWS:
+            np.testing.assert_array_equal(_f32(y[m - 1]), _f32(quant_matmul(x[m - 1], qt)))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("fmt,group", FMT_GROUPS)
 def test_quant_matmul_int8_rows(fmt, group, dtype):
-    """With int8_rows=64, 5..64 rows quantize x too (the VNNI int8 GEMM: 16 rows per vector, so 17
-    and 33 leave partial row groups; N = 37 leaves a partial column tile): within the int8 error
-    bound, rows independent of each other, the same under jit; the default stays exact."""
+    """With int8_rows=None every row quantizes x (past 4 rows the VNNI int8 GEMM: 16 rows per vector, so
+    17 and 33 leave partial row groups; N = 37 leaves a partial column tile): within the int8 error
+    bound, each row bit-equal to the same row alone (the 1-row GEMV), the same under jit; the default
+    stays exact."""
     k, n = 256, 37
     rng = np.random.default_rng(17)
     qt = quantize(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), fmt, group)
-    xs = jnp.asarray(rng.standard_normal((MAX_INT8_ROWS, k)), dtype)
-    for m in (5, 17, 33, MAX_INT8_ROWS):
-        int8 = functools.partial(quant_matmul, int8_rows=MAX_INT8_ROWS)
-        y, five, jitted = int8(xs[:m], qt), int8(xs[m - 5:m], qt), jax.jit(int8)(xs[:m], qt)
+    xs = jnp.asarray(rng.standard_normal((100, k)), dtype)
+    int8 = functools.partial(quant_matmul, int8_rows=None)
+    alone = np.stack([_f32(int8(xs[i], qt)) for i in range(100)])
+    for m in (5, 17, 33, 100):
+        y, jitted = int8(xs[:m], qt), jax.jit(int8)(xs[:m], qt)
         ref64, bound = matmul_error_bound(_f32(xs[:m]), qt, dtype)
         err = np.abs(_f32(y).astype(np.float64) - ref64)
         assert np.all(err <= bound), (m, np.max(err - bound))
-        np.testing.assert_array_equal(_f32(y[-1]), _f32(five[-1]))
+        np.testing.assert_array_equal(_f32(y), alone[:m])
         np.testing.assert_array_equal(_f32(jitted), _f32(y))
         # by default the same call is exact
         ref, exact_bound = exact_matmul_bound(_f32(xs[:m]), qt, dtype)
         assert np.all(np.abs(_f32(quant_matmul(xs[:m], qt)).astype(np.float64) - ref) <= exact_bound), m
 
 
-# Up to GEMV_ROWS rows (int8_rows, at most MAX_INT8_ROWS) the op quantizes x to int8; past
+@settings(max_examples=40, deadline=None)
+@given(fmt_group=st.sampled_from(FMT_GROUPS), blocks=st.integers(1, 40), n=st.integers(1, 40),
+       m=st.integers(2, 24), scale=st.sampled_from([1e-3, 1.0, 1e3]), seed=st.integers(0, 2**16))
+def test_int8_rows_equal_each_row_alone(fmt_group, blocks, n, m, scale, seed):
+    """Whatever K (partial 4-block runs, partial 16-block stripes), N (partial 16-column tiles) and M
+    (GEMV up to 4 rows, the int8 GEMM past them), every row of an int8 product, and of an exact one with
+    invariant=True, is bit-equal to that row computed alone: the batch invariance the engine rests on."""
+    fmt, group = fmt_group
+    k = -(-blocks * 32 // group) * group
+    rng = np.random.default_rng(seed)
+    qt = quantize(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), fmt, group)
+    x = jnp.asarray(rng.standard_normal((m, k)) * scale, jnp.float32)
+    for kw in (dict(int8_rows=None), dict(exact=True, invariant=True)):
+        y = _f32(quant_matmul(x, qt, **kw))
+        for i in range(m):
+            np.testing.assert_array_equal(y[i], _f32(quant_matmul(x[i:i + 1], qt, **kw))[0], err_msg=f"{kw} row {i}")
+    ref64, bound = matmul_error_bound(_f32(x), qt, F32)
+    assert np.all(np.abs(_f32(quant_matmul(x, qt, int8_rows=None)).astype(np.float64) - ref64) <= bound)
+
+
+# Up to GEMV_ROWS rows (int8_rows; None: every row) the op quantizes x to int8; past
 # that it multiplies x by exact dequantized weight panels, so its result equals x @ dequantize(qt)
 # to f32 rounding.
 
@@ -746,12 +769,13 @@ def test_quant_matmul_int8_rows(fmt, group, dtype):
 @pytest.mark.parametrize("fmt,group", FMT_GROUPS)
 def test_quant_matmul_many_rows_is_exact(fmt, group, dtype):
     """M > 4, or > 64 with int8_rows=64 (GEMM over dequantized panels; K = 640 spans
-    two 512-deep panels, N = 7 leaves a partial 3-column tile): equal to x @ dequantize(qt) up to
-    f32 summation order."""
+    two 512-deep panels, N = 7 leaves a partial 3-column tile), and exact=True with invariant=True
+    (column dots, 4 rows at a time, any M): equal to x @ dequantize(qt) up to f32 summation order;
+    the invariant route's rows bit-equal to each row alone."""
     k, n = 640, 7
     rng = np.random.default_rng(13)
     qt = quantize(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), fmt, group)
-    for m, rows in ((5, GEMV_ROWS), (6, GEMV_ROWS), (9, GEMV_ROWS), (65, MAX_INT8_ROWS), (70, MAX_INT8_ROWS)):
+    for m, rows in ((5, GEMV_ROWS), (6, GEMV_ROWS), (9, GEMV_ROWS), (65, 64), (70, 64)):
         x = jnp.asarray(rng.standard_normal((m, k)), dtype)
         ref, bound = exact_matmul_bound(_f32(x), qt, dtype)
         y = quant_matmul(x, qt, int8_rows=rows)
@@ -766,6 +790,14 @@ def test_quant_matmul_many_rows_is_exact(fmt, group, dtype):
         err = np.abs(_f32(y).astype(np.float64) - ref)
         assert np.all(err <= bound), (m, np.max(err / bound))
         np.testing.assert_array_equal(_f32(jax.jit(functools.partial(quant_matmul, exact=True))(x, qt)), _f32(y))
+    invariant = functools.partial(quant_matmul, exact=True, invariant=True)
+    x = jnp.asarray(rng.standard_normal((70, k)), dtype)
+    alone = np.stack([_f32(invariant(x[i], qt)) for i in range(70)])
+    ref, bound = exact_matmul_bound(_f32(x), qt, dtype)
+    for m in (2, 5, 9, 70):
+        y = invariant(x[:m], qt)
+        assert np.all(np.abs(_f32(y).astype(np.float64) - ref[:m]) <= bound[:m]), m
+        np.testing.assert_array_equal(_f32(y), alone[:m])
 
 
 @pytest.mark.parametrize("lead", [(0,), (2, 0), (0, 3)])
@@ -1147,8 +1179,17 @@ def test_lowered_hlo_contains_custom_calls():
 
 
 @MATMULS
-@pytest.mark.parametrize("rows", [-1, MAX_INT8_ROWS + 1, 2.0, None, True])
+@pytest.mark.parametrize("rows", [-1, 2.0, "4", True])
 def test_bad_int8_rows(mm, rows):
     qt = _good_qt()
     with pytest.raises(ValueError, match="quant_matmul: int8_rows"):
         mm(jnp.ones((2, 64), jnp.float32), qt, int8_rows=rows)
+
+
+@MATMULS
+def test_invariant_needs_a_route_that_ignores_the_row_count(mm):
+    """invariant=True with a finite int8_rows would pick int8 or exact by the call's row count."""
+    with pytest.raises(ValueError, match="invariant=True needs exact=True or int8_rows=None"):
+        mm(jnp.ones((2, 64), jnp.float32), _good_qt(), invariant=True)
+    mm(jnp.ones((2, 64), jnp.float32), _good_qt(), invariant=True, int8_rows=None)
+    mm(jnp.ones((2, 64), jnp.float32), _good_qt(), invariant=True, exact=True)

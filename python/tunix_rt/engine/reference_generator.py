@@ -1,6 +1,7 @@
 """The reference generator: dense KV cache, jitted prefill and decode steps with a donated cache.
 
-Simple on purpose: the rollout engine (paged cache, continuous batching) is checked against it.
+Simple on purpose: the rollout engine (paged cache, continuous batching) is checked against it, so it runs the
+engine's batch-invariant kernels (models/batch_invariant.py) and differs from it only in its cache and batching.
 Prompts are left-padded into one batch; prompt and cache lengths are bucketed to powers of two so
 repeated calls reuse compiled programs.
 """
@@ -18,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from tunix_rt.engine.sampler import sample
+from tunix_rt.models.batch_invariant import use_batch_invariant_kernels
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.models.scoring import bucket
 
@@ -53,7 +55,7 @@ class Generation:
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnames="cache")
 def _prefill(graphdef, state, tokens, positions, cache):
-    model = nnx.merge(graphdef, state)
+    model = use_batch_invariant_kernels(nnx.merge(graphdef, state))
     h, cache = model.hidden_states(tokens, positions, cache)
     return model.logits(h[:, -1]), cache
 
@@ -62,7 +64,7 @@ def _prefill(graphdef, state, tokens, positions, cache):
 def _decode(graphdef, state, logits, positions, cache, key, temperature, top_k, top_p):
     """Sample from `logits`, then run the sampled tokens through the model."""
     tokens = sample(logits, key, temperature, top_k, top_p)
-    model = nnx.merge(graphdef, state)
+    model = use_batch_invariant_kernels(nnx.merge(graphdef, state))
     h, cache = model.hidden_states(tokens[:, None], positions[:, None], cache)
     return tokens, model.logits(h[:, -1]), cache
 

@@ -11,6 +11,8 @@
 
 So the set of shapes, and of compiled programs, is fixed by the engine's configuration; each new
 program is logged and counted, and weights swap in place (same shapes and dtypes, no recompile).
+Every program runs the model on batch-invariant kernels (models/batch_invariant.py): a request's tokens
+and log-probs do not depend on the requests sharing its steps, nor on how its prompt was chunked.
 """
 
 from __future__ import annotations
@@ -29,10 +31,9 @@ from tunix_rt.engine.params import MAX_LOGPROBS
 from tunix_rt.engine.sampler import SamplerOutput, SamplingTensors, sample_tokens
 from tunix_rt.engine.scheduler import ScheduledRequest
 from tunix_rt.engine.structured import GrammarCompiler
+from tunix_rt.models.batch_invariant import use_batch_invariant_kernels
 from tunix_rt.models.decoder import Decoder, head_logits
 from tunix_rt.models.kv_cache import PagedKVCache
-from tunix_rt.models.quant_layers import set_int8_rows
-from tunix_rt.ops.quant import GEMV_ROWS, MAX_INT8_ROWS, QuantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,10 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
     hidden states, gathered by a program of their own: the sampler, whose compile is the costly one,
     then has one program per row bucket rather than one per (token bucket, row bucket) pair."""
 
-    @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnums=8)
-    def forward(leaves, k, v, tokens, positions, slots, token_seq, block_tables, int8_decode):
-        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def forward(leaves, k, v, tokens, positions, slots, token_seq, block_tables):
+        model = use_batch_invariant_kernels(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)))
         cache = PagedKVCache(k, v, slots, token_seq, block_tables)
-        if int8_decode:
-            set_int8_rows(model, MAX_INT8_ROWS)
         h, cache = model.hidden_states(tokens[None], positions[None], cache)
         return h[0], cache.k, cache.v
 
@@ -72,17 +71,15 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
 
     @functools.partial(jax.jit, static_argnums=5)
     def sample(head_leaves, hidden_rows, params, prompt_tokens, output_tokens, num_top_logprobs, bitmask):
-        head = nnx.merge(head_def, jax.tree.unflatten(head_treedef, head_leaves))
+        head = use_batch_invariant_kernels(nnx.merge(head_def, jax.tree.unflatten(head_treedef, head_leaves)))
         logits = head_logits(config, head, hidden_rows)
         return sample_tokens(logits, params, prompt_tokens, output_tokens, num_top_logprobs=num_top_logprobs,
                              bitmask=bitmask, processed_logprobs=processed_logprobs)
 
-    @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnums=(9, 10, 11))
-    def decode_loop(leaves, k, v, tokens, positions, token_seq, block_tables, limits, params, max_steps, int8_decode,
+    @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnums=(9, 10))
+    def decode_loop(leaves, k, v, tokens, positions, token_seq, block_tables, limits, params, max_steps,
                     num_top_logprobs):
-        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-        if int8_decode:
-            set_int8_rows(model, MAX_INT8_ROWS)
+        model = use_batch_invariant_kernels(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)))
         head = model.output_head()
         rows = tokens.shape[0]
         no_history = jnp.full((rows, 1), -1, jnp.int32)
@@ -127,8 +124,6 @@ class ModelRunner:
                  processed_logprobs: bool = False):
         self.graphdef, state = nnx.split(model)
         self.leaves, self.treedef = jax.tree.flatten(state)
-        self.quantized = any(isinstance(v, QuantizedTensor)
-                             for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, QuantizedTensor)))
         head_def, head_state = nnx.split(model.output_head())
         self.head_leaves, head_treedef = jax.tree.flatten(head_state)
         self._forward, self._take_rows, self._sample, self._decode_loop = _compile_step(
@@ -178,13 +173,6 @@ class ModelRunner:
         self.leaves = [leaf for _, leaf in paths_leaves]
         self.head_leaves = jax.tree.leaves(nnx.state(nnx.merge(self.graphdef, state).output_head()))
 
-    def int8_decode(self, t_b: int, decode_only: bool) -> bool:
-        """Whether a step of token bucket t_b runs the int8-activation program: decode-only steps of
-        5..64 rows (quantized weights take integer dots there, as in single-stream decode). Steps
-        that prefill keep exact products: the prompt's last logits pick the first token."""
-        largest_decode = next((t for t in self.token_buckets if t >= self.max_num_seqs), self.token_buckets[-1])
-        return self.quantized and decode_only and GEMV_ROWS < t_b <= min(MAX_INT8_ROWS, largest_decode)
-
     def reachable_shapes(self) -> list[tuple[int, int]]:
         """(token bucket, sequence bucket) pairs a step can land in: s sequences bring at least s tokens."""
         return [(t, b) for t in self.token_buckets for b in self.seq_buckets
@@ -202,12 +190,11 @@ class ModelRunner:
         for t_b in self.token_buckets:
             pad = np.full(t_b, -1, np.int32)
             tables = np.zeros((min(t_b, self.max_num_seqs), self.max_blocks_per_seq), np.int32)
-            for int8 in {False, self.int8_decode(t_b, True)}:
-                if stop():
-                    return len(self.compiled) - before
-                self._note_compile(("forward", t_b, int8))
-                hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
-                                                       np.zeros(t_b, np.int32), pad, pad, tables, int8)
+            if stop():
+                return len(self.compiled) - before
+            self._note_compile(("forward", t_b))
+            hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
+                                                   np.zeros(t_b, np.int32), pad, pad, tables)
             for t, b_b in self.reachable_shapes():
                 if t != t_b:
                     continue
@@ -221,11 +208,10 @@ class ModelRunner:
                     jax.block_until_ready(self._sample(self.head_leaves, hidden_rows, SamplingTensors.from_rows([], b_b),
                                                        hist, hist, 0, None))
             if self.decode_steps > 1 and t_b in decode_buckets and not stop():
-                int8 = self.int8_decode(t_b, True)
-                self._note_compile(("decode_loop", t_b, self.decode_steps, int8, 0))
+                self._note_compile(("decode_loop", t_b, self.decode_steps, 0))
                 _, self.k, self.v = self._decode_loop(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
                                                       np.zeros(t_b, np.int32), pad, tables, np.zeros(t_b, np.int32),
-                                                      SamplingTensors.from_rows([], t_b), self.decode_steps, int8, 0)
+                                                      SamplingTensors.from_rows([], t_b), self.decode_steps, 0)
         return len(self.compiled) - before
 
     def _note_compile(self, key: tuple) -> None:
@@ -258,13 +244,11 @@ class ModelRunner:
             tables[i, :len(blocks)] = blocks
             offset += n
             rows[i] = offset - 1
-        int8 = self.int8_decode(t_b, num_tokens == len(scheduled))
         if max(s.limit for s in scheduled) > 1:
-            return self._run_decode_loop(scheduled, t_b, tokens, positions, token_seq, tables, int8)
+            return self._run_decode_loop(scheduled, t_b, tokens, positions, token_seq, tables)
         params, prompt_hist, output_hist, num_top = self._sampling_inputs(scheduled, b_b)
-        self._note_compile(("forward", t_b, int8))
-        hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, tokens, positions, slots, token_seq, tables,
-                                               int8)
+        self._note_compile(("forward", t_b))
+        hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, tokens, positions, slots, token_seq, tables)
         bitmask = self._grammar_masks(scheduled, b_b)
         self._note_compile(("rows", t_b, b_b))
         self._note_compile(("sample", b_b, prompt_hist.shape[1], num_top, bitmask is not None))
@@ -272,14 +256,14 @@ class ModelRunner:
                                           output_hist, num_top, bitmask)
         return self._result(out, len(scheduled), steps_axis=False)
 
-    def _run_decode_loop(self, scheduled, t_b, tokens, positions, token_seq, tables, int8) -> StepResult:
+    def _run_decode_loop(self, scheduled, t_b, tokens, positions, token_seq, tables) -> StepResult:
         """Each request's `limit` decodes of one token per row in one program (rows are the step's tokens)."""
         params, num_top = self._sampling_params(scheduled, t_b)
         limits = np.zeros(t_b, np.int32)
         limits[:len(scheduled)] = [s.limit for s in scheduled]
-        self._note_compile(("decode_loop", t_b, self.decode_steps, int8, num_top))
+        self._note_compile(("decode_loop", t_b, self.decode_steps, num_top))
         out, self.k, self.v = self._decode_loop(self.leaves, self.k, self.v, tokens, positions, token_seq, tables,
-                                                limits, params, self.decode_steps, int8, num_top)
+                                                limits, params, self.decode_steps, num_top)
         return self._result(out, len(scheduled), steps_axis=True)
 
     @staticmethod

@@ -20,18 +20,20 @@ class QuantWeight(nnx.Variable):
 
 
 class QuantLinear(nnx.Module):
-    """y = x @ W (+ b) with W a quantized (in, out) weight; up to `int8_rows` rows of x take int8
-    activations (see quant_matmul)."""
+    """y = x @ W (+ b) with W a quantized (in, out) weight; up to `int8_rows` rows of x (None: every row)
+    take int8 activations, and `invariant` makes exact products row-invariant too (see quant_matmul)."""
 
     def __init__(self, weight: QuantizedTensor, bias: jax.Array | None = None, *, exact: bool = False,
-                 int8_rows: int = GEMV_ROWS):
+                 int8_rows: int | None = GEMV_ROWS):
         self.kernel = QuantWeight(weight)
         self.bias = nnx.Param(bias) if bias is not None else None
         self.exact = exact
         self.int8_rows = int8_rows
+        self.invariant = False
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = quant_matmul(x, self.kernel.get_value(), exact=self.exact, int8_rows=self.int8_rows)
+        y = quant_matmul(x, self.kernel.get_value(), exact=self.exact, int8_rows=self.int8_rows,
+                         invariant=self.invariant)
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 
@@ -45,6 +47,7 @@ class QuantEmbed(nnx.Module):
     def __init__(self, table_t: QuantizedTensor, dtype):
         self.table_t = QuantWeight(table_t)
         self.dtype = jnp.dtype(dtype)
+        self.invariant = False
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         qt = self.table_t.get_value()
@@ -53,12 +56,11 @@ class QuantEmbed(nnx.Module):
         return dequantize_reference(rows, self.dtype).T.reshape(*tokens.shape, qt.shape[0])
 
     def attend(self, h: jax.Array) -> jax.Array:
-        return quant_matmul(h, self.table_t.get_value(), exact=True)
+        return quant_matmul(h, self.table_t.get_value(), exact=True, invariant=self.invariant)
 
 
-def set_int8_rows(model: nnx.Module, rows: int) -> None:
-    """Let every QuantLinear in `model` take int8 activations up to `rows` rows: what the engine
-    does to the model it merges inside a decode-only step (that copy lives in one trace only)."""
+def set_int8_rows(model: nnx.Module, rows: int | None) -> None:
+    """Let every QuantLinear in `model` take int8 activations up to `rows` rows (None: every row; 0: none)."""
     for _, module in nnx.iter_modules(model):
         if isinstance(module, QuantLinear):
             module.int8_rows = rows

@@ -2,9 +2,10 @@
 
 `quantize(w, fmt)` takes w of shape (K, N) and quantizes along K in blocks (ggml's row blocks: one
 GGUF weight row is one column here). `quant_matmul(x, qt)` ~= x @ dequantize(qt) for x (..., K):
-up to `int8_rows` rows (4 by default; the engine's decode steps pass 64) the compiled op quantizes x
-to int8 per 32-block and uses integer dot products, as llama.cpp does; more rows (scoring,
-training) or exact=True run exact f32 products over dequantized weights. Its
+up to `int8_rows` rows (4 by default; None for every row, as the engine runs it) the compiled op
+quantizes x to int8 per 32-block and uses integer dot products, as llama.cpp does; more rows
+(scoring, training) or exact=True run exact f32 products over dequantized weights. The int8 products
+of a row never depend on the other rows of the call; `invariant=True` makes exact ones so too. Its
 gradient with respect to x is exact (dy @ dequantize(qt).T) and the weights stay frozen, which is
 what QLoRA needs. Each FFI op has a pure-JAX reference with the same signature; quantize and
 dequantize references reproduce gguf.quants bit for bit.
@@ -25,7 +26,7 @@ from tunix_rt.ops._ffi import platform_dispatch
 _QUANTIZE, _DEQUANTIZE, _MATMUL = "tunix_rt_quantize", "tunix_rt_dequantize", "tunix_rt_quant_matmul"
 SUB_BLOCK = 32  # nibble packing and activation blocks
 GEMV_ROWS = 4  # rows that quantize x to int8 by default (single-stream decode)
-MAX_INT8_ROWS = 64  # the most the compiled op's int8 path takes (csrc/quant_kernels.h's kInt8Rows)
+INT8, EXACT, EXACT_ROW_INVARIANT = 0, 1, 2  # the compiled op's routes (csrc/quant_kernels.h's Route)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,33 +295,44 @@ def _check_matmul(x, qt) -> QuantFormat:
 
 
 def _check_int8_rows(int8_rows) -> None:
-    if isinstance(int8_rows, bool) or not isinstance(int8_rows, int) or not 0 <= int8_rows <= MAX_INT8_ROWS:
-        raise ValueError(f"quant_matmul: int8_rows must be an int in [0, {MAX_INT8_ROWS}], got {int8_rows!r}")
+    if int8_rows is not None and (isinstance(int8_rows, bool) or not isinstance(int8_rows, int) or int8_rows < 0):
+        raise ValueError(f"quant_matmul: int8_rows must be a non-negative int or None (every row), got {int8_rows!r}")
+
+
+def _route(rows: int, exact: bool, int8_rows: int | None, invariant: bool) -> int:
+    if invariant and not exact and int8_rows is not None:
+        raise ValueError("quant_matmul: invariant=True needs exact=True or int8_rows=None: a row limit makes the "
+                         "products depend on how many rows a call holds")
+    if not exact and (int8_rows is None or rows <= int8_rows):
+        return INT8
+    return EXACT_ROW_INVARIANT if invariant else EXACT
 
 
 def quant_matmul_reference(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False,
-                           int8_rows: int = GEMV_ROWS) -> jax.Array:
-    """x @ dequantize(qt) in f32, cast to x's dtype (`exact` and `int8_rows` are accepted for a
-    matching signature)."""
+                           int8_rows: int | None = GEMV_ROWS, invariant: bool = False) -> jax.Array:
+    """x @ dequantize(qt) in f32, cast to x's dtype (`exact`, `int8_rows` and `invariant` are accepted
+    for a matching signature)."""
     _check_matmul(x, qt)
     _check_int8_rows(int8_rows)
+    _route(1, bool(exact), int8_rows, bool(invariant))
     w = dequantize_reference(qt)
     return jnp.matmul(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
-def _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group, exact):
+def _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group, route):
     f = FORMATS[fmt]
     call = jax.ffi.ffi_call(_MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), x2.dtype), vmap_method="sequential")
-    return call(x2, qs, scales, _mins_buffer(qs, mins), fmt=np.int32(f.id), group=np.int64(group), exact=exact)
+    return call(x2, qs, scales, _mins_buffer(qs, mins), fmt=np.int32(f.id), group=np.int64(group),
+                route=np.int32(route))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _matmul(x2, qs, scales, mins, fmt, k, n, group, exact):
-    return _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group, exact)
+def _matmul(x2, qs, scales, mins, fmt, k, n, group, route):
+    return _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group, route)
 
 
-def _matmul_fwd(x2, qs, scales, mins, fmt, k, n, group, exact):
-    return _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group, exact), (qs, scales, mins)
+def _matmul_fwd(x2, qs, scales, mins, fmt, k, n, group, route):
+    return _ffi_matmul(x2, qs, scales, mins, fmt, k, n, group, route), (qs, scales, mins)
 
 
 def _frozen(a):
@@ -331,7 +343,7 @@ def _frozen(a):
     return jnp.zeros_like(a)
 
 
-def _matmul_bwd(fmt, k, n, group, exact, residuals, dy):
+def _matmul_bwd(fmt, k, n, group, route, residuals, dy):
     qs, scales, mins = residuals
     w = dequantize(QuantizedTensor(qs, scales, mins, fmt, (k, n), group))
     dx = jnp.matmul(dy.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST).astype(dy.dtype)
@@ -341,24 +353,29 @@ def _matmul_bwd(fmt, k, n, group, exact, residuals, dy):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def quant_matmul(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False, int8_rows: int = GEMV_ROWS) -> jax.Array:
+def quant_matmul(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False, int8_rows: int | None = GEMV_ROWS,
+                 invariant: bool = False) -> jax.Array:
     """x (..., K) f32/bf16 times the quantized (K, N) weight -> (..., N) in x's dtype.
 
-    Up to `int8_rows` rows (4 by default, at most 64) the compiled op quantizes x to int8 per
-    32-block (decode, llama.cpp's scheme, ~0.5% relative error; AVX-512 VNNI integer dots where the
-    CPU has them); more rows, or `exact=True`, compute x @ dequantize(qt) in f32 over dequantized
-    panels. The engine's decode-only steps pass int8_rows=64; teacher-forced scoring and training
-    keep exact products. Output heads pass exact=True: their argmax is sensitive to it.
+    Up to `int8_rows` rows (4 by default; None: every row) the compiled op quantizes x to int8 per
+    32-block (llama.cpp's scheme, ~0.5% relative error; AVX-512 VNNI integer dots where the CPU has
+    them); more rows, or `exact=True`, compute x @ dequantize(qt) in f32 over dequantized panels.
+    Each row's int8 products are the same whatever rows share the call (one summation order for the
+    GEMV and the GEMM kernels). `invariant=True` asks the same of the exact products (one column-dot
+    order per row, slower past 4 rows than the panels) and refuses a finite int8_rows, under which
+    the route would depend on the row count. The engine runs int8_rows=None, and its output heads
+    exact=True with invariant=True (int8 activations would flip a small model's argmax); training
+    and scoring keep the fastest exact products.
     """
     _check_matmul(x, qt)
     _check_int8_rows(int8_rows)
     k, n = qt.shape
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), k)
-    exact = bool(exact) or x2.shape[0] > int8_rows
+    route = _route(x2.shape[0], bool(exact), int8_rows, bool(invariant))
 
     def compiled(x2, qs, scales, mins):
-        return _matmul(x2, qs, scales, mins, qt.fmt, k, n, qt.group, exact)
+        return _matmul(x2, qs, scales, mins, qt.fmt, k, n, qt.group, route)
 
     def reference(x2, qs, scales, mins):
         return quant_matmul_reference(x2, dataclasses.replace(qt, qs=qs, scales=scales, mins=mins))

@@ -16,6 +16,7 @@ from flax import nnx
 
 from tunix_rt.models.decoder import MLP, Decoder
 from tunix_rt.models.quant_layers import QuantLinear
+from tunix_rt.ops.matmul import matmul
 from tunix_rt.ops.quant import dequantize
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -78,12 +79,17 @@ class LoRALinear(nnx.Module):
         self.lora_b = nnx.LoRAParam(jnp.zeros((rank, dout), jnp.float32))
         self.scaling = alpha / rank
         self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
+        self.invariant = False  # the engine's row-invariant products (models/batch_invariant.py)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = self.base(x)
         h = x if self.dropout is None else self.dropout(x)
         flat = h.reshape(-1, h.shape[-1])
-        delta = lora_delta(flat, self.lora_a[...].astype(h.dtype), self.lora_b[...].astype(h.dtype), self.scaling)
+        a, b = self.lora_a[...].astype(h.dtype), self.lora_b[...].astype(h.dtype)
+        if self.invariant:
+            delta = matmul(matmul(flat, a), b) * self.scaling
+        else:
+            delta = lora_delta(flat, a, b, self.scaling)
         return y + delta.reshape(*h.shape[:-1], -1).astype(y.dtype)
 
     def merged(self) -> nnx.Linear:

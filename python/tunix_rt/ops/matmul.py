@@ -1,0 +1,89 @@
+"""Row-invariant matmul: x @ w whose every row is summed in one order, however many rows share the call.
+
+XLA:CPU's dot picks its blocking by shape, so a row's float sums change with the number of rows beside it:
+a request's logits in the engine would depend on its neighbours. `matmul(x, w)` runs tunix-rt's FFI GEMM
+(csrc/bf16_matmul.cc): each output is one multiply-add chain per K slab whose depth depends on K alone,
+for f32 operands (f32 result) and bf16 ones (f32 sums, bf16 result). `invariant_dot_general` is a
+drop-in `dot_general` for nnx.Linear and the tied embedding head that sends their products there; the
+engine installs it (models/batch_invariant.py). Gradients go through XLA's dot: the engine never
+differentiates, and a trainer that does needs the forward's numbers, not the backward's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tunix_rt.ops._ffi import has_cpu_target, platform_dispatch, require_array
+
+_TARGET = "tunix_rt_bf16_matmul"
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _check(x, w, transpose_w) -> None:
+    for name, arr in (("x", x), ("w", w)):
+        if jnp.dtype(require_array("matmul", name, arr).dtype) not in _DTYPES:
+            raise ValueError(f"matmul: {name} must be float32 or bfloat16, got {jnp.dtype(arr.dtype)}")
+    if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
+        raise ValueError(f"matmul: x and w must have one dtype, got {jnp.dtype(x.dtype)} and {jnp.dtype(w.dtype)}")
+    if x.ndim < 1 or w.ndim != 2:
+        raise ValueError(f"matmul: need x (..., K) and w (K, N), got x {x.shape} and w {w.shape}")
+    k = w.shape[1] if transpose_w else w.shape[0]
+    if x.shape[-1] != k:
+        raise ValueError(f"matmul: x's last dimension ({x.shape[-1]}) does not match w's K ({k})")
+
+
+def matmul_reference(x, w, *, transpose_w=False):
+    """XLA's dot with f32 sums, in x's dtype."""
+    _check(x, w, transpose_w)
+    return jnp.matmul(x, w.T if transpose_w else w, preferred_element_type=jnp.float32,
+                      precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul2d(x, w, transpose_w):
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transpose_w else w.shape[1]),
+                                                          x.dtype), vmap_method="sequential")
+    return call(x, w, transpose_a=False, transpose_b=transpose_w)
+
+
+def _fwd(x, w, transpose_w):
+    return _matmul2d(x, w, transpose_w), (x, w)
+
+
+def _bwd(transpose_w, residuals, dy):
+    x, w = residuals
+    return jax.vjp(lambda x, w: matmul_reference(x, w, transpose_w=transpose_w), x, w)[1](dy)
+
+
+_matmul2d.defvjp(_fwd, _bwd)
+
+
+def matmul(x, w, *, transpose_w=False):
+    """x (..., K) @ w (K, N) (w (N, K) with `transpose_w`), x and w both f32 or both bf16, f32 sums, in x's
+    dtype; each row's sums in one order whatever the other rows."""
+    _check(x, w, transpose_w)
+    lead = x.shape[:-1]
+    n = w.shape[0] if transpose_w else w.shape[1]
+
+    def compiled(x, w):
+        return _matmul2d(x.reshape(-1, x.shape[-1]), w, transpose_w).reshape(*lead, n)
+
+    return platform_dispatch(_TARGET, compiled, lambda x, w: matmul_reference(x, w, transpose_w=transpose_w), x, w)
+
+
+def invariant_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+    """jax.lax.dot_general, with nnx.Linear's product (last axis of lhs with the first of a 2-D rhs) and a
+    tied embedding head's (with the second) sent to `matmul` when both operands share a float dtype. Anything
+    else, including sharded outputs, goes to XLA unchanged."""
+    contract = dimension_numbers[0]
+    transpose_w = contract == ((lhs.ndim - 1,), (1,))
+    simple = (contract == ((lhs.ndim - 1,), (0,)) or transpose_w) and dimension_numbers[1] == ((), ())
+    out = jnp.dtype(preferred_element_type if preferred_element_type is not None else lhs.dtype)
+    if (simple and rhs.ndim == 2 and jnp.dtype(lhs.dtype) in _DTYPES and lhs.dtype == rhs.dtype
+            and out == jnp.dtype(lhs.dtype) and kwargs.get("out_sharding") is None and has_cpu_target(_TARGET)):
+        return matmul(lhs, rhs, transpose_w=transpose_w)
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type, **kwargs)

@@ -77,6 +77,25 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: 
     return jax.lax.cond(needs_sort, sort_filter, lambda x: x, logits)
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis in one fixed pairwise order (padded to a power of two, halves added until one
+    is left), whatever program it lands in. XLA's reduce picks its order by the fusion around it, so one
+    row's sum could round differently in the engine's sampler and in the trainer's exact log-probs."""
+    v = x.shape[-1]
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << max(0, (v - 1).bit_length())) - v)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def log_softmax(logits: jax.Array) -> jax.Array:
+    """jax.nn.log_softmax over the last axis with its sum in row_sum's fixed order: the log-probs the engine
+    reports and the RL trainer's exact mode computes, equal bit for bit for equal logits."""
+    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    return shifted - jnp.log(row_sum(jnp.exp(shifted)))[..., None]
+
+
 _BLOCK = 256  # tokens per block of the inverse-CDF search
 
 
@@ -90,7 +109,7 @@ def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
     batch, vocab = logits.shape
     p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
     blocks = jnp.pad(p, ((0, 0), (0, -vocab % _BLOCK))).reshape(batch, -1, _BLOCK)
-    sums = blocks.sum(-1)
+    sums = row_sum(blocks)
     cum = jnp.cumsum(sums, axis=-1)
     u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys)
     last = lambda mass: jnp.max(jnp.where(mass > 0, jnp.arange(mass.shape[-1]), 0), axis=-1)  # last with mass
@@ -174,6 +193,18 @@ def _counts(tokens: jax.Array, vocab: int) -> jax.Array:
     return jnp.zeros((tokens.shape[0], vocab), jnp.int32).at[rows, ids].add(1, mode="drop")
 
 
+def tempered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                    min_p: jax.Array) -> jax.Array:
+    """The logits a row is drawn from (its processed log-probs are their log_softmax): divided by the row's
+    temperature (a greedy row's by 1), then min_p, top_k and top_p (filter_logits; a greedy row's filters
+    off, so they cannot make the sort run for nothing). The RL trainer's exact mode takes its log-probs
+    through this same function, so both sides run the same float operations."""
+    greedy_rows = temperature < SAMPLING_EPS
+    scaled = logits / jnp.where(greedy_rows, 1.0, temperature)[:, None]
+    return filter_logits(scaled, jnp.where(greedy_rows, 0, top_k), jnp.where(greedy_rows, 1.0, top_p),
+                         jnp.where(greedy_rows, 0.0, min_p))
+
+
 def apply_penalties(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax.Array,
                     output_tokens: jax.Array) -> jax.Array:
     """vLLM's apply_penalties: repetition over prompt and output tokens, then frequency and presence
@@ -235,16 +266,13 @@ def sample_tokens(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax
         if bitmask.shape != (batch, -(-vocab // 32)):
             raise ValueError(f"bitmask must be ({batch}, {-(-vocab // 32)}), got shape {bitmask.shape}")
         logits = jnp.where(allowed_tokens(bitmask, vocab), logits, -jnp.inf)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    raw_logprobs = log_softmax(logits)
     penalised = apply_penalties(logits, params, prompt_tokens, output_tokens)
     greedy_rows = params.temperature < SAMPLING_EPS
     greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
 
     def filtered_logits():
-        scaled = penalised / jnp.where(greedy_rows, 1.0, params.temperature)[:, None]
-        # Greedy rows' filters are turned off so they cannot make the sort run for nothing.
-        return filter_logits(scaled, jnp.where(greedy_rows, 0, params.top_k), jnp.where(greedy_rows, 1.0, params.top_p),
-                             jnp.where(greedy_rows, 0.0, params.min_p))
+        return tempered_logits(penalised, params.temperature, params.top_k, params.top_p, params.min_p)
 
     def draw(filtered):
         return jnp.where(greedy_rows, greedy, categorical(_row_keys(params.seed, params.step), filtered))
@@ -252,7 +280,7 @@ def sample_tokens(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax
     if processed_logprobs:
         filtered = filtered_logits()
         tokens = draw(filtered)
-        reported = jax.nn.log_softmax(filtered, axis=-1)
+        reported = log_softmax(filtered)
     else:
         tokens = jax.lax.cond(jnp.any(~greedy_rows), lambda: draw(filtered_logits()), lambda: greedy)
         reported = raw_logprobs

@@ -143,8 +143,8 @@ class MoEMLP(nnx.Module):
         gate = grouped_matmul(rows, ex.gate_proj[...], group_sizes)
         up = grouped_matmul(rows, ex.up_proj[...], group_sizes)
         out = unpermute(grouped_matmul(self.act(gate) * up, ex.down_proj[...], group_sizes), row_of, weights)
-        if self.shared:
-            out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        if self.shared:  # the product behind a barrier: no FMA with the add, whatever the fusion
+            out = out + jax.lax.optimization_barrier(jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat))
         return out.reshape(shape)
 
 
@@ -279,5 +279,6 @@ def head_logits(cfg: ModelConfig, head: nnx.Module, h: jax.Array) -> jax.Array:
     out = out.astype(jnp.float32)
     if cfg.final_logit_softcap is not None:
         cap = cfg.final_logit_softcap
-        out = jnp.tanh(out / cap) * cap
+        # behind a barrier: the product must not fuse into an FMA with what the caller subtracts next
+        out = jax.lax.optimization_barrier(jnp.tanh(out / cap) * cap)
     return out

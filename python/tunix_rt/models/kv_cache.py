@@ -71,7 +71,10 @@ class PagedKVCache:
 
     slots (T,): where each token's k/v goes (-1 = padding); token_seq (T,): the row of
     block_tables (S, max_blocks) each token belongs to (-1 = padding). The pools are updated in
-    place by write_kv when the engine's jitted step donates them.
+    place by write_kv when the engine's jitted step donates them. copy_src / copy_slots (C,), when
+    given, write token copy_src[i]'s k/v a second time, at copy_slots[i] (-1 = none): the trainer's
+    exact mode lays a group's completions out as sequences sharing the prompt, each holding its own
+    copy of the prompt's last, partly filled block.
     """
 
     k: tuple[jax.Array, ...]  # per layer (num_blocks, block_size, KV, D)
@@ -79,6 +82,8 @@ class PagedKVCache:
     slots: jax.Array
     token_seq: jax.Array
     block_tables: jax.Array
+    copy_src: jax.Array | None = None
+    copy_slots: jax.Array | None = None
 
     def begin(self, positions: jax.Array) -> "PagedKVCache":
         return self
@@ -88,6 +93,9 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache takes a step's tokens packed as one row (1, T), got batch {q.shape[0]}")
         dtype = self.k[layer].dtype
         layer_k, layer_v = write_kv(self.k[layer], self.v[layer], k[0].astype(dtype), v[0].astype(dtype), self.slots)
+        if self.copy_src is not None:
+            layer_k, layer_v = write_kv(layer_k, layer_v, k[0][self.copy_src].astype(dtype),
+                                        v[0][self.copy_src].astype(dtype), self.copy_slots)
         out = paged_attention(q[0], layer_k, layer_v, self.block_tables, self.token_seq, positions[0].astype(jnp.int32),
                               scale=scale, softcap=softcap, window=window)
         cache = dataclasses.replace(self, k=_replace(self.k, layer, layer_k), v=_replace(self.v, layer, layer_v))

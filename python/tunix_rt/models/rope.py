@@ -31,11 +31,17 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate x of shape (B, T, H, D) by angle positions * inv_freq (positions: (B, T))."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # (B, T, D/2)
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    """Rotate x of shape (B, T, H, D) by angle positions * inv_freq (positions: (B, T)).
+
+    The angles, their cos/sin and the two products sit behind optimization barriers: XLA:CPU contracts a
+    multiply feeding an add into an FMA wherever the two land in one fusion, and fusion follows the program
+    around them, so without the barriers a token's rotation could round differently in the engine's step and
+    in the trainer's (the exact mode needs them equal)."""
+    angles = jax.lax.optimization_barrier(positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq))
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # (B, T, 1, D)
+    cos, sin = jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
+    a, b = jax.lax.optimization_barrier((xf * cos, rotated * sin))
+    return (a + b).astype(x.dtype)

@@ -311,6 +311,10 @@ class RLConfig(TrainConfig, RolloutOptions):
     importance_sampling_correction: bool = True
     importance_sampling_mode: str = "sequence_mask"  # token_truncate | token_mask | sequence_truncate | sequence_mask
     importance_sampling_cap: float = 3.0
+    # The trainer's log-probs computed as the engine computes them (its batch-invariant kernels, paged attention
+    # over the same blocks, the sampler's tempered log_softmax), so they equal the engine's bit for bit and the
+    # first iteration's importance ratio is exactly 1. Needs float32 compute and no top-k/top-p/min-p.
+    exact_on_policy: bool = False
     # On, as in TRL's GRPOConfig: the engine shares the process, and the layers' activations were a third of
     # the step's memory (default-model PPO peak 3.93 -> 3.52 GB, the train step 14 % slower).
     gradient_checkpointing: bool = True
@@ -349,6 +353,12 @@ class RLConfig(TrainConfig, RolloutOptions):
         SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
         if self.temperature < 1e-5:
             raise ValueError("temperature must be > 0: a group of greedy completions has nothing to compare")
+        if self.exact_on_policy and self.compute_dtype != "float32":
+            raise ValueError(f"exact_on_policy needs compute_dtype=float32 (the engine samples at the model's "
+                             f"float32), got {self.compute_dtype}")
+        if self.exact_on_policy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0):
+            raise ValueError("exact_on_policy needs top_k=0, top_p=1 and min_p=0: the loss is over the tempered "
+                             "distribution, the engine would report the truncated one")
 
     @property
     def prompts_per_step(self) -> int:

@@ -15,14 +15,15 @@ from tunix_rt.train.config import RLConfig
 from tunix_rt.train.rollout import Completions
 
 
-def pack_groups(c: Completions, cfg: RLConfig, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+def pack_groups(c: Completions, cfg: RLConfig, seq_len: int, pad_id: int, *,
+                block_size: int | None = None) -> dict[str, np.ndarray]:
     """One row per group: the prompt once (segment -1, a shared prefix) and behind it each of its G
     completions (segments 1..G, positions continuing the prompt's), so the prompt's tokens run through
     the model once, not G times. Per completion, in the window (N, max_completion_length):
     `completion_index` (the row position whose output predicts completion token j: the prompt's last
     token for j = 0, else the completion's token j - 1), targets, loss_mask, and sampler_logps (the
     engine's, of the distribution it drew from). Truncated completions lose their loss mask when
-    mask_truncated_completions is set."""
+    mask_truncated_completions is set. With `block_size`, the paged layout of the rows (paged_layout) too."""
     g, width = cfg.num_generations, cfg.max_completion_length
     n = len(c)
     groups = n // g
@@ -55,4 +56,51 @@ def pack_groups(c: Completions, cfg: RLConfig, seq_len: int, pad_id: int) -> dic
             offset += m
     if cfg.mask_truncated_completions:
         batch["loss_mask"] *= ~c.truncated[:, None]
+    if block_size is not None:
+        batch.update(paged_layout(batch["segment_ids"], batch["positions"], g, block_size))
     return batch
+
+
+def paged_layout(segment_ids: np.ndarray, positions: np.ndarray, g: int, block_size: int) -> dict[str, np.ndarray]:
+    """The packed rows as the engine's paged KV cache holds them, for the trainer's exact mode: completion k of a
+    row is sequence k, whose block table points at the prompt's full blocks (shared, as prefix caching shares
+    them) and then at blocks of its own, the first holding its copy of the prompt's partly filled last block.
+    Every index is local to its row (a row owns (1 + G) * ceil(L / block_size) blocks: the prompt's, then each
+    sequence's), so micro-batches split the arrays by rows:
+    paged_slots / paged_seq (rows, L): each token's slot and sequence (-1: padding; prompt tokens belong to
+    sequence 0); paged_tables (rows * G, ceil(L / block_size)); paged_copy_src / paged_copy_slots
+    (rows, (G - 1) * (block_size - 1)): the prompt tokens of the partly filled block, written again into
+    sequences 1..G-1's copies (-1: unused)."""
+    rows, length = segment_ids.shape
+    bs = block_size
+    width = -(-length // bs)
+    slots = np.full((rows, length), -1, np.int32)
+    seq = np.full((rows, length), -1, np.int32)
+    tables = np.zeros((rows * g, width), np.int32)
+    copies = max(1, (g - 1) * (bs - 1))
+    copy_src = np.zeros((rows, copies), np.int32)
+    copy_slots = np.full((rows, copies), -1, np.int32)
+    for r in range(rows):
+        p = int((segment_ids[r] == -1).sum())
+        full = p // bs  # the prompt's full blocks: blocks [0, full) of the row, shared
+
+        def own(k, b):  # sequence k's block for position block b >= full
+            return (1 + k) * width + b
+
+        for k in range(g):
+            tables[r * g + k] = [b if b < full else own(k, b) for b in range(width)]
+        n_copy = 0
+        for t in range(length):
+            pos, segment = int(positions[r, t]), int(segment_ids[r, t])
+            if pos < 0:
+                continue
+            k = 0 if segment == -1 else segment - 1
+            b = pos // bs
+            slots[r, t] = (b if b < full else own(k, b)) * bs + pos % bs
+            seq[r, t] = k
+            if segment == -1 and b >= full:
+                for other in range(1, g):
+                    copy_src[r, n_copy], copy_slots[r, n_copy] = t, own(other, b) * bs + pos % bs
+                    n_copy += 1
+    return {"paged_slots": slots, "paged_seq": seq, "paged_tables": tables, "paged_copy_src": copy_src,
+            "paged_copy_slots": copy_slots}

@@ -19,9 +19,8 @@ import jax
 import numpy as np
 
 from tunix_rt.train.config import GRPOConfig
-from tunix_rt.train.group_packing import pack_groups
 from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, group_advantages, kl_k3, policy_ratio
-from tunix_rt.train.rl_trainer import RLObjective, completion_logprobs
+from tunix_rt.train.rl_trainer import RLObjective
 from tunix_rt.train.rollout import Completions
 from tunix_rt.train.trainer import LossContext
 
@@ -47,7 +46,7 @@ class GRPOObjective(RLObjective):
         if cfg.dynamic_sampling:
             chosen, extra = self._dynamic_sample(first)
             metrics.update(extra)
-        batch = pack_groups(chosen, self.cfg, self.sampler.seq_len, self.pad_id)
+        batch = self.pack(chosen, self.sampler.seq_len)
         batch["advantages"] = np.asarray(group_advantages(chosen.rewards, g, cfg.advantage_estimator), np.float32)
         return batch, metrics
 
@@ -80,14 +79,14 @@ class GRPOObjective(RLObjective):
     def score(self, ctx: LossContext, batch: dict) -> dict:
         out = {}
         if self.needs_reference:
-            out["ref_logps"] = completion_logprobs(ctx.reference(), batch, self.cfg.temperature)[0]
+            out["ref_logps"] = self.logprobs(ctx.reference(), batch)[0]
         if self.old_from_score:
-            out["old_logps"] = completion_logprobs(ctx.policy, batch, self.cfg.temperature)[0]
+            out["old_logps"] = self.logprobs(ctx.policy, batch)[0]
         return out
 
     def loss(self, ctx: LossContext, batch: dict):
         cfg = self.cfg
-        logps, entropy = completion_logprobs(ctx.policy, batch, cfg.temperature, entropy=True)
+        logps, entropy = self.logprobs(ctx.policy, batch, entropy=True)
         mask = batch["loss_mask"]
         if cfg.num_iterations == 1:
             old = jax.lax.stop_gradient(logps)

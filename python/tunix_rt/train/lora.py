@@ -86,8 +86,8 @@ class LoRALinear(nnx.Module):
         h = x if self.dropout is None else self.dropout(x)
         flat = h.reshape(-1, h.shape[-1])
         a, b = self.lora_a[...].astype(h.dtype), self.lora_b[...].astype(h.dtype)
-        if self.invariant:
-            delta = matmul(matmul(flat, a), b) * self.scaling
+        if self.invariant:  # the scaled delta behind a barrier: no FMA with the add, whatever the fusion
+            delta = jax.lax.optimization_barrier(matmul(matmul(flat, a), b) * self.scaling)
         else:
             delta = lora_delta(flat, a, b, self.scaling)
         return y + delta.reshape(*h.shape[:-1], -1).astype(y.dtype)

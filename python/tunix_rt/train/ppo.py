@@ -14,10 +14,9 @@ from flax import nnx
 
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.train.config import PPOConfig
-from tunix_rt.train.group_packing import pack_groups
 from tunix_rt.train.lora import HeadParam
 from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, clipped_value_loss, gae, whiten
-from tunix_rt.train.rl_trainer import RLObjective, completion_hidden, completion_logprobs
+from tunix_rt.train.rl_trainer import RLObjective
 from tunix_rt.train.trainer import LossContext
 
 
@@ -47,13 +46,6 @@ def policy_only(model: Decoder) -> Decoder:
     return model
 
 
-def _forward(model: Decoder, batch: dict, temperature: float, *, entropy: bool = False):
-    """(log-probs, entropy or None, values) in the completion window from one pass through the trunk."""
-    h = completion_hidden(model, batch)
-    logps, ent = completion_logprobs(model, batch, temperature, entropy=entropy, hidden=h)
-    return logps, ent, model.value_head(h)
-
-
 def last_token_rewards(scores: jax.Array, mask: jax.Array) -> jax.Array:
     """(B, T) with each row's score at its last counted token and 0 elsewhere (a row with none gets none)."""
     t = mask.shape[1]
@@ -68,19 +60,25 @@ class PPOObjective(RLObjective):
         super().__init__(cfg, sampler, tokenizer, pad_id)
         self.needs_reference = cfg.kl_coef > 0
 
+    def _forward(self, model: Decoder, batch: dict, *, entropy: bool = False):
+        """(log-probs, entropy or None, values) in the completion window from one pass through the trunk."""
+        h = self.hidden(model, batch)
+        logps, ent = self.logprobs(model, batch, entropy=entropy, hidden=h)
+        return logps, ent, model.value_head(h)
+
     def sample_batch(self, prompt_indices: np.ndarray) -> tuple[dict[str, np.ndarray], dict]:
         completions = self.sampler.sample(self.rollout, prompt_indices)
-        batch = pack_groups(completions, self.cfg, self.sampler.seq_len, self.pad_id)
+        batch = self.pack(completions, self.sampler.seq_len)
         batch["scores"] = completions.rewards.astype(np.float32)
         return batch, self.sampler.metrics(completions)
 
     def score(self, ctx: LossContext, batch: dict) -> dict:
         cfg, mask = self.cfg, batch["loss_mask"]
-        old, _, values = _forward(ctx.policy, batch, cfg.temperature)
+        old, _, values = self._forward(ctx.policy, batch)
         rewards = last_token_rewards(batch["scores"], mask)
         out = {}
         if self.needs_reference:
-            ref = completion_logprobs(ctx.reference(), batch, cfg.temperature)[0]
+            ref = self.logprobs(ctx.reference(), batch)[0]
             kl = (old - ref) * mask
             rewards = rewards - cfg.kl_coef * kl
             out["kl"] = kl
@@ -91,7 +89,7 @@ class PPOObjective(RLObjective):
 
     def loss(self, ctx: LossContext, batch: dict):
         cfg, mask = self.cfg, batch["loss_mask"]
-        logps, entropy, values = _forward(ctx.policy, batch, cfg.temperature, entropy=True)
+        logps, entropy, values = self._forward(ctx.policy, batch, entropy=True)
         pg, clip = clipped_policy_loss(logps, batch["old_logps"], batch["advantages"], mask, epsilon=cfg.epsilon,
                                        epsilon_high=cfg.epsilon_high)
         mismatch, extremes = self.mismatch(logps, batch["sampler_logps"], mask)

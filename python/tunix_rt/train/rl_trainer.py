@@ -19,7 +19,12 @@ import time
 import jax
 import jax.numpy as jnp
 
+from tunix_rt.engine.sampler import log_softmax, tempered_logits
+from tunix_rt.models.batch_invariant import use_batch_invariant_kernels
+from tunix_rt.models.decoder import head_logits
+from tunix_rt.models.kv_cache import PagedKVCache
 from tunix_rt.train.config import RLConfig
+from tunix_rt.train.group_packing import pack_groups
 from tunix_rt.train.rl_losses import sampling_correction
 from tunix_rt.train.rollout_engine import RolloutEngine, rollout_config
 from tunix_rt.train.trainer import LossContext, Trainer, is_extreme_metric
@@ -27,24 +32,69 @@ from tunix_rt.train.trainer import LossContext, Trainer, is_extreme_metric
 _CORE_KEYS = frozenset({"loss", "grad_norm", "weight", "learning_rate"})  # what the trainer core's step reports
 
 
-def completion_hidden(model, batch: dict) -> jax.Array:
+def completion_hidden(model, batch: dict, *, block_size: int | None = None) -> jax.Array:
     """(N, C, D) final hidden states at the completion window: entry j predicts completion token j.
 
-    The rows are packed groups (group_packing.pack_groups): completion i lives in row i // G.
+    The rows are packed groups (group_packing.pack_groups): completion i lives in row i // G. With
+    `block_size` (the exact mode) the rows run as the engine ran them: paged_hidden.
     """
-    h, _ = model.hidden_states(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"])
+    if block_size is None:
+        h, _ = model.hidden_states(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"])
+    else:
+        h = paged_hidden(model, batch, block_size)
     index = batch["completion_index"]
     rows = jnp.arange(index.shape[0]) // (index.shape[0] // h.shape[0])
     return h[rows[:, None], index]
 
 
+def paged_hidden(model, batch: dict, block_size: int) -> jax.Array:
+    """(R, L, D) hidden states of the packed rows computed through a paged KV cache laid out as the engine's
+    (group_packing.paged_layout): every token packed into one (1, R * L) step, attention by the engine's
+    paged_attention over blocks of the engine's size, so each query sums its keys in the engine's order.
+    Differentiable: write_kv and paged_attention carry gradients."""
+    tokens = batch["tokens"]
+    rows, length = tokens.shape
+    g = batch["paged_tables"].shape[0] // rows
+    width = batch["paged_tables"].shape[1]
+    per_row = (1 + g) * width  # blocks a row owns
+    row = jnp.arange(rows)[:, None]
+
+    def to_global(local, blocks_per_row, stride):
+        return jnp.where(local >= 0, local + row * blocks_per_row * stride, -1).reshape(-1)
+
+    slots = to_global(batch["paged_slots"], per_row, block_size)
+    seq = to_global(batch["paged_seq"], g, 1)
+    tables = batch["paged_tables"] + (jnp.arange(rows * g) // g * per_row)[:, None]
+    copy_src = (batch["paged_copy_src"] + row * length).reshape(-1)
+    copy_slots = to_global(batch["paged_copy_slots"], per_row, block_size)
+    cfg = model.config
+    shape = (rows * per_row, block_size, cfg.num_kv_heads, cfg.head_dim)
+    pools = tuple(jnp.zeros(shape, model.dtype) for _ in range(cfg.num_layers))
+    cache = PagedKVCache(pools, pools, slots, seq, tables, copy_src, copy_slots)
+    h, _ = model.hidden_states(tokens.reshape(1, -1), batch["positions"].reshape(1, -1), cache)
+    return h.reshape(rows, length, -1)
+
+
 def completion_logprobs(model, batch: dict, temperature: float, *, entropy: bool = False,
-                        hidden: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+                        hidden: jax.Array | None = None, block_size: int | None = None
+                        ) -> tuple[jax.Array, jax.Array | None]:
     """(N, C) tempered log-probs of the completion tokens (and their entropy) under softmax(logits / temperature),
     the distribution sampled from, through the fused chunked head: no (N, C, vocab) logits are formed.
-    `hidden` reuses completion_hidden's output when the caller has it."""
-    h = completion_hidden(model, batch) if hidden is None else hidden
-    return model.token_logprobs(h, batch["targets"], temperature=temperature, entropy=entropy)
+    `hidden` reuses completion_hidden's output when the caller has it. With `block_size` (the exact mode) the
+    head and the log-probs are the engine's: full logits from its output head, then the sampler's
+    tempered_logits and log_softmax, so the numbers equal the engine's bit for bit."""
+    h = completion_hidden(model, batch, block_size=block_size) if hidden is None else hidden
+    if block_size is None:
+        return model.token_logprobs(h, batch["targets"], temperature=temperature, entropy=entropy)
+    n, c, d = h.shape
+    logits = head_logits(model.config, model.output_head(), h.reshape(n * c, d))
+    # the temperature as a run-time value, as the engine's is: a constant divisor would become a reciprocal
+    t = jax.lax.optimization_barrier(jnp.full((n * c,), temperature, jnp.float32))
+    off = jnp.zeros((n * c,), jnp.int32)
+    logps = log_softmax(tempered_logits(logits, t, off, jnp.ones_like(t), jnp.zeros_like(t)))
+    token = jnp.take_along_axis(logps, batch["targets"].reshape(-1, 1), axis=-1).reshape(n, c)
+    ent = -(jnp.exp(logps) * logps).sum(-1).reshape(n, c) if entropy else None
+    return token, ent
 
 
 class RLObjective:
@@ -65,6 +115,22 @@ class RLObjective:
             max_num_batched_tokens=max(512, rows), kv_cache_memory=256 << 20, seed=cfg.seed,
             logprobs_mode="processed_logprobs"),
             seed=cfg.seed, sleep=cfg.sleep_engine)
+
+    @property
+    def exact_block_size(self) -> int | None:
+        """The engine's KV block size when the trainer computes as the engine does (exact_on_policy), else None."""
+        return self.rollout.config.block_size if self.cfg.exact_on_policy else None
+
+    def logprobs(self, model, batch: dict, *, entropy: bool = False, hidden: jax.Array | None = None):
+        """completion_logprobs at the run's temperature, the engine's way in the exact mode."""
+        return completion_logprobs(model, batch, self.cfg.temperature, entropy=entropy, hidden=hidden,
+                                   block_size=self.exact_block_size)
+
+    def hidden(self, model, batch: dict) -> jax.Array:
+        return completion_hidden(model, batch, block_size=self.exact_block_size)
+
+    def pack(self, completions, seq_len: int) -> dict:
+        return pack_groups(completions, self.cfg, seq_len, self.pad_id, block_size=self.exact_block_size)
 
     def aux(self):
         return None
@@ -111,6 +177,10 @@ class RLTrainer(Trainer):
         self._score_step = jax.jit(self._score)
         self._rollout: tuple[int, dict, dict] | None = None  # (rollout index, device batch, host metrics)
         self.score_compiles = 0
+
+    def _set_kernels(self, model) -> None:
+        if self.cfg.exact_on_policy:  # the trainer's products summed as the engine's (models/batch_invariant.py)
+            use_batch_invariant_kernels(model)
 
     # --- how the data is walked: prompts per step, num_iterations steps per rollout ------------------
 

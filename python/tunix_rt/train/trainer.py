@@ -192,6 +192,7 @@ class Trainer:
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         self.inference_dtype = model.dtype  # what the model was loaded in: the rollout engine runs at it
         set_compute_dtype(model, self.compute_dtype, matmul_kernel=cfg.bf16_matmul_kernel)
+        self._set_kernels(model)
         self.model_config = model.config
         model.remat = cfg.gradient_checkpointing
         self.router_losses = any(model.config.moe_layers) and (cfg.router_aux_loss_coef > 0 or cfg.router_z_loss_coef > 0)
@@ -262,6 +263,9 @@ class Trainer:
     def _epoch(self, steps_done: int) -> float:
         """Passes over the data that `steps_done` steps made."""
         return self.data_order.epoch(steps_done)
+
+    def _set_kernels(self, model) -> None:
+        """A subclass's last word on the kernels the model computes with, before it is split (RL's exact mode)."""
 
     @staticmethod
     def _graphdef_in_eval_mode(model: nnx.Module):

@@ -1,6 +1,6 @@
 """GRPO step time on the default model, side by side with TRL's GRPOTrainer and Tunix's GRPOLearner, in one run.
 
-Usage: python benchmarks/grpo.py [--steps 5] [--peer-python PY] [--only ours,ours-f32,ours-bf16,trl,trl-bf16,tunix]
+Usage: python benchmarks/grpo.py [--steps 5] [--peer-python PY] [--only ours,ours-exact,ours-f32,ours-bf16,trl,...]
 
 Every contender runs the same GRPO step: 4 prompts x 4 completions of up to 64 tokens (sampled at
 temperature 1 from SmolLM2-135M-Instruct), LoRA rank 8 (alpha 16) on all seven projections, AdamW,
@@ -11,6 +11,7 @@ same work; the table shows the mean completion length beside each. Each runs in 
 subprocess, one after the other, and reports the median step time after one warm-up step.
 
   ours      tunix-rt RLTrainer on the default GGUF (Q4_1 base kept packed: QLoRA), this interpreter
+  ours-exact ours with exact_on_policy=true: the trainer computes its log-probs as the engine does
   ours-f32  the same on the f32 weights (the HF directory the peers load)
   ours-bf16 ours-f32 with bf16 compute (bf16 operands, f32 sums: XLA's AMX dots on AMX CPUs, where the
             engine samples in bf16 too; tunix-rt's vdpbf16ps op elsewhere, the engine in f32)
@@ -58,7 +59,7 @@ def prompts_file(directory: str) -> str:
 # --- contenders (each runs in a subprocess: `python grpo.py --run NAME STEPS`) -------------------------------
 
 
-def run_ours(model: str, steps: int, compute_dtype: str = "float32") -> dict:
+def run_ours(model: str, steps: int, compute_dtype: str = "float32", exact: bool = False) -> dict:
     from tunix_rt.checkpoints.loader import load_model
     from tunix_rt.train.config import GRPOConfig
     from tunix_rt.train.rl_trainer import RLTrainer
@@ -69,7 +70,8 @@ def run_ours(model: str, steps: int, compute_dtype: str = "float32") -> dict:
                          batch_size=PROMPTS_PER_STEP * GENERATIONS, num_generations=GENERATIONS,
                          max_completion_length=MAX_NEW, lora_rank=RANK, lora_alpha=ALPHA, lora_targets=TARGETS,
                          reward=(f"{os.path.abspath(__file__)}:brevity",), learning_rate=1e-5, save_steps=10_000,
-                         progress=False, shuffle=False, compute_dtype=compute_dtype)
+                         progress=False, shuffle=False, compute_dtype=compute_dtype,
+                         exact_on_policy=exact)
         loaded = load_model(model, dequantize=False)
         trainer = RLTrainer(cfg, loaded.model, build_objective(cfg, loaded, cfg.data))
         times, splits, lengths = [], [], []
@@ -132,6 +134,7 @@ def run_tunix(model: str, steps: int) -> dict:
 
 
 RUNS = {"ours": run_ours, "ours-f32": run_ours, "ours-bf16": functools.partial(run_ours, compute_dtype="bfloat16"),
+        "ours-exact": functools.partial(run_ours, exact=True),
         "trl": run_trl, "trl-bf16": functools.partial(run_trl, bf16=True), "tunix": run_tunix}
 
 # --- parent ------------------------------------------------------------------------------------------------------
@@ -156,7 +159,7 @@ def main() -> None:
     loaded = load_model("default", dequantize=True)
     export_hf(loaded.model, loaded.tokenizer, loaded.hf_config, hf_dir)
     del loaded
-    models = {"ours": "default", "ours-f32": hf_dir, "ours-bf16": hf_dir, "trl": hf_dir, "trl-bf16": hf_dir,
+    models = {"ours": "default", "ours-exact": "default", "ours-f32": hf_dir, "ours-bf16": hf_dir, "trl": hf_dir, "trl-bf16": hf_dir,
               "tunix": hf_dir}
     print(f"GRPO step, SmolLM2-135M-Instruct, {PROMPTS_PER_STEP} prompts x {GENERATIONS} completions x up to "
           f"{MAX_NEW} tokens, LoRA r{RANK}, {THREADS} threads; median of steps 2..{args.steps}", flush=True)

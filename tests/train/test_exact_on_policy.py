@@ -107,3 +107,30 @@ def test_paged_layout_gives_each_completion_the_prompt():
         assert (seq[r, seg[r] == -1] == 0).all() and (slots[r, pos[r] < 0] == -1).all()
         assert slots[r].max() < (1 + 3) * width * 4
 
+
+
+def test_exact_gradient_is_the_usual_ones(tiny, prompts, root):  # noqa: F811
+    """The exact mode changes the numbers of the forward, not the function: its gradient (the paged forward's,
+    through the training attention's backward) is the default path's up to rounding."""
+    cfg = build_config(GRPOConfig, overrides=[*COMMON, "exact_on_policy=true", "temperature=0.7", "lora_rank=4"],
+                       model=str(tiny), data=prompts, output=str(root / "exact_grad"), reward=["brevity"])
+    loaded = load_model(cfg.model)
+    trainer = RLTrainer(cfg, loaded.model, run_module.build_objective(cfg, loaded, cfg.data))
+    batch = {k: v[0] for k, v in trainer.train_batch(0).items()}
+    model = trainer.model()
+    from tunix_rt.train.lora import LoRALinear
+    for _, m in nnx.iter_modules(model):  # B = 0 at the start would leave A's gradient 0 either way
+        if isinstance(m, LoRALinear):
+            m.lora_b.set_value(jax.random.normal(jax.random.key(0), m.lora_b[...].shape) * 0.05)
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    mask = batch["loss_mask"]
+
+    def loss(lora, block_size):
+        from tunix_rt.train.rl_trainer import completion_logprobs
+        logps = completion_logprobs(nnx.merge(graphdef, lora, rest), batch, 0.7, block_size=block_size)[0]
+        return (logps * mask).sum()
+
+    exact = jax.jit(jax.grad(lambda p: loss(p, trainer.objective.exact_block_size)))(lora)
+    usual = jax.jit(jax.grad(lambda p: loss(p, None)))(lora)
+    for a, b in zip(jax.tree.leaves(exact), jax.tree.leaves(usual)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tunix_rt.ops.matmul import matmul
+
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily.
 SAMPLING_EPS = 1e-5
 
@@ -78,15 +80,11 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: 
 
 
 def row_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis in one fixed pairwise order (padded to a power of two, halves added until one
-    is left), whatever program it lands in. XLA's reduce picks its order by the fusion around it, so one
-    row's sum could round differently in the engine's sampler and in the trainer's exact log-probs."""
+    """Sum over the last axis in one fixed order, whatever program it lands in: a product with a column of
+    ones on tunix-rt's row-invariant GEMM (ops/matmul.py). XLA's reduce picks its order by the fusion around
+    it, so one row's sum could round differently in the engine's sampler and in the trainer's exact log-probs."""
     v = x.shape[-1]
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << max(0, (v - 1).bit_length())) - v)])
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
+    return matmul(x.reshape(-1, v), jnp.ones((v, 1), x.dtype)).reshape(x.shape[:-1])
 
 
 def log_softmax(logits: jax.Array) -> jax.Array:

@@ -11,11 +11,13 @@ served by the write_kv / paged_attention FFI ops.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from tunix_rt.ops.attention import attention_mask, dot_product_attention
+from tunix_rt.ops.attention import attention, attention_mask, dot_product_attention
 from tunix_rt.ops.paged_attention import paged_attention, write_kv
 
 
@@ -84,6 +86,10 @@ class PagedKVCache:
     block_tables: jax.Array
     copy_src: jax.Array | None = None
     copy_slots: jax.Array | None = None
+    # The trainer's exact mode: the packed rows' segment ids (R, L). The forward is the engine's paged attention
+    # (its numbers); the gradient is the training attention's over the packed rows (ops/attention.py), whose
+    # backward keeps no per-query copies of the keys, as paged_attention's reference backward does.
+    segment_ids: jax.Array | None = None
 
     def begin(self, positions: jax.Array) -> "PagedKVCache":
         return self
@@ -91,6 +97,10 @@ class PagedKVCache:
     def attend(self, layer: int, q, k, v, positions, *, window, scale, softcap) -> tuple["PagedKVCache", jax.Array]:
         if q.shape[0] != 1:
             raise ValueError(f"PagedKVCache takes a step's tokens packed as one row (1, T), got batch {q.shape[0]}")
+        if self.segment_ids is not None:
+            out = _exact_attention(q[0], k[0], v[0], positions[0].astype(jnp.int32), self, layer, window, scale,
+                                   softcap)
+            return self, out[None]
         dtype = self.k[layer].dtype
         layer_k, layer_v = write_kv(self.k[layer], self.v[layer], k[0].astype(dtype), v[0].astype(dtype), self.slots)
         if self.copy_src is not None:
@@ -103,3 +113,51 @@ class PagedKVCache:
 
     def end(self, num_tokens: int) -> "PagedKVCache":
         return self
+
+
+def _paged(q, k, v, positions, pools, layout, window, scale, softcap):
+    """The engine's arithmetic: k/v written into the layer's pool (and the copies), then paged_attention."""
+    pool_k, pool_v = pools
+    slots, token_seq, tables, copy_src, copy_slots, _ = layout
+    pool_k, pool_v = write_kv(pool_k, pool_v, k.astype(pool_k.dtype), v.astype(pool_v.dtype), slots)
+    if copy_src is not None:
+        pool_k, pool_v = write_kv(pool_k, pool_v, k[copy_src].astype(pool_k.dtype), v[copy_src].astype(pool_v.dtype),
+                                  copy_slots)
+    return paged_attention(q, pool_k, pool_v, tables, token_seq, positions, scale=scale, softcap=softcap, window=window)
+
+
+def _packed(q, k, v, positions, segment_ids, window, scale, softcap):
+    """The same attention over the packed training rows (R, L): the training kernel, for the gradient."""
+    rows, length = segment_ids.shape
+    shape = lambda a: a.reshape(rows, length, *a.shape[1:])
+    out = attention(shape(q), shape(k), shape(v), positions.reshape(rows, length), segment_ids, scale=scale,
+                    window=window, softcap=softcap)
+    return out.reshape(q.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _exact(q, k, v, positions, pools, layout, window, scale, softcap):
+    return _paged(q, k, v, positions, pools, layout, window, scale, softcap)
+
+
+def _exact_fwd(q, k, v, positions, pools, layout, window, scale, softcap):
+    return _paged(q, k, v, positions, pools, layout, window, scale, softcap), (q, k, v, positions, pools, layout)
+
+
+def _zero_cotangent(x):
+    return np.zeros(x.shape, jax.dtypes.float0) if jnp.issubdtype(x.dtype, jnp.integer) else jnp.zeros_like(x)
+
+
+def _exact_bwd(window, scale, softcap, residuals, g):
+    q, k, v, positions, pools, layout = residuals
+    _, vjp = jax.vjp(lambda q, k, v: _packed(q, k, v, positions, layout[-1], window, scale, softcap), q, k, v)
+    return (*vjp(g), _zero_cotangent(positions), jax.tree.map(_zero_cotangent, pools),
+            jax.tree.map(_zero_cotangent, layout))
+
+
+_exact.defvjp(_exact_fwd, _exact_bwd)
+
+
+def _exact_attention(q, k, v, positions, cache: PagedKVCache, layer: int, window, scale, softcap):
+    layout = (cache.slots, cache.token_seq, cache.block_tables, cache.copy_src, cache.copy_slots, cache.segment_ids)
+    return _exact(q, k, v, positions, (cache.k[layer], cache.v[layer]), layout, window, scale, softcap)

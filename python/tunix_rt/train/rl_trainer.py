@@ -50,8 +50,8 @@ def completion_hidden(model, batch: dict, *, block_size: int | None = None) -> j
 def paged_hidden(model, batch: dict, block_size: int) -> jax.Array:
     """(R, L, D) hidden states of the packed rows computed through a paged KV cache laid out as the engine's
     (group_packing.paged_layout): every token packed into one (1, R * L) step, attention by the engine's
-    paged_attention over blocks of the engine's size, so each query sums its keys in the engine's order.
-    Differentiable: write_kv and paged_attention carry gradients."""
+    paged_attention over blocks of the engine's size, so each query sums its keys in the engine's order. The
+    gradient goes through the training attention over the packed rows (kv_cache._exact_attention)."""
     tokens = batch["tokens"]
     rows, length = tokens.shape
     g = batch["paged_tables"].shape[0] // rows
@@ -70,7 +70,7 @@ def paged_hidden(model, batch: dict, block_size: int) -> jax.Array:
     cfg = model.config
     shape = (rows * per_row, block_size, cfg.num_kv_heads, cfg.head_dim)
     pools = tuple(jnp.zeros(shape, model.dtype) for _ in range(cfg.num_layers))
-    cache = PagedKVCache(pools, pools, slots, seq, tables, copy_src, copy_slots)
+    cache = PagedKVCache(pools, pools, slots, seq, tables, copy_src, copy_slots, batch["segment_ids"])
     h, _ = model.hidden_states(tokens.reshape(1, -1), batch["positions"].reshape(1, -1), cache)
     return h.reshape(rows, length, -1)
 

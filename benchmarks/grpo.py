@@ -159,8 +159,8 @@ def main() -> None:
     loaded = load_model("default", dequantize=True)
     export_hf(loaded.model, loaded.tokenizer, loaded.hf_config, hf_dir)
     del loaded
-    models = {"ours": "default", "ours-exact": "default", "ours-f32": hf_dir, "ours-bf16": hf_dir, "trl": hf_dir, "trl-bf16": hf_dir,
-              "tunix": hf_dir}
+    models = {"ours": "default", "ours-exact": "default", "ours-f32": hf_dir, "ours-bf16": hf_dir, "trl": hf_dir,
+              "trl-bf16": hf_dir, "tunix": hf_dir}
     print(f"GRPO step, SmolLM2-135M-Instruct, {PROMPTS_PER_STEP} prompts x {GENERATIONS} completions x up to "
           f"{MAX_NEW} tokens, LoRA r{RANK}, {THREADS} threads; median of steps 2..{args.steps}", flush=True)
     medians = {}

@@ -21,8 +21,10 @@ from tests.train.test_train_cli import cli
 from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.train import run as run_module
 from tunix_rt.train.config import GRPOConfig, PPOConfig, build_config
+from tunix_rt.train.group_packing import paged_layout
+from tunix_rt.train.lora import LoRALinear
 from tunix_rt.train.metrics import read_metrics
-from tunix_rt.train.rl_trainer import RLTrainer
+from tunix_rt.train.rl_trainer import RLTrainer, completion_logprobs
 
 pytestmark = [pytest.mark.slow]
 
@@ -81,8 +83,6 @@ def test_exact_mode_refuses_what_it_cannot_match(tiny, prompts, root, extra, mes
 
 def test_paged_layout_gives_each_completion_the_prompt():
     """Two groups, G = 3, block size 4: prompts of 6 and 8 tokens (a partly filled last block, and none)."""
-    from tunix_rt.train.group_packing import paged_layout
-
     seg = np.array([[-1] * 6 + [1, 1, 2, 2, 2, 3] + [0] * 4, [-1] * 8 + [1, 2, 2, 3, 3, 3] + [0] * 2])
     pos = np.array([list(range(6)) + [6, 7, 6, 7, 8, 6] + [-1] * 4, list(range(8)) + [8, 8, 9, 8, 9, 10] + [-1] * 2])
     lay = paged_layout(seg, pos, 3, 4)
@@ -118,7 +118,6 @@ def test_exact_gradient_is_the_usual_ones(tiny, prompts, root):  # noqa: F811
     trainer = RLTrainer(cfg, loaded.model, run_module.build_objective(cfg, loaded, cfg.data))
     batch = {k: v[0] for k, v in trainer.train_batch(0).items()}
     model = trainer.model()
-    from tunix_rt.train.lora import LoRALinear
     for _, m in nnx.iter_modules(model):  # B = 0 at the start would leave A's gradient 0 either way
         if isinstance(m, LoRALinear):
             m.lora_b.set_value(jax.random.normal(jax.random.key(0), m.lora_b[...].shape) * 0.05)
@@ -126,7 +125,6 @@ def test_exact_gradient_is_the_usual_ones(tiny, prompts, root):  # noqa: F811
     mask = batch["loss_mask"]
 
     def loss(lora, block_size):
-        from tunix_rt.train.rl_trainer import completion_logprobs
         logps = completion_logprobs(nnx.merge(graphdef, lora, rest), batch, 0.7, block_size=block_size)[0]
         return (logps * mask).sum()
 

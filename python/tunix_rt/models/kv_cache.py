@@ -73,10 +73,14 @@ class PagedKVCache:
 
     slots (T,): where each token's k/v goes (-1 = padding); token_seq (T,): the row of
     block_tables (S, max_blocks) each token belongs to (-1 = padding). The pools are updated in
-    place by write_kv when the engine's jitted step donates them. copy_src / copy_slots (C,), when
-    given, write token copy_src[i]'s k/v a second time, at copy_slots[i] (-1 = none): the trainer's
-    exact mode lays a group's completions out as sequences sharing the prompt, each holding its own
-    copy of the prompt's last, partly filled block.
+    place by write_kv when the engine's jitted step donates them.
+
+    The RL trainer's exact mode (train/rl_trainer.paged_hidden) gives the last three fields: copy_src /
+    copy_slots (C,) write token copy_src[i]'s k/v a second time, at copy_slots[i] (-1 = none), as it lays a
+    group's completions out as sequences sharing the prompt, each holding its own copy of the prompt's last,
+    partly filled block; segment_ids (R, L) are the packed rows'. Its forward is the engine's paged attention
+    (its numbers); its gradient the training attention's over the packed rows (ops/attention.py), whose
+    backward keeps no per-query copies of the keys, as paged_attention's reference backward does.
     """
 
     k: tuple[jax.Array, ...]  # per layer (num_blocks, block_size, KV, D)
@@ -86,9 +90,6 @@ class PagedKVCache:
     block_tables: jax.Array
     copy_src: jax.Array | None = None
     copy_slots: jax.Array | None = None
-    # The trainer's exact mode: the packed rows' segment ids (R, L). The forward is the engine's paged attention
-    # (its numbers); the gradient is the training attention's over the packed rows (ops/attention.py), whose
-    # backward keeps no per-query copies of the keys, as paged_attention's reference backward does.
     segment_ids: jax.Array | None = None
 
     def begin(self, positions: jax.Array) -> "PagedKVCache":
@@ -97,15 +98,12 @@ class PagedKVCache:
     def attend(self, layer: int, q, k, v, positions, *, window, scale, softcap) -> tuple["PagedKVCache", jax.Array]:
         if q.shape[0] != 1:
             raise ValueError(f"PagedKVCache takes a step's tokens packed as one row (1, T), got batch {q.shape[0]}")
-        if self.segment_ids is not None:
+        if self.segment_ids is not None:  # the trainer's exact mode
             out = _exact_attention(q[0], k[0], v[0], positions[0].astype(jnp.int32), self, layer, window, scale,
                                    softcap)
             return self, out[None]
         dtype = self.k[layer].dtype
         layer_k, layer_v = write_kv(self.k[layer], self.v[layer], k[0].astype(dtype), v[0].astype(dtype), self.slots)
-        if self.copy_src is not None:
-            layer_k, layer_v = write_kv(layer_k, layer_v, k[0][self.copy_src].astype(dtype),
-                                        v[0][self.copy_src].astype(dtype), self.copy_slots)
         out = paged_attention(q[0], layer_k, layer_v, self.block_tables, self.token_seq, positions[0].astype(jnp.int32),
                               scale=scale, softcap=softcap, window=window)
         cache = dataclasses.replace(self, k=_replace(self.k, layer, layer_k), v=_replace(self.v, layer, layer_v))

@@ -66,7 +66,8 @@ ffi::Future Dequantize(ffi::ThreadPool pool, ffi::AnyBuffer qs, ffi::AnyBuffer s
 }
 
 ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer qs, ffi::AnyBuffer scales,
-                        ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y, int32_t fmt, int64_t group, int32_t route) {
+                        ffi::AnyBuffer mins, ffi::AnyBuffer lanes, ffi::Result<ffi::AnyBuffer> y, int32_t fmt,
+                        int64_t group, int32_t route) {
   if (route < kInt8 || route > kExactRowInvariant)
     return ReadyFuture(InvalidArgument("quant_matmul: route must be 0 (int8), 1 (exact) or 2 (exact, row-invariant)"));
   const auto xd = x.dimensions(), yd = y->dimensions();
@@ -75,10 +76,12 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
   Layout l;
   if (ffi::Error e = MakeLayout(fmt, group, yd[1], xd[1], &l); !e.success()) return ReadyFuture(e);
   if (ffi::Error e = CheckWeights(l, qs, scales, mins); !e.success()) return ReadyFuture(e);
+  if (ffi::Error e = CheckLanes(l, lanes); !e.success()) return ReadyFuture(e);
   const int64_t m = xd[0];
   if (m == 0 || l.n == 0) return ReadyFuture(ffi::Error::Success());
   const Weights w{l, static_cast<const uint8_t*>(qs.untyped_data()), scales.untyped_data(),
-                  static_cast<const uint16_t*>(mins.untyped_data())};
+                  static_cast<const uint16_t*>(mins.untyped_data()),
+                  lanes.element_count() > 0 ? lanes.untyped_data() : nullptr};
   if (route != kInt8) return QuantGemm(pool, w, x, *y, route == kExactRowInvariant);
 #ifdef TUNIX_RT_X86
   if (m > kGemvRows && HasVnni()) return VnniGemm(pool, w, x, *y);
@@ -112,6 +115,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeHandler, quant::Dequantize,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulHandler, quant::QuantMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

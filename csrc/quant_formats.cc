@@ -46,6 +46,17 @@ ffi::Error CheckWeights(const Layout& l, const ffi::AnyBuffer& qs, const ffi::An
   return ffi::Error::Success();
 }
 
+ffi::Error CheckLanes(const Layout& l, const ffi::AnyBuffer& lanes) {
+  const auto d = lanes.dimensions();
+  if (lanes.element_count() == 0) return ffi::Error::Success();
+  const int64_t tiles = (l.n + kLaneColumns - 1) / kLaneColumns;
+  if (d.size() != 3 || d[0] != tiles || d[1] != l.groups() || d[2] != kLaneColumns * (l.f->has_min ? 2 : 1))
+    return InvalidArgument("quant: lanes shape does not match (ceil(N/16), K/group, 16 * (1 + has_min))");
+  const auto want = l.f->f16_scales ? ffi::DataType::F16 : ffi::DataType::F32;
+  if (lanes.element_type() != want) return InvalidArgument("quant: lanes dtype does not match the scales'");
+  return ffi::Error::Success();
+}
+
 void QuantizeRow(const Layout& l, const float* x, uint8_t* qs, void* scales, uint16_t* mins, int64_t row) {
   std::vector<uint8_t> q(l.group);
   for (int64_t g = 0; g < l.groups(); ++g) {

@@ -19,6 +19,7 @@ from tunix_rt.engine.sampler import (
     apply_penalties,
     categorical,
     filter_logits,
+    row_sum,
     sample_tokens,
 )
 
@@ -211,6 +212,20 @@ def test_row_draw_independent_of_batch(seed, where, neighbours_greedy):
     mixed = _sample(logits, SamplingTensors(**cols), prompt, output)
     assert int(mixed.tokens[where]) == int(alone.tokens[0])
     assert float(mixed.logprobs[where]) == pytest.approx(float(alone.logprobs[0]), abs=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(width=st.integers(1, 600), rows=st.integers(1, 5), seed=st.integers(0, 2**32 - 1))
+def test_row_sum_is_a_fixed_order_sum(width, rows, seed):
+    """row_sum is the row's sum, and each row's rounding is the same alone, in a batch, and fused with the
+    exp that feeds it (XLA's reduce would pick its order by the program around it)."""
+    x = np.random.default_rng(seed).normal(size=(rows, width)).astype(np.float32) * 4
+    np.testing.assert_allclose(np.asarray(row_sum(jnp.asarray(x))), x.astype(np.float64).sum(-1), rtol=1e-5, atol=1e-4)
+    fused = np.asarray(jax.jit(lambda v: row_sum(jnp.exp(v)))(x))
+    exp = jax.jit(jnp.exp)
+    alone = [np.asarray(jax.jit(row_sum)(exp(x[r:r + 1])))[0] for r in range(rows)]
+    np.testing.assert_array_equal(fused, np.asarray(alone))
+    assert row_sum(jnp.zeros((2, 3, width))).shape == (2, 3)
 
 
 def test_seeds_and_steps_change_the_draw():

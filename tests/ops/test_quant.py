@@ -45,7 +45,7 @@ from tunix_rt.ops import (
     quantize,
     quantize_reference,
 )
-from tunix_rt.ops.quant import GEMV_ROWS
+from tunix_rt.ops.quant import GEMV_ROWS, lane_scales, with_lane_scales
 
 QUANTIZE_TARGET, DEQUANTIZE_TARGET, MATMUL_TARGET = "tunix_rt_quantize", "tunix_rt_dequantize", "tunix_rt_quant_matmul"
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
@@ -751,10 +751,14 @@ def test_int8_rows_equal_each_row_alone(fmt_group, blocks, n, m, scale, seed):
     rng = np.random.default_rng(seed)
     qt = quantize(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), fmt, group)
     x = jnp.asarray(rng.standard_normal((m, k)) * scale, jnp.float32)
+    laned = with_lane_scales(qt)
     for kw in (dict(int8_rows=None), dict(exact=True, invariant=True)):
         y = _f32(quant_matmul(x, qt, **kw))
         for i in range(m):
             np.testing.assert_array_equal(y[i], _f32(quant_matmul(x[i:i + 1], qt, **kw))[0], err_msg=f"{kw} row {i}")
+            # the weight's column-lane scales change where the GEMV reads its scales, not its numbers
+            np.testing.assert_array_equal(y[i], _f32(quant_matmul(x[i:i + 1], laned, **kw))[0], err_msg=f"lanes {i}")
+        np.testing.assert_array_equal(y, _f32(quant_matmul(x, laned, **kw)), err_msg=f"{kw} lanes")
     ref64, bound = matmul_error_bound(_f32(x), qt, F32)
     assert np.all(np.abs(_f32(quant_matmul(x, qt, int8_rows=None)).astype(np.float64) - ref64) <= bound)
 
@@ -1138,6 +1142,39 @@ def _bad_qts():
     out.append(("K not multiple of group", QuantizedTensor(jnp.zeros((4, 20), jnp.uint8), jnp.ones((4, 1), jnp.float16),
                                                            jnp.zeros((4, 0), jnp.float16), "q4_0", (40, 4), 32), "multiple"))
     return out
+
+
+@pytest.mark.parametrize("fmt,group", [("q4_1", 32), ("q8_0", 32), ("int4", 64)])
+def test_lane_scales_layout(fmt, group):
+    """lanes[t, g, c] is column 16 t + c's scale of group g (then, for q4_1, its min at c + 16); columns
+    past N are zeros."""
+    qt = _good_qt(fmt, k=4 * group, n=21, group=group)
+    lanes = np.asarray(lane_scales(qt))
+    assert lanes.shape == (2, 4, 32 if fmt == "q4_1" else 16) and lanes.dtype == qt.scales.dtype
+    scales = np.asarray(qt.scales)
+    for col in range(32):
+        t, c = divmod(col, 16)
+        want = scales[col] if col < 21 else np.zeros(4, scales.dtype)
+        np.testing.assert_array_equal(lanes[t, :, c], want, err_msg=f"scales of column {col}")
+        if fmt == "q4_1":
+            want = np.asarray(qt.mins)[col] if col < 21 else np.zeros(4, np.float16)
+            np.testing.assert_array_equal(lanes[t, :, 16 + c], want, err_msg=f"mins of column {col}")
+    assert with_lane_scales(qt).lanes is not None and with_lane_scales(with_lane_scales(qt)).lanes.shape == lanes.shape
+
+
+def test_bad_lanes():
+    """Lanes that do not match the weight: a ValueError naming them in Python, an FFI error (not a read past
+    the buffer) when the handler is called directly."""
+    qt = _good_qt("q4_1", k=64, n=20)
+    x = jnp.ones((1, 64), jnp.float32)
+    for bad in (lane_scales(qt)[:1], lane_scales(qt)[..., :16], lane_scales(qt).astype(jnp.float32)):
+        for mm in (quant_matmul, quant_matmul_reference):
+            with pytest.raises(ValueError, match="qt.lanes"):
+                mm(x, dataclasses.replace(qt, lanes=bad))
+        call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((1, 20), jnp.float32))
+        with pytest.raises(Exception, match="lanes"):
+            jax.block_until_ready(call(x, qt.qs, qt.scales, qt.mins, bad, fmt=np.int32(FORMATS["q4_1"].id),
+                                       group=np.int64(32), route=np.int32(0)))
 
 
 @pytest.mark.parametrize("label,qt,match", _bad_qts(), ids=lambda v: v if isinstance(v, str) else "")

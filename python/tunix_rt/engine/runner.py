@@ -34,6 +34,7 @@ from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.batch_invariant import use_batch_invariant_kernels
 from tunix_rt.models.decoder import Decoder, head_logits
 from tunix_rt.models.kv_cache import PagedKVCache
+from tunix_rt.ops.quant import QuantizedTensor, with_lane_scales
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +118,20 @@ class StepResult:
     top_logprobs: np.ndarray
 
 
+def _with_lane_scales(state: nnx.State) -> nnx.State:
+    """The engine's copy of the weights: each quantized one with its column-lane scales, laid out once here
+    (and at each weight update) rather than by the GEMV on every decode step."""
+    is_quantized = lambda v: isinstance(v, QuantizedTensor)
+    return jax.tree.map(lambda v: with_lane_scales(v) if is_quantized(v) else v, state, is_leaf=is_quantized)
+
+
 class ModelRunner:
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, grammars: GrammarCompiler | None = None,
                  token_buckets: tuple[int, ...] | None = None, decode_steps: int = 1,
                  processed_logprobs: bool = False):
         self.graphdef, state = nnx.split(model)
-        self.leaves, self.treedef = jax.tree.flatten(state)
+        self.leaves, self.treedef = jax.tree.flatten(_with_lane_scales(state))
         head_def, head_state = nnx.split(model.output_head())
         self.head_leaves, head_treedef = jax.tree.flatten(head_state)
         self._forward, self._take_rows, self._sample, self._decode_loop = _compile_step(
@@ -162,7 +170,7 @@ class ModelRunner:
 
     def update_weights(self, state: nnx.State) -> None:
         """Swap in new weights of the same structure, shapes and dtypes (so nothing recompiles)."""
-        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(_with_lane_scales(state))
         if treedef != self.treedef:
             raise ValueError(f"update_weights: the new weights' structure differs from the engine's model:\n{treedef}\n"
                              f"vs\n{self.treedef}")

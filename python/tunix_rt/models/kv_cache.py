@@ -102,10 +102,9 @@ class PagedKVCache:
             out = _exact_attention(q[0], k[0], v[0], positions[0].astype(jnp.int32), self, layer, window, scale,
                                    softcap)
             return self, out[None]
-        dtype = self.k[layer].dtype
-        layer_k, layer_v = write_kv(self.k[layer], self.v[layer], k[0].astype(dtype), v[0].astype(dtype), self.slots)
-        out = paged_attention(q[0], layer_k, layer_v, self.block_tables, self.token_seq, positions[0].astype(jnp.int32),
-                              scale=scale, softcap=softcap, window=window)
+        layer_k, layer_v, out = _write_and_attend(q[0], k[0], v[0], positions[0].astype(jnp.int32), self.k[layer],
+                                                  self.v[layer], self.slots, self.token_seq, self.block_tables,
+                                                  None, None, window, scale, softcap)
         cache = dataclasses.replace(self, k=_replace(self.k, layer, layer_k), v=_replace(self.v, layer, layer_v))
         return cache, out[None]
 
@@ -113,15 +112,23 @@ class PagedKVCache:
         return self
 
 
-def _paged(q, k, v, positions, pools, layout, window, scale, softcap):
-    """The engine's arithmetic: k/v written into the layer's pool (and the copies), then paged_attention."""
-    pool_k, pool_v = pools
-    slots, token_seq, tables, copy_src, copy_slots, _ = layout
+def _write_and_attend(q, k, v, positions, pool_k, pool_v, slots, token_seq, tables, copy_src, copy_slots, window,
+                      scale, softcap):
+    """The engine's arithmetic: k/v written into the layer's pools (and the copies, if any), then
+    paged_attention; returns the updated pools and the attention output."""
     pool_k, pool_v = write_kv(pool_k, pool_v, k.astype(pool_k.dtype), v.astype(pool_v.dtype), slots)
     if copy_src is not None:
         pool_k, pool_v = write_kv(pool_k, pool_v, k[copy_src].astype(pool_k.dtype), v[copy_src].astype(pool_v.dtype),
                                   copy_slots)
-    return paged_attention(q, pool_k, pool_v, tables, token_seq, positions, scale=scale, softcap=softcap, window=window)
+    out = paged_attention(q, pool_k, pool_v, tables, token_seq, positions, scale=scale, softcap=softcap, window=window)
+    return pool_k, pool_v, out
+
+
+def _paged(q, k, v, positions, pools, layout, window, scale, softcap):
+    """The exact mode's forward: the engine's arithmetic over the trainer's paged layout."""
+    slots, token_seq, tables, copy_src, copy_slots, _ = layout
+    return _write_and_attend(q, k, v, positions, *pools, slots, token_seq, tables, copy_src, copy_slots, window, scale,
+                             softcap)[2]
 
 
 def _packed(q, k, v, positions, segment_ids, window, scale, softcap):

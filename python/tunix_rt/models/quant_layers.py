@@ -50,7 +50,7 @@ class QuantEmbed(nnx.Module):
         self.invariant = False
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        qt = self.table_t.get_value()
+        qt = dataclasses.replace(self.table_t.get_value(), lanes=None)  # lanes are whole tiles of columns
         flat = tokens.reshape(-1)
         rows = dataclasses.replace(jax.tree.map(lambda a: a[flat], qt), shape=(qt.shape[0], flat.shape[0]))
         return dequantize_reference(rows, self.dtype).T.reshape(*tokens.shape, qt.shape[0])

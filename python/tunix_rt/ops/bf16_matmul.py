@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from tunix_rt.ops._ffi import cpu_features, has_cpu_target, platform_dispatch, require_array
+from tunix_rt.ops.matmul import check_product_shapes, linear_product
 
 _TARGET = "tunix_rt_bf16_matmul"
 _BF16 = jnp.dtype(jnp.bfloat16)
@@ -44,11 +45,7 @@ def _check(x, w, out_dtype, transpose_w, kernel) -> None:
     for name, arr in (("x", x), ("w", w)):
         if jnp.dtype(require_array("bf16_matmul", name, arr).dtype) != _BF16:
             raise ValueError(f"bf16_matmul: {name} must be bfloat16, got {jnp.dtype(arr.dtype)}")
-    if x.ndim < 1 or w.ndim != 2:
-        raise ValueError(f"bf16_matmul: need x (..., K) and w (K, N), got x {x.shape} and w {w.shape}")
-    k = w.shape[1] if transpose_w else w.shape[0]
-    if x.shape[-1] != k:
-        raise ValueError(f"bf16_matmul: x's last dimension ({x.shape[-1]}) does not match w's K ({k})")
+    check_product_shapes("bf16_matmul", x, w, transpose_w)
     if jnp.dtype(out_dtype) not in _OUT_DTYPES:
         raise ValueError(f"bf16_matmul: out_dtype must be float32 or bfloat16, got {out_dtype}")
     _check_kernel(kernel)
@@ -111,18 +108,15 @@ def bf16_matmul(x, w, *, out_dtype=jnp.bfloat16, transpose_w=False, kernel="ffi"
 
 @functools.cache
 def bf16_dot_general(kernel: str = "ffi"):
-    """jax.lax.dot_general, with the bf16 products of nnx.Linear (last axis of lhs with the first of a
-    2-D rhs) and of a tied embedding head (with the second) sent to bf16_matmul's `kernel`. Anything
-    else, including sharded outputs, goes to XLA unchanged. Cached: one function per kernel, so the
-    modules holding it keep one graph definition."""
+    """jax.lax.dot_general, with linear layers' bf16 products (ops.matmul.linear_product) sent to
+    bf16_matmul's `kernel`. Anything else, including sharded outputs, goes to XLA unchanged. Cached: one
+    function per kernel, so the modules holding it keep one graph definition."""
     _check_kernel(kernel)
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-        contract = dimension_numbers[0]
-        transpose_w = contract == ((lhs.ndim - 1,), (1,))
-        simple = (contract == ((lhs.ndim - 1,), (0,)) or transpose_w) and dimension_numbers[1] == ((), ())
-        if (simple and rhs.ndim == 2 and lhs.dtype == _BF16 and rhs.dtype == _BF16
-                and kwargs.get("out_sharding") is None and (kernel == "xla" or has_cpu_target(_TARGET))):
+        transpose_w = linear_product(lhs, rhs, dimension_numbers, kwargs)
+        if (transpose_w is not None and lhs.dtype == _BF16 and rhs.dtype == _BF16
+                and (kernel == "xla" or has_cpu_target(_TARGET))):
             out = preferred_element_type if preferred_element_type is not None else _BF16
             if jnp.dtype(out) in _OUT_DTYPES:
                 return bf16_matmul(lhs, rhs, out_dtype=out, transpose_w=transpose_w, kernel=kernel)

@@ -28,11 +28,16 @@ def _check(x, w, transpose_w) -> None:
             raise ValueError(f"matmul: {name} must be float32 or bfloat16, got {jnp.dtype(arr.dtype)}")
     if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
         raise ValueError(f"matmul: x and w must have one dtype, got {jnp.dtype(x.dtype)} and {jnp.dtype(w.dtype)}")
+    check_product_shapes("matmul", x, w, transpose_w)
+
+
+def check_product_shapes(op: str, x, w, transpose_w: bool) -> None:
+    """x (..., K) against w (K, N), or (N, K) with transpose_w: a ValueError naming `op` otherwise."""
     if x.ndim < 1 or w.ndim != 2:
-        raise ValueError(f"matmul: need x (..., K) and w (K, N), got x {x.shape} and w {w.shape}")
+        raise ValueError(f"{op}: need x (..., K) and w (K, N), got x {x.shape} and w {w.shape}")
     k = w.shape[1] if transpose_w else w.shape[0]
     if x.shape[-1] != k:
-        raise ValueError(f"matmul: x's last dimension ({x.shape[-1]}) does not match w's K ({k})")
+        raise ValueError(f"{op}: x's last dimension ({x.shape[-1]}) does not match w's K ({k})")
 
 
 def matmul_reference(x, w, *, transpose_w=False):
@@ -74,16 +79,25 @@ def matmul(x, w, *, transpose_w=False):
     return platform_dispatch(_TARGET, compiled, lambda x, w: matmul_reference(x, w, transpose_w=transpose_w), x, w)
 
 
+def linear_product(lhs, rhs, dimension_numbers, kwargs) -> bool | None:
+    """Whether a dot_general is a linear layer's product, x (..., K) with a 2-D weight: False for nnx.Linear's
+    (K, N) weight, True for a tied embedding head's (N, K) one, None for any other product or a sharded
+    output (the dot_general overrides leave those to XLA)."""
+    contract, batch = dimension_numbers
+    if batch != ((), ()) or rhs.ndim != 2 or kwargs.get("out_sharding") is not None:
+        return None
+    if contract == ((lhs.ndim - 1,), (0,)):
+        return False
+    return True if contract == ((lhs.ndim - 1,), (1,)) else None
+
+
 def invariant_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-    """jax.lax.dot_general, with nnx.Linear's product (last axis of lhs with the first of a 2-D rhs) and a
-    tied embedding head's (with the second) sent to `matmul` when both operands share a float dtype. Anything
-    else, including sharded outputs, goes to XLA unchanged."""
-    contract = dimension_numbers[0]
-    transpose_w = contract == ((lhs.ndim - 1,), (1,))
-    simple = (contract == ((lhs.ndim - 1,), (0,)) or transpose_w) and dimension_numbers[1] == ((), ())
+    """jax.lax.dot_general, with linear layers' products (`linear_product`) sent to `matmul` when both
+    operands share a float dtype and the output keeps it. Anything else goes to XLA unchanged."""
+    transpose_w = linear_product(lhs, rhs, dimension_numbers, kwargs)
     out = jnp.dtype(preferred_element_type if preferred_element_type is not None else lhs.dtype)
-    if (simple and rhs.ndim == 2 and jnp.dtype(lhs.dtype) in _DTYPES and lhs.dtype == rhs.dtype
-            and out == jnp.dtype(lhs.dtype) and kwargs.get("out_sharding") is None and has_cpu_target(_TARGET)):
+    if (transpose_w is not None and jnp.dtype(lhs.dtype) in _DTYPES and lhs.dtype == rhs.dtype
+            and out == jnp.dtype(lhs.dtype) and has_cpu_target(_TARGET)):
         return matmul(lhs, rhs, transpose_w=transpose_w)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, **kwargs)

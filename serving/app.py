@@ -26,8 +26,8 @@ from serving.errors import APIError, error_body
 from serving.errors import install as install_errors
 from serving.handlers import ServerState
 from serving.metrics import ServerMetrics
-from serving.tool_calls import tool_format_for
 from tunix_rt.engine.config import EngineConfig
+from tunix_rt.tools.tool_calls import tool_format_for
 
 log = logging.getLogger("tunix_rt.serve")
 

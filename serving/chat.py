@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 
-from serving.protocol import ChatMessage, Tool
-from serving.tool_calls import ToolFormat
+from serving.protocol import ChatMessage
+from tunix_rt.tools.tool_calls import ToolFormat
 
 
 def _text(message: ChatMessage, index: int) -> str:
@@ -37,7 +37,7 @@ def _arguments(text: str, index: int) -> dict:
     return args
 
 
-def template_messages(messages: list[ChatMessage], fmt: ToolFormat, tools: list[Tool] | None) -> list[dict]:
+def template_messages(messages: list[ChatMessage], fmt: ToolFormat, tools: list[dict] | None) -> list[dict]:
     out: list[dict] = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
@@ -67,12 +67,11 @@ def template_messages(messages: list[ChatMessage], fmt: ToolFormat, tools: list[
     return out
 
 
-def render_chat(tokenizer, messages: list[ChatMessage], fmt: ToolFormat, tools: list[Tool] | None) -> str:
-    """The prompt text for `messages` (tools None: the model is not told about any)."""
+def render_chat(tokenizer, messages: list[ChatMessage], fmt: ToolFormat, tools: list[dict] | None) -> str:
+    """The prompt text for `messages` (tools: OpenAI tool dicts; None: the model is not told about any)."""
     msgs = template_messages(messages, fmt, tools)
-    tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools and fmt.native else None
     try:
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tool_dicts)
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tools if fmt.native else None)
     except ValueError:
         raise
     except Exception as e:  # the template's own checks (e.g. "roles must alternate") are bad input

@@ -21,11 +21,11 @@ from serving import protocol as p
 from serving.chat import render_chat
 from serving.errors import APIError, error_body
 from serving.metrics import SequenceTimer, ServerMetrics
-from serving.tool_calls import ParsedCall, ParserOutput, ToolFormat, check_json_schema, check_tools
 from tunix_rt.engine.async_engine import AsyncEngine
 from tunix_rt.engine.errors import EngineUnavailableError, InvalidRequestError
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.structured import StructuredOutputsParams
+from tunix_rt.tools.tool_calls import ParsedCall, ParserOutput, ToolFormat, check_json_schema, check_tools
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty")
@@ -184,12 +184,12 @@ class ChatPlan:
     prompt: str
     params: SamplingParams
     parse_tools: bool  # read tool calls out of the reply
-    tools: list[p.Tool]
+    tools: list[dict]  # OpenAI tool dicts (tools/tool_calls.py)
     forced: bool  # required / named tool_choice: the grammar makes every token part of a call
 
 
 def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
-    tools = list(req.tools or [])
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if choice != "none" and not tools:
         raise _bad(f"tool_choice {choice if isinstance(choice, str) else 'with a function'} needs tools",
@@ -200,7 +200,7 @@ def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
         raise _bad(str(e), "tools") from None
     forced = choice == "required" or isinstance(choice, p.NamedToolChoice)
     if isinstance(choice, p.NamedToolChoice):  # the model may only call this one
-        tools = [t for t in tools if t.function.name == choice.function.name]
+        tools = [t for t in tools if t["function"]["name"] == choice.function.name]
         if not tools:
             raise _bad(f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
     fmt = state.tool_format
@@ -227,7 +227,8 @@ def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
     max_tokens = req.max_completion_tokens or req.max_tokens
     params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, structured=structured)
     try:
-        prompt = render_chat(state.tokenizer, req.messages, fmt, list(req.tools or []) if choice != "none" else None)
+        all_tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        prompt = render_chat(state.tokenizer, req.messages, fmt, all_tools if choice != "none" else None)
     except ValueError as e:
         raise _bad(str(e), "messages") from None
     return ChatPlan(prompt, params, parse_tools=choice != "none", tools=tools, forced=forced)

@@ -567,6 +567,32 @@ def test_update_weights(llama):
     assert_idle(engine)
 
 
+def test_update_weights_of_a_quantized_model():
+    """The engine keeps each packed weight's column-lane scales (laid out once for the GEMV): an update that
+    brings the same packed arrays reuses them, one with new packed weights lays them out again, and either
+    way the engine generates what a fresh engine on those weights does."""
+    model = _quantized_llama()
+    other = nnx.merge(*nnx.split(model))  # the same arrays, but for new packed up projections
+    for layer in other.layers:
+        layer.mlp.up_proj = QuantLinear(quantize(jax.random.normal(jax.random.key(5), (32, 64)), "q4_0"))
+    kw = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_kv_blocks=64)
+    engine = _engine(model, **kw)
+    prompts = _prompts(13, [5, 17, 9])
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    first = [o.token_ids for o in engine.generate(prompts, params)]
+    lanes = [leaf for leaf in engine.runner.leaves if leaf.ndim == 3]  # the lanes: (tiles, groups, 16)
+    assert len(lanes) == 2 * 7 and lanes[0].shape[-1] == 16
+    engine.update_weights(model)
+    assert all(a is b for a, b in zip([leaf for leaf in engine.runner.leaves if leaf.ndim == 3], lanes))
+    engine.update_weights(other)
+    after = [leaf for leaf in engine.runner.leaves if leaf.ndim == 3]
+    assert sum(a is b for a, b in zip(after, lanes)) == 2 * 6  # the up projections' lanes are new
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [
+        o.token_ids for o in _engine(other, **kw).generate(prompts, params)]
+    engine.update_weights(model)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == first
+
+
 def test_sleep_and_wake_up(llama):
     _, engine = llama
     prompts = _prompts(12, [3, 19, 33])

@@ -534,13 +534,22 @@ def dense_jax_attention(case: Case):
     return attend
 
 
-def assert_grad_close(actual, expected, what, *, rtol=3e-5, frac=5e-6):
-    """|error| <= rtol * |expected| + frac * max|expected| (sums over tokens cancel); measured
+def assert_grad_close(actual, expected, what, *, rtol=3e-5, frac=5e-6, atol=0.0):
+    """|error| <= rtol * |expected| + frac * max|expected| + atol (sums over tokens cancel); measured
     worst f32 error: a fifth of this."""
     a, e = _f32(actual), _f32(expected)
     assert a.shape == e.shape, what
     scale = np.abs(e).max() if e.size else 0.0
-    np.testing.assert_array_less(np.abs(a - e), rtol * np.abs(e) + frac * scale + 1e-30, err_msg=what)
+    np.testing.assert_array_less(np.abs(a - e), rtol * np.abs(e) + frac * scale + atol + 1e-30, err_msg=what)
+
+
+def dq_rounding_floor(case, ct) -> float:
+    """dq_i = scale * sum_j p_ij (dp_ij - D_i) k_j, with dp_ij = ct_i . v_j and D_i = sum_j p_ij dp_ij, can cancel
+    to ~0 (a query that sees one key has dq = 0 exactly); both sides then return rounding noise, of size
+    eps * scale * max|dp| * max|k| (hypothesis found a dq of 5e-9 computed as 1.2e-6),
+    not relative to dq."""
+    dp = np.linalg.norm(_f32(ct), axis=-1).max() * np.linalg.norm(_f32(case.vc), axis=-1).max()
+    return 64 * np.finfo(np.float32).eps * case.scale * dp * np.abs(_f32(case.kc)).max()
 
 
 @pytest.mark.slow
@@ -558,7 +567,7 @@ def test_gradients_match_dense_jax(case_dtypes, seed):
     want = jax.jit(jax.grad(loss_dense, argnums=(0, 1, 2)))(q, kc, vc)
     for name, a, e in zip(("dq", "dk_cache", "dv_cache"), got, want):
         assert a.dtype == F32, name
-        assert_grad_close(a, e, name)
+        assert_grad_close(a, e, name, atol=dq_rounding_floor(case, ct) if name == "dq" else 0.0)
     # blocks no token reads get no gradient
     read = np.zeros(case.kc.shape[0] * case.kc.shape[1], bool)
     nb, bs = case.kc.shape[:2]

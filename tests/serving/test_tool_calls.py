@@ -13,19 +13,25 @@ from hypothesis import strategies as st
 
 from serving.chat import render_chat, template_messages
 from serving.protocol import ChatMessage, Tool
-from serving.tool_calls import HermesParser, Llama3JsonParser, ParsedCall, ToolFormat, check_tools, tool_format_for
+from tunix_rt.tools.tool_calls import HermesParser, Llama3JsonParser, ParsedCall, ToolFormat, check_tools, tool_format_for
 
-ADD = Tool(function={
+
+def tool(function: dict) -> dict:
+    """An OpenAI tool dict as the server passes it on: validated by the request model, then dumped."""
+    return Tool(function=function).model_dump(exclude_none=True)
+
+
+ADD = tool({
     "name": "add", "description": "Add two integers.",
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                    "required": ["a", "b"]},
 })
-ECHO = Tool(function={
+ECHO = tool({
     "name": "echo", "description": "Repeat a text.",
     "parameters": {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]},
 })
-PING = Tool(function={"name": "ping"})  # no parameters: any arguments object
-SCALE = Tool(function={"name": "scale", "parameters": {"type": "object", "properties": {"x": {"type": "number"}}}})
+PING = tool({"name": "ping"})  # no parameters: any arguments object
+SCALE = tool({"name": "scale", "parameters": {"type": "object", "properties": {"x": {"type": "number"}}}})
 TOOLS = [ADD, ECHO, PING]
 
 HERMES = ToolFormat("hermes", native=False)
@@ -414,7 +420,7 @@ def test_call_arguments_are_always_strict_json(value):
 
 
 def test_schema_check_tools_accepts_never_crashes_the_parser():
-    tools = [Tool(function={"name": "f", "parameters": {"$ref": "#/$defs/missing"}})]
+    tools = [tool({"name": "f", "parameters": {"$ref": "#/$defs/missing"}})]
     try:
         check_tools(tools)
     except ValueError:
@@ -512,7 +518,7 @@ def test_check_tools_accepts_valid_tools():
 
 def test_check_tools_rejects_duplicate_names():
     with pytest.raises(ValueError, match=r"tools\[2\].*'add'"):
-        check_tools([ADD, ECHO, Tool(function={"name": "add"})])
+        check_tools([ADD, ECHO, tool({"name": "add"})])
 
 
 @pytest.mark.parametrize("parameters", [
@@ -522,7 +528,7 @@ def test_check_tools_rejects_duplicate_names():
 ])
 def test_check_tools_rejects_invalid_schema(parameters):
     with pytest.raises(ValueError, match=r"tools\[1\]\.function\.parameters is not a valid JSON schema"):
-        check_tools([ADD, Tool(function={"name": "bad", "parameters": parameters})])
+        check_tools([ADD, tool({"name": "bad", "parameters": parameters})])
 
 
 # -- the forcing grammar ----------------------------------------------------------------------------
@@ -638,16 +644,16 @@ def test_grammar_allows_close_tag_inside_a_string(compiler, tokenizer):
 
 def test_grammar_keeps_the_tools_references(compiler, tokenizer):
     """Parameters sit one level down in a call: $defs move to the root, other local refs are rebased."""
-    tool = Tool(function={"name": "book", "parameters": {
+    book = tool({"name": "book", "parameters": {
         "$defs": {"City": {"enum": ["Paris", "Rome"]}}, "type": "object",
         "properties": {"city": {"$ref": "#/$defs/City"}, "again": {"$ref": "#/properties/city"}},
         "required": ["city", "again"], "additionalProperties": False}})
     for fmt in (HERMES, LLAMA3):
-        grammar = fmt.grammar([tool, ADD], parallel=False)
+        grammar = fmt.grammar([book, ADD], parallel=False)
         good = compact_call(fmt, "book", {"city": "Rome", "again": "Paris"})
         n, total, m = consume(compiler, tokenizer, grammar, good)
         assert n == total and m.is_accepting()
-        assert whole(type(fmt.parser([tool])), good, [tool]) == ("", [("book", {"city": "Rome", "again": "Paris"})])
+        assert whole(type(fmt.parser([book])), good, [book]) == ("", [("book", {"city": "Rome", "again": "Paris"})])
         for bad in ({"city": "Oslo", "again": "Rome"}, {"city": "Rome", "again": "Oslo"}):
             n, total, _ = consume(compiler, tokenizer, grammar, compact_call(fmt, "book", bad))
             assert n < total, bad

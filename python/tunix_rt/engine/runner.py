@@ -118,11 +118,31 @@ class StepResult:
     top_logprobs: np.ndarray
 
 
-def _with_lane_scales(state: nnx.State) -> nnx.State:
-    """The engine's copy of the weights: each quantized one with its column-lane scales, laid out once here
-    (and at each weight update) rather than by the GEMV on every decode step."""
-    is_quantized = lambda v: isinstance(v, QuantizedTensor)
-    return jax.tree.map(lambda v: with_lane_scales(v) if is_quantized(v) else v, state, is_leaf=is_quantized)
+class _LaneScales:
+    """The engine's copy of the weights gives each quantized one its column-lane scales, laid out once
+    rather than by the GEMV on every decode step. A weight update whose packed weights are the arrays the
+    engine already holds (an RL step training LoRA adapters or float layers) reuses their lanes."""
+
+    def __init__(self):
+        self._known: dict[tuple[int, int], tuple[QuantizedTensor, jax.Array]] = {}
+
+    def apply(self, state: nnx.State) -> nnx.State:
+        known = {}
+
+        def lay_out(qt: QuantizedTensor) -> QuantizedTensor:
+            key = (id(qt.scales), id(qt.mins))
+            old = self._known.get(key)
+            if old is not None and old[0].scales is qt.scales and old[0].mins is qt.mins:
+                lanes = old[1]
+            else:
+                lanes = with_lane_scales(qt).lanes
+            known[key] = (qt, lanes)
+            return dataclasses.replace(qt, lanes=lanes)
+
+        is_quantized = lambda v: isinstance(v, QuantizedTensor)
+        out = jax.tree.map(lambda v: lay_out(v) if is_quantized(v) else v, state, is_leaf=is_quantized)
+        self._known = known
+        return out
 
 
 class ModelRunner:
@@ -131,7 +151,8 @@ class ModelRunner:
                  token_buckets: tuple[int, ...] | None = None, decode_steps: int = 1,
                  processed_logprobs: bool = False):
         self.graphdef, state = nnx.split(model)
-        self.leaves, self.treedef = jax.tree.flatten(_with_lane_scales(state))
+        self._lane_scales = _LaneScales()
+        self.leaves, self.treedef = jax.tree.flatten(self._lane_scales.apply(state))
         head_def, head_state = nnx.split(model.output_head())
         self.head_leaves, head_treedef = jax.tree.flatten(head_state)
         self._forward, self._take_rows, self._sample, self._decode_loop = _compile_step(
@@ -170,7 +191,7 @@ class ModelRunner:
 
     def update_weights(self, state: nnx.State) -> None:
         """Swap in new weights of the same structure, shapes and dtypes (so nothing recompiles)."""
-        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(_with_lane_scales(state))
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(self._lane_scales.apply(state))
         if treedef != self.treedef:
             raise ValueError(f"update_weights: the new weights' structure differs from the engine's model:\n{treedef}\n"
                              f"vs\n{self.treedef}")

@@ -11,6 +11,10 @@ non-streaming replies come from the same code: the non-streaming path feeds the 
 A call is only reported once complete and valid (a known tool, arguments that pass its JSON schema);
 anything else stays text. `required` and named tool_choice are enforced with a Lark grammar for the
 format (one JSON schema per tool) applied as a token mask, so those replies are always valid calls.
+
+Tools are OpenAI tool dicts ({"type": "function", "function": {"name", "description", "parameters"}}):
+the server passes its requests' tools, agentic RL its tools' schemas. Both import this module, which
+sits below them.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import referencing
 import referencing.exceptions
 import referencing.jsonschema
 
-from serving.protocol import Tool
 from tunix_rt.engine.detokenizer import held_prefix_length
 
 
@@ -80,16 +83,16 @@ class ParsedCall:
     id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
 
-def check_tools(tools: list[Tool]) -> None:
+def check_tools(tools: list[dict]) -> None:
     """Reject duplicate names and parameter schemas that are not valid JSON schemas (400s upstream)."""
     seen = set()
     for i, tool in enumerate(tools):
-        name = tool.function.name
+        name = tool["function"]["name"]
         if name in seen:
             raise ValueError(f"tools[{i}]: two tools are named {name!r}")
         seen.add(name)
-        if tool.function.parameters is not None:
-            check_json_schema(tool.function.parameters, f"tools[{i}].function.parameters")
+        if tool["function"].get("parameters") is not None:
+            check_json_schema(tool["function"]["parameters"], f"tools[{i}].function.parameters")
 
 
 def check_json_schema(schema: dict, where: str) -> None:
@@ -114,8 +117,8 @@ def check_json_schema(schema: dict, where: str) -> None:
 class _Validator:
     """Turns a decoded call object into a ParsedCall when it names a known tool with valid arguments."""
 
-    def __init__(self, tools: list[Tool], args_keys: tuple[str, ...]):
-        self._schemas = {t.function.name: t.function.parameters for t in tools}
+    def __init__(self, tools: list[dict], args_keys: tuple[str, ...]):
+        self._schemas = {t["function"]["name"]: t["function"].get("parameters") for t in tools}
         self._args_keys = args_keys
 
     def call(self, obj, raws: dict[str, str]) -> ParsedCall | None:
@@ -166,7 +169,7 @@ class _ContentGate:
 class HermesParser:
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self, tools: list[Tool]):
+    def __init__(self, tools: list[dict]):
         self._validator = _Validator(tools, ("arguments", "parameters"))
         self._buf = ""
         self._in_call = False
@@ -243,7 +246,7 @@ class HermesParser:
 class Llama3JsonParser:
     """A reply that starts with "{" is held whole and read as calls at the end; any other is text."""
 
-    def __init__(self, tools: list[Tool]):
+    def __init__(self, tools: list[dict]):
         self._validator = _Validator(tools, ("parameters", "arguments"))
         self._buf = ""
         self._json: bool | None = None
@@ -291,10 +294,10 @@ class ToolFormat:
     name: str  # "hermes" | "llama3_json"
     native: bool  # the chat template renders `tools` itself; else the server adds a tools prompt
 
-    def parser(self, tools: list[Tool]):
+    def parser(self, tools: list[dict]):
         return (HermesParser if self.name == "hermes" else Llama3JsonParser)(tools)
 
-    def grammar(self, tools: list[Tool], parallel: bool) -> str:
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
         """A Lark grammar (llguidance dialect) whose every sentence is one or more valid calls."""
         key = "arguments" if self.name == "hermes" else "parameters"
         rules = [f"tool{i}: %json {json.dumps(_call_schema(t, key))}" for i, t in enumerate(tools)]
@@ -306,9 +309,9 @@ class ToolFormat:
         body = " | ".join(f"tool{i}" for i in range(len(tools)))
         return "\n".join([start, f"call: {call}", f"body: {body}", *rules]) + "\n"
 
-    def tools_prompt(self, tools: list[Tool]) -> str:
+    def tools_prompt(self, tools: list[dict]) -> str:
         """The system text that teaches a template without tool support to call tools (hermes)."""
-        signatures = "\n".join(json.dumps(t.model_dump(exclude_none=True), ensure_ascii=False) for t in tools)
+        signatures = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
         return ("# Tools\n\nYou may call one or more functions to assist with the user query. The functions "
                 f"available are described in JSON within <tools></tools> tags:\n<tools>\n{signatures}\n</tools>\n\n"
                 "To call a function, write a JSON object with its name and arguments within <tool_call></tool_call> "
@@ -319,11 +322,11 @@ class ToolFormat:
         return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
 
 
-def _call_schema(tool: Tool, key: str) -> dict:
+def _call_schema(tool: dict, key: str) -> dict:
     """The schema of one call object {"name": const, key: arguments}. The tool's parameters sit one
     level down, so its definitions move to the root (where "#/$defs/..." resolves) and its other
     local references gain the path to the arguments."""
-    params = dict(tool.function.parameters or {"type": "object"})
+    params = dict(tool["function"].get("parameters") or {"type": "object"})
     hoisted = {name: params.pop(name) for name in ("$defs", "definitions") if name in params}
     params.pop("$schema", None)
 
@@ -337,7 +340,7 @@ def _call_schema(tool: Tool, key: str) -> dict:
         return [rebase(v) for v in node] if isinstance(node, list) else node
 
     return {"type": "object", "additionalProperties": False, "required": ["name", key],
-            "properties": {"name": {"const": tool.function.name}, key: rebase(params)},
+            "properties": {"name": {"const": tool["function"]["name"]}, key: rebase(params)},
             **rebase(hoisted), "x-guidance": {"whitespace_flexible": False}}
 
 

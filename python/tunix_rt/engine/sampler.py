@@ -86,7 +86,7 @@ def row_sum(x: jax.Array) -> jax.Array:
     the one half a row further) down to 16 columns, which are added left to right. Elementwise adds are the
     only arithmetic, and XLA never reorders those; its reduce instead picks its order by the fusion around
     it, so one row's sum could round differently in the engine's sampler and in the trainer's exact
-    log-probs. As fast as XLA's reduce (faster from 8 rows: 190 us vs 270 us for 8 x 49152)."""
+    log-probs. 1 x 49152: 77 us against XLA's 42 us; 8 x 49152: 190 us against 270 us."""
     n = x.shape[-1]
     levels = max(0, (n - 1).bit_length() - _ROW_SUM_TAIL.bit_length() + 1)
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -n % (1 << levels))])

@@ -268,7 +268,7 @@ def lane_scales(qt: QuantizedTensor) -> jax.Array:
 
 def with_lane_scales(qt: QuantizedTensor) -> QuantizedTensor:
     """qt carrying its column-lane scales (`lane_scales`): the GEMV reads them instead of transposing
-    each tile's scales on every call (about a tenth of single-stream decode on the default model)."""
+    each tile's scales on every call (12 % of single-stream decode's profile on the default model)."""
     return dataclasses.replace(qt, lanes=lane_scales(dataclasses.replace(qt, lanes=None)))
 
 

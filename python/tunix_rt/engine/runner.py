@@ -34,7 +34,7 @@ from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.batch_invariant import use_batch_invariant_kernels
 from tunix_rt.models.decoder import Decoder, head_logits
 from tunix_rt.models.kv_cache import PagedKVCache
-from tunix_rt.ops.quant import QuantizedTensor, with_lane_scales
+from tunix_rt.ops.quant import QuantizedTensor, lane_scales
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class _LaneScales:
             if old is not None and old[0].scales is qt.scales and old[0].mins is qt.mins:
                 lanes = old[1]
             else:
-                lanes = with_lane_scales(qt).lanes
+                lanes = lane_scales(qt)
             known[key] = (qt, lanes)
             return dataclasses.replace(qt, lanes=lanes)
 

@@ -15,8 +15,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from tunix_rt.ops._ffi import zero_cotangent
 from tunix_rt.ops.attention import attention, attention_mask, dot_product_attention
 from tunix_rt.ops.paged_attention import paged_attention, write_kv
 
@@ -149,15 +149,11 @@ def _exact_fwd(q, k, v, positions, pools, layout, window, scale, softcap):
     return _paged(q, k, v, positions, pools, layout, window, scale, softcap), (q, k, v, positions, pools, layout)
 
 
-def _zero_cotangent(x):
-    return np.zeros(x.shape, jax.dtypes.float0) if jnp.issubdtype(x.dtype, jnp.integer) else jnp.zeros_like(x)
-
-
 def _exact_bwd(window, scale, softcap, residuals, g):
     q, k, v, positions, pools, layout = residuals
     _, vjp = jax.vjp(lambda q, k, v: _packed(q, k, v, positions, layout[-1], window, scale, softcap), q, k, v)
-    return (*vjp(g), _zero_cotangent(positions), jax.tree.map(_zero_cotangent, pools),
-            jax.tree.map(_zero_cotangent, layout))
+    return (*vjp(g), zero_cotangent(positions), jax.tree.map(zero_cotangent, pools),
+            jax.tree.map(zero_cotangent, layout))
 
 
 _exact.defvjp(_exact_fwd, _exact_bwd)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 try:
     from tunix_rt import _ext
@@ -56,3 +58,11 @@ def platform_dispatch(target: str, compiled, reference, *args):
 def ffi_api_version() -> tuple[int, int] | None:
     """The XLA FFI API version the extension was compiled against (vendored headers)."""
     return tuple(_ext.XLA_FFI_API_VERSION) if _ext is not None else None
+
+
+def zero_cotangent(x):
+    """The cotangent of an input a custom_vjp does not differentiate: float0 zeros for integer arrays
+    (jax's rule), zeros of the input's dtype otherwise, None for an absent input."""
+    if x is None:
+        return None
+    return np.zeros(x.shape, jax.dtypes.float0) if jnp.issubdtype(x.dtype, jnp.integer) else jnp.zeros_like(x)

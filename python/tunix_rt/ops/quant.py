@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_rt.ops._ffi import platform_dispatch
+from tunix_rt.ops._ffi import platform_dispatch, zero_cotangent
 
 _QUANTIZE, _DEQUANTIZE, _MATMUL = "tunix_rt_quantize", "tunix_rt_dequantize", "tunix_rt_quant_matmul"
 SUB_BLOCK = 32  # nibble packing and activation blocks
@@ -367,19 +367,11 @@ def _matmul_fwd(x2, qs, scales, mins, lanes, fmt, k, n, group, route):
     return _ffi_matmul(x2, qs, scales, mins, lanes, fmt, k, n, group, route), (qs, scales, mins, lanes)
 
 
-def _frozen(a):
-    if a is None:
-        return None
-    if jnp.issubdtype(a.dtype, jnp.integer):
-        return np.zeros(a.shape, jax.dtypes.float0)
-    return jnp.zeros_like(a)
-
-
 def _matmul_bwd(fmt, k, n, group, route, residuals, dy):
     qs, scales, mins, lanes = residuals
     w = dequantize(QuantizedTensor(qs, scales, mins, fmt, (k, n), group))
     dx = jnp.matmul(dy.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST).astype(dy.dtype)
-    return dx, _frozen(qs), _frozen(scales), _frozen(mins), _frozen(lanes)
+    return dx, *map(zero_cotangent, (qs, scales, mins, lanes))
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)

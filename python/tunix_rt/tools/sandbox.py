@@ -121,7 +121,10 @@ class ExecutionResult:
         if self.timed_out:
             status = f"killed after the {self.seconds:.1f} s wall-clock limit"
         elif self.exit_status is not None and self.exit_status < 0:
-            name = signal.Signals(-self.exit_status).name if -self.exit_status in signal.Signals._value2member_map_ else ""
+            try:
+                name = signal.Signals(-self.exit_status).name
+            except ValueError:  # a number with no name on this platform
+                name = ""
             status = f"killed by signal {-self.exit_status} {name}".rstrip()
             if name == "SIGXCPU":
                 status += " (CPU time limit)"

@@ -18,13 +18,13 @@ import uuid
 from collections.abc import AsyncIterator
 
 from serving import protocol as p
-from serving.chat import render_chat
 from serving.errors import APIError, error_body
 from serving.metrics import SequenceTimer, ServerMetrics
 from tunix_rt.engine.async_engine import AsyncEngine
 from tunix_rt.engine.errors import EngineUnavailableError, InvalidRequestError
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.structured import StructuredOutputsParams
+from tunix_rt.tools.chat import render_chat
 from tunix_rt.tools.tool_calls import ParsedCall, ParserOutput, ToolFormat, check_json_schema, check_tools
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -228,7 +228,8 @@ def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
     params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, structured=structured)
     try:
         all_tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-        prompt = render_chat(state.tokenizer, req.messages, fmt, all_tools if choice != "none" else None)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        prompt = render_chat(state.tokenizer, messages, fmt, all_tools if choice != "none" else None)
     except ValueError as e:
         raise _bad(str(e), "messages") from None
     return ChatPlan(prompt, params, parse_tools=choice != "none", tools=tools, forced=forced)

@@ -99,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
             train.add_argument("--reward", action="append", default=None,
                                help="reward function: a built-in (accuracy, math, format, brevity) or "
                                     "module:function; repeat for several (weights: reward_weights=[...])")
+            train.add_argument("--tool", action="append", default=None,
+                               help="agentic RL: a tool the policy may call, a built-in (calculator, python) or "
+                                    "module:function (type hints and docstring give its schema); repeatable")
+            train.add_argument("--env", default=None,
+                               help="agentic RL: module:Factory making one environment per trajectory "
+                                    "(reset(row) -> messages, step(message) -> (messages, done))")
         train.add_argument("overrides", nargs="*", metavar="key=value", help="any other option, e.g. learning_rate=1e-4")
 
     export = sub.add_parser("export", help="write a model (GGUF, quantized or HF) as an HF directory transformers loads")
@@ -237,7 +243,8 @@ def _train(args) -> int:
 
     explicit = {"model": args.model, "data": args.data, "output": args.output, "steps": args.steps,
                 "lora_rank": args.lora_rank, "teacher": getattr(args, "teacher", None),
-                "reward": getattr(args, "reward", None), "overwrite": args.overwrite}
+                "reward": getattr(args, "reward", None), "tool": getattr(args, "tool", None),
+                "env": getattr(args, "env", None), "overwrite": args.overwrite}
     cfg = build_config(CONFIGS[args.command], config_file=args.config, overrides=args.overrides, **explicit)
     logging.getLogger("tunix_rt").setLevel(logging.INFO)
     final = run(cfg)

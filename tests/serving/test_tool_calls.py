@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving.chat import render_chat, template_messages
 from serving.protocol import ChatMessage, Tool
+from tunix_rt.tools.chat import render_chat, template_messages
 from tunix_rt.tools.tool_calls import HermesParser, Llama3JsonParser, ParsedCall, ToolFormat, check_tools, tool_format_for
 
 
@@ -714,8 +714,9 @@ def test_every_grammar_sentence_parses_to_calls(compiler, tokenizer, ascii_token
 # -- chat messages ----------------------------------------------------------------------------------
 
 
-def msg(**kw) -> ChatMessage:
-    return ChatMessage.model_validate(kw)
+def msg(**kw) -> dict:
+    """A message as the server passes it on: validated by its protocol, then as a dict."""
+    return ChatMessage.model_validate(kw).model_dump(exclude_none=True)
 
 
 def assistant_call(content=None, arguments='{"a": 1, "b": 2}', call_id="call_1"):

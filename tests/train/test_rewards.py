@@ -67,8 +67,8 @@ def test_resolve_builtin_module_and_file(tmp_path):
 
 @pytest.mark.parametrize("spec,message", [
     ("nonesuch", "unknown reward 'nonesuch'"),
-    ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
-    ("tunix_rt.train.rewards:missing", "has no function 'missing'"),
+    ("no_such_module_xyz:f", "cannot import no_such_module_xyz"),
+    ("tunix_rt.train.rewards:missing", "has no attribute 'missing'"),
     ("", "built-in name"),
 ])
 def test_resolve_errors(spec, message):

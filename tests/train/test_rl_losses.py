@@ -147,6 +147,25 @@ def test_gae_matches_numpy(data, gamma, lam):
     np.testing.assert_allclose(np.asarray(ret), want_ret, rtol=1e-4, atol=1e-4)
 
 
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), gamma=st.floats(0, 1), lam=st.floats(0, 1))
+def test_gae_steps_over_uncounted_tokens(seed, gamma, lam):
+    """An agentic trajectory's tool results sit between the policy's turns, uncounted: GAE runs over the counted
+    tokens as if they were adjacent (NumPy over the compacted row), whatever the values at the holes hold."""
+    rng = np.random.default_rng(seed)
+    mask = (rng.random((3, 12)) < 0.6).astype(np.float32)
+    rewards = rng.normal(size=mask.shape).astype(np.float32) * mask
+    values = rng.normal(size=mask.shape).astype(np.float32)
+    adv, ret = rl.gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask), gamma=gamma, lam=lam)
+    for r in range(3):
+        kept = np.flatnonzero(mask[r])
+        ones = np.ones((1, len(kept)), np.float32)
+        want_adv, want_ret = np_gae(rewards[r:r + 1, kept], values[r:r + 1, kept], ones, gamma, lam)
+        np.testing.assert_allclose(np.asarray(adv)[r, kept], want_adv[0], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(ret)[r, kept], want_ret[0], rtol=1e-4, atol=1e-4)
+        assert not np.asarray(adv)[r, mask[r] == 0].any() and not np.asarray(ret)[r, mask[r] == 0].any()
+
+
 def test_gae_ignores_values_past_the_mask():
     """Garbage in the padding (a value head's output there) must not leak into the advantages."""
     mask = jnp.array([[1.0, 1.0, 0.0, 0.0]])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import json
 import math
@@ -265,24 +266,44 @@ def python(code: str) -> str:
 BUILTIN_TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator, "python": python}
 
 
+def import_object(spec: str, flag: str):
+    """The object `module:name` (or `path/to/file.py:name`) names; a ValueError whose one line names `flag`
+    and the spec when it cannot be found."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{flag} {spec!r}: not module:name")
+    try:
+        if module_name.endswith(".py"):
+            where = importlib.util.spec_from_file_location(f"_tunix_rt_{abs(hash(module_name))}", module_name)
+            if where is None:
+                raise ImportError(f"cannot load {module_name}")
+            module = importlib.util.module_from_spec(where)
+            where.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - an import error of any kind is the spec's problem
+        raise ValueError(f"{flag} {spec!r}: cannot import {module_name}: {type(e).__name__}: {e}") from None
+    if not hasattr(module, attr):
+        raise ValueError(f"{flag} {spec!r}: {module_name} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
 def resolve_tool(spec: str) -> Tool:
-    """A tool named on the command line: a built-in (calculator, python) or `module:function`. A bad spec is
-    a ValueError whose one line names it."""
+    """A tool named on the command line: a built-in (calculator, python) or `module:function` (or
+    `file.py:function`). A bad spec is a ValueError whose one line names it."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"--tool needs a built-in name ({', '.join(BUILTIN_TOOLS)}) or module:function, got {spec!r}")
     if spec in BUILTIN_TOOLS:
         return tool_from_callable(BUILTIN_TOOLS[spec])
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in spec:
         raise ValueError(f"--tool {spec!r}: not a built-in ({', '.join(BUILTIN_TOOLS)}) nor module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - an import error of any kind is the spec's problem
-        raise ValueError(f"--tool {spec!r}: cannot import {module_name}: {type(e).__name__}: {e}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ValueError(f"--tool {spec!r}: {module_name} has no attribute {attr!r}")
+    fn = import_object(spec, "--tool")
     try:
         return tool_from_callable(fn)
     except ValueError as e:
         raise ValueError(f"--tool {spec!r}: {e}") from None
+
+
+def as_tool(tool) -> Tool:
+    """A Tool as given, or one made from a callable."""
+    return tool if isinstance(tool, Tool) else tool_from_callable(tool)

@@ -115,15 +115,19 @@ def check_json_schema(schema: dict, where: str) -> None:
 
 
 class _Validator:
-    """Turns a decoded call object into a ParsedCall when it names a known tool with valid arguments."""
+    """Turns a decoded call object into a ParsedCall when it names a known tool with valid arguments (or, not
+    `strict`, any name with object arguments: agentic RL answers a wrong call with an error observation)."""
 
-    def __init__(self, tools: list[dict], args_keys: tuple[str, ...]):
+    def __init__(self, tools: list[dict], args_keys: tuple[str, ...], strict: bool = True):
         self._schemas = {t["function"]["name"]: t["function"].get("parameters") for t in tools}
         self._args_keys = args_keys
+        self._strict = strict
 
     def call(self, obj, raws: dict[str, str]) -> ParsedCall | None:
         """obj: the decoded call; raws: the raw JSON text of its members (see _decode_object)."""
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in self._schemas:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        if self._strict and obj["name"] not in self._schemas:
             return None
         key = next((k for k in self._args_keys if k in obj), None)
         args, raw = ({}, "{}") if key is None else (obj[key], raws[key])
@@ -137,7 +141,7 @@ class _Validator:
                 return None
         if not isinstance(args, dict):
             return None
-        schema = self._schemas[obj["name"]]
+        schema = self._schemas.get(obj["name"]) if self._strict else None
         if schema is not None:
             try:
                 jsonschema.validate(args, schema)
@@ -169,8 +173,8 @@ class _ContentGate:
 class HermesParser:
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self, tools: list[dict]):
-        self._validator = _Validator(tools, ("arguments", "parameters"))
+    def __init__(self, tools: list[dict], strict: bool = True):
+        self._validator = _Validator(tools, ("arguments", "parameters"), strict)
         self._buf = ""
         self._in_call = False
         self._gate = _ContentGate()
@@ -246,8 +250,8 @@ class HermesParser:
 class Llama3JsonParser:
     """A reply that starts with "{" is held whole and read as calls at the end; any other is text."""
 
-    def __init__(self, tools: list[dict]):
-        self._validator = _Validator(tools, ("parameters", "arguments"))
+    def __init__(self, tools: list[dict], strict: bool = True):
+        self._validator = _Validator(tools, ("parameters", "arguments"), strict)
         self._buf = ""
         self._json: bool | None = None
         self._gate = _ContentGate()
@@ -294,8 +298,20 @@ class ToolFormat:
     name: str  # "hermes" | "llama3_json"
     native: bool  # the chat template renders `tools` itself; else the server adds a tools prompt
 
-    def parser(self, tools: list[dict]):
-        return (HermesParser if self.name == "hermes" else Llama3JsonParser)(tools)
+    def parser(self, tools: list[dict], strict: bool = True):
+        """A streaming parser of replies. `strict`: only calls of these tools with arguments their schemas
+        accept are calls (the rest is text); else any well-formed call is."""
+        return (HermesParser if self.name == "hermes" else Llama3JsonParser)(tools, strict)
+
+    def parse(self, text: str, tools: list[dict], strict: bool = True) -> ParserOutput:
+        """A whole reply's content and calls."""
+        parser = self.parser(tools, strict)
+        out, end = parser.feed(text), parser.finish()
+        return ParserOutput(out.content + end.content, out.calls + end.calls)
+
+    def attempted_call(self, content: str) -> bool:
+        """Whether text left over by the parser looks like a call it could not read (a malformed one)."""
+        return HermesParser.OPEN in content if self.name == "hermes" else content.lstrip().startswith("{")
 
     def grammar(self, tools: list[dict], parallel: bool) -> str:
         """A Lark grammar (llguidance dialect) whose every sentence is one or more valid calls."""

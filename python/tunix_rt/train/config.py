@@ -293,6 +293,14 @@ class RLConfig(TrainConfig, RolloutOptions):
 
     reward: tuple[str, ...] = ()  # built-in names or module:function (--reward, repeatable)
     reward_weights: tuple[float, ...] | None = None  # one per reward; None: all 1
+    # Agentic RL (train/agentic.py): multi-turn trajectories acting on environments. `tool`: built-in names
+    # (calculator, python) or module:function (--tool, repeatable); `env`: module:Factory (--env) of the
+    # environments (tools/environment.py). Either makes the run agentic; max_completion_length then bounds a
+    # whole trajectory after its prompt (the policy's tokens and the spliced tool results).
+    tool: tuple[str, ...] = ()
+    env: str | None = None
+    max_turns: int = 4  # assistant turns per trajectory (TRL's max_tool_calling_iterations)
+    max_tool_time: float = 30.0  # seconds a trajectory may spend in its environment's steps (tool calls)
     num_generations: int = 4  # completions per prompt (the group size G)
     max_prompt_length: int = 256
     max_completion_length: int = 64
@@ -322,9 +330,12 @@ class RLConfig(TrainConfig, RolloutOptions):
     def __post_init__(self):
         super().__post_init__()
         self.reward = (self.reward,) if isinstance(self.reward, str) else tuple(self.reward)
+        self.tool = (self.tool,) if isinstance(self.tool, str) else tuple(self.tool)
         self._check_rollout()
-        for name in ("num_generations", "max_prompt_length", "max_completion_length", "num_iterations"):
+        for name in ("num_generations", "max_prompt_length", "max_completion_length", "num_iterations", "max_turns"):
             _positive(self, name)
+        if not self.max_tool_time > 0:
+            raise ValueError(f"max_tool_time must be a positive number of seconds, got {self.max_tool_time!r}")
         if self.reward_weights is not None:
             self.reward_weights = tuple(float(w) for w in self.reward_weights)
             if len(self.reward_weights) != len(self.reward):

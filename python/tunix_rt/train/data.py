@@ -310,14 +310,14 @@ def tokenize_prompt(row: dict, tokenizer: Tokenizer, *, max_prompt_length: int, 
     return PromptExample(np.asarray(ids, np.int32), prompt, {k: v for k, v in row.items() if k != "prompt"})
 
 
-def load_prompts(path, tokenizer: Tokenizer, *, max_prompt_length: int) -> list[PromptExample]:
-    """Every row of a JSONL file as a PromptExample; the rows must share one set of columns (the reward
-    functions get each column as a list aligned with the completions)."""
+def load_prompts(path, tokenizer: Tokenizer, *, max_prompt_length: int, tokenize=tokenize_prompt) -> list[PromptExample]:
+    """Every row of a JSONL file as a PromptExample (made by `tokenize`, tokenize_prompt's signature); the rows
+    must share one set of columns (the reward functions get each column as a list aligned with the completions)."""
     examples = []
     keys = None
     for line, row in read_jsonl(path):
         where = f"{path}:{line}"
-        example = tokenize_prompt(row, tokenizer, max_prompt_length=max_prompt_length, where=where)
+        example = tokenize(row, tokenizer, max_prompt_length=max_prompt_length, where=where)
         if keys is None:
             keys = set(example.columns)
         elif set(example.columns) != keys:

@@ -21,8 +21,9 @@ def pack_groups(c: Completions, cfg: RLConfig, seq_len: int, pad_id: int, *,
     completions (segments 1..G, positions continuing the prompt's), so the prompt's tokens run through
     the model once, not G times. Per completion, in the window (N, max_completion_length):
     `completion_index` (the row position whose output predicts completion token j: the prompt's last
-    token for j = 0, else the completion's token j - 1), targets, loss_mask, and sampler_logps (the
-    engine's, of the distribution it drew from). Truncated completions lose their loss mask when
+    token for j = 0, else the completion's token j - 1), targets, loss_mask (0 on tokens the policy did not
+    sample: an agentic trajectory's tool results), and sampler_logps (the engine's, of the distribution it
+    drew from). Truncated completions lose their loss mask when
     mask_truncated_completions is set. With `block_size`, the paged layout of the rows (paged_layout) too."""
     g, width = cfg.num_generations, cfg.max_completion_length
     n = len(c)
@@ -51,7 +52,7 @@ def pack_groups(c: Completions, cfg: RLConfig, seq_len: int, pad_id: int, *,
             batch["completion_index"][i, 0] = p - 1
             batch["completion_index"][i, 1:m] = np.arange(offset, offset + m - 1)
             batch["targets"][i, :m] = ids
-            batch["loss_mask"][i, :m] = 1.0
+            batch["loss_mask"][i, :m] = c.sampled_mask(i)
             batch["sampler_logps"][i, :len(lp)] = lp
             offset += m
     if cfg.mask_truncated_completions:

@@ -11,8 +11,6 @@ Built-ins are registered by name (REWARDS); anything else is given as `module:fu
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import math
 import re
@@ -21,16 +19,19 @@ from fractions import Fraction
 
 import numpy as np
 
+from tunix_rt.tools.functions import import_object
+
 log = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Sequence[float | None]]
 
 
 def _text(completion) -> str:
-    """The completion's text, whether it is a string or a list of messages."""
+    """The completion's text: a string as is; of a list of messages, what the assistant wrote (an agentic
+    trajectory's tool results are not the policy's answer)."""
     if isinstance(completion, str):
         return completion
-    return "".join(m.get("content") or "" for m in completion)
+    return "".join(m.get("content") or "" for m in completion if m.get("role", "assistant") == "assistant")
 
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -116,23 +117,11 @@ def resolve_reward(spec: str) -> tuple[str, RewardFn]:
         raise ValueError(f"a reward must be a built-in name ({', '.join(REWARDS)}) or module:function, got {spec!r}")
     if spec in REWARDS:
         return spec, REWARDS[spec]
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in spec:
         raise ValueError(f"unknown reward {spec!r}: use a built-in ({', '.join(REWARDS)}) or module:function")
-    try:
-        if module_name.endswith(".py"):
-            spec_ = importlib.util.spec_from_file_location(f"_tunix_rt_reward_{abs(hash(module_name))}", module_name)
-            if spec_ is None:
-                raise ImportError(f"cannot load {module_name}")
-            module = importlib.util.module_from_spec(spec_)
-            spec_.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except (ImportError, OSError) as e:
-        raise ValueError(f"reward {spec!r}: cannot import {module_name!r}: {e}") from None
-    fn = getattr(module, attr, None)
+    fn = import_object(spec, "reward")
     if not callable(fn):
-        raise ValueError(f"reward {spec!r}: {module_name!r} has no function {attr!r}")
+        raise ValueError(f"reward {spec!r}: {type(fn).__name__} is not a function")
     return spec, fn
 
 

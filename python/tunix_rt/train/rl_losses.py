@@ -82,9 +82,11 @@ def group_advantages(rewards: jax.Array, group_size: int, estimator: str) -> jax
 
 def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, *, gamma: float,
         lam: float) -> tuple[jax.Array, jax.Array]:
-    """(advantages, returns), both (B, T): A_t = delta_t + gamma * lam * A_{t+1} with
-    delta_t = r_t + gamma * V_{t+1} - V_t; past the last counted token rewards and values are 0, so the
-    last token bootstraps from nothing. Returns are A + V (the value targets)."""
+    """(advantages, returns), both (B, T): A_t = delta_t + gamma * lam * A_{t'} with
+    delta_t = r_t + gamma * V_{t'} - V_t, where t' is the next counted token: uncounted tokens between two
+    counted ones (an agentic trajectory's tool results) are the environment's, not time steps of the policy,
+    and past the last counted token rewards and values are 0, so the last token bootstraps from nothing.
+    Returns are A + V (the value targets)."""
     if jnp.shape(values) != jnp.shape(rewards) or jnp.shape(mask) != jnp.shape(rewards):
         raise ValueError(f"rewards {jnp.shape(rewards)}, values {jnp.shape(values)} and mask {jnp.shape(mask)} "
                          "must have one shape")
@@ -92,15 +94,16 @@ def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, *, gamma: float,
         raise ValueError(f"gamma and lam must be in [0, 1], got {gamma} and {lam}")
     m = mask.astype(jnp.float32)
     r, v = rewards.astype(jnp.float32) * m, values.astype(jnp.float32) * m
-    next_v = jnp.concatenate([v[:, 1:], jnp.zeros_like(v[:, :1])], axis=1)
-    deltas = r + gamma * next_v - v
 
-    def back(carry, delta):
-        a = delta + gamma * lam * carry
-        return a, a
+    def back(carry, step):
+        next_a, next_v = carry
+        r_t, v_t, counted = step
+        a = r_t + gamma * next_v - v_t + gamma * lam * next_a
+        return (jnp.where(counted, a, next_a), jnp.where(counted, v_t, next_v)), jnp.where(counted, a, 0.0)
 
-    _, adv = jax.lax.scan(back, jnp.zeros_like(deltas[:, 0]), deltas.T, reverse=True)
-    adv = adv.T * m
+    zeros = jnp.zeros_like(r[:, 0])
+    _, adv = jax.lax.scan(back, (zeros, zeros), (r.T, v.T, m.T > 0), reverse=True)
+    adv = adv.T
     return adv, (adv + v) * m
 
 

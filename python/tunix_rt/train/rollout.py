@@ -28,21 +28,39 @@ class Completions:
     truncated: np.ndarray  # (N,) bool: cut at max_completion_length, no EOS
     rewards: np.ndarray  # (N,) weighted total
     rewards_per_fn: np.ndarray  # (F, N), NaN where a function returned None
+    # Per token, 1 where the policy sampled it and 0 where it was spliced in (an agentic trajectory's tool
+    # results and template text, train/agentic.py); None: every token was sampled.
+    sampled: list[np.ndarray] | None = None
+    stats: dict[str, np.ndarray] | None = None  # per-row figures of the sampler's own (N,) each, e.g. turns
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def sampled_mask(self, i: int) -> np.ndarray:
+        """Completion i's per-token mask of sampled tokens (float32 ones without splices)."""
+        if self.sampled is None:
+            return np.ones(len(self.token_ids[i]), np.float32)
+        return self.sampled[i].astype(np.float32)
+
     def select(self, rows: np.ndarray) -> Completions:
         take = lambda xs: [xs[i] for i in rows]
         return Completions(take(self.prompts), take(self.token_ids), take(self.logprobs),
-                           self.truncated[rows], self.rewards[rows], self.rewards_per_fn[:, rows])
+                           self.truncated[rows], self.rewards[rows], self.rewards_per_fn[:, rows],
+                           None if self.sampled is None else take(self.sampled),
+                           None if self.stats is None else {k: v[rows] for k, v in self.stats.items()})
 
     @staticmethod
     def concat(parts: Sequence[Completions]) -> Completions:
         cat = lambda name: [x for p in parts for x in getattr(p, name)]
+        sampled = None
+        if any(p.sampled is not None for p in parts):
+            sampled = [p.sampled_mask(i) for p in parts for i in range(len(p))]
+        stats = None
+        if all(p.stats is not None for p in parts):
+            stats = {k: np.concatenate([p.stats[k] for p in parts]) for k in parts[0].stats}
         return Completions(cat("prompts"), cat("token_ids"), cat("logprobs"),
                            np.concatenate([p.truncated for p in parts]), np.concatenate([p.rewards for p in parts]),
-                           np.concatenate([p.rewards_per_fn for p in parts], axis=1))
+                           np.concatenate([p.rewards_per_fn for p in parts], axis=1), sampled, stats)
 
 
 class GroupSampler:

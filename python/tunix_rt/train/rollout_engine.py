@@ -86,10 +86,11 @@ class RolloutEngine:
         """A rollout starts: `index` (the rollout's, or the step's) keys its requests' seeds."""
         self.index = index
 
-    def seed(self, row: int, stream: int = 0) -> int:
+    def seed(self, row: int, stream: int = 0, *turn: int) -> int:
         """The seed of a request of this rollout: a function of the run's seed, the rollout's index, the row
-        (a dataset item) and a stream (e.g. a resampling round) only."""
-        key = (self.base_seed % 2**63, self.index, stream, row)
+        (a dataset item), a stream (e.g. a resampling round) and, for a later turn of a multi-turn trajectory,
+        its sample and turn numbers only."""
+        key = (self.base_seed % 2**63, self.index, stream, row, *turn)
         return int(np.random.SeedSequence(key).generate_state(1)[0] & 0x7FFFFFFF)
 
     def _sync(self) -> None:
@@ -117,6 +118,13 @@ class RolloutEngine:
         outputs = self.engine.generate([list(p) for p in prompts], params)
         self.times["time/rollout"] += time.perf_counter() - start
         return outputs
+
+    def live(self):
+        """The engine, holding the trainer's current weights, for a caller that drives it request by request
+        (agentic rollouts); it adds its own time to times["time/rollout"]."""
+        if self._stale or self.engine is None or self.engine.is_sleeping:
+            self._sync()
+        return self.engine
 
     def finish(self) -> dict[str, float]:
         """The rollout is over: sleep if the run asks, and return (and reset) its sync and sampling times."""

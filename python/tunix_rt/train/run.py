@@ -81,8 +81,15 @@ def _sampler(cfg: RLConfig, loaded: LoadedModel, data: str):
     from tunix_rt.train.rewards import RewardScorer, resolve_reward
     from tunix_rt.train.rollout import GroupSampler
 
-    # The reward functions resolve before tokenizing: a bad name fails at once.
-    scorer = RewardScorer([resolve_reward(spec) for spec in cfg.reward], cfg.reward_weights)
+    # The reward functions (and tools and environments) resolve before tokenizing: a bad name fails at once.
+    rewards = [resolve_reward(spec) for spec in cfg.reward]
+    if cfg.tool or cfg.env:
+        from tunix_rt.tools.environment import environment_factory
+        from tunix_rt.train.agentic import agentic_sampler
+
+        factory, tools = environment_factory(cfg.env, cfg.tool)
+        return agentic_sampler(cfg, loaded.tokenizer, data, rewards, factory, tools)
+    scorer = RewardScorer(rewards, cfg.reward_weights)
     return GroupSampler(cfg, load_prompts(data, loaded.tokenizer, max_prompt_length=cfg.max_prompt_length), scorer)
 
 

@@ -129,14 +129,16 @@ AGENTIC = ("agentic/turns", "agentic/tool_calls", "agentic/tool_call_rate", "age
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_grpo_and_ppo_train_on_trajectories_from_the_command_line(tiny, rows, root, short_turns, algo):
+    """In the exact mode, too: the trainer's log-probs of every sampled token of every turn equal the engine's."""
     metrics = run(tiny, rows, root / f"{algo}-env", "--env", "tests.train.agentic_envs:Again", "--steps", "2",
-                  "--lora-rank", "4", "num_iterations=1", algo=algo)
+                  "--lora-rank", "4", "num_iterations=1", "exact_on_policy=true", algo=algo)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert all(name in m for name in AGENTIC) and np.isfinite(m["loss"])
         assert 1 <= m["agentic/turns"] <= 3 and m["agentic/tool_calls"] == 0
         assert any(k.startswith("agentic/reward_turns_") for k in m)
         assert "rewards/environment/mean" in m  # the environment's own reward, beside brevity
+        assert m["mismatch/logp_abs_max"] == 0 and m["importance_sampling/weight_min"] == 1.0
     assert max(m["agentic/turns"] for m in metrics) > 1
     assert metrics[-1]["agentic/prefix_cache_hit_rate"] > 0  # later turns find the conversation's KV cached
 

@@ -98,18 +98,18 @@ def turn_closing(tokenizer, fmt: ToolFormat) -> str:
 
 
 def continuation(tokenizer, fmt: ToolFormat, tools: list[dict] | None, history: list[dict], observations: list[dict],
-                 *, stop_text: str) -> str:
+                 *, stop_text: str, closing: str | None = None) -> str:
     """The text the chat template puts between an assistant turn the policy wrote and the policy's next turn:
     the rest of the turn's closing after the stop token the policy sampled (`stop_text`, e.g. "<|im_end|>"),
     the observation messages, and the next assistant header. `history` ends with that assistant turn (its
     content the policy's raw text). Only the template's own text is rendered: what the policy sampled stays
-    as it sampled it."""
+    as it sampled it. `closing`: turn_closing's answer, when the caller keeps it."""
     before = render_chat(tokenizer, history, fmt, tools, add_generation_prompt=False)
     after = render_chat(tokenizer, history + observations, fmt, tools, add_generation_prompt=True)
     if not after.startswith(before):
         raise ValueError("the chat template renders earlier turns differently once later ones follow, so a "
                          "conversation cannot grow turn by turn as token ids")
-    closing = turn_closing(tokenizer, fmt)
+    closing = turn_closing(tokenizer, fmt) if closing is None else closing
     if not closing.startswith(stop_text):
         raise ValueError(f"the chat template closes an assistant turn with {closing!r}, which does not start with "
                          f"the stop token the turn ended on ({stop_text!r})")

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tunix_rt.engine.params import SamplingParams
-from tunix_rt.tools.chat import continuation, render_chat
+from tunix_rt.tools.chat import continuation, render_chat, turn_closing
 from tunix_rt.tools.environment import ToolEnvironment
 from tunix_rt.tools.functions import Tool, as_tool
 from tunix_rt.tools.tool_calls import ToolFormat, tool_format_for
@@ -117,6 +117,10 @@ class AgenticSampler(GroupSampler):
         self._rollout_stats: dict[str, float] = {}
 
     @functools.cached_property
+    def _closing(self) -> str:
+        return turn_closing(self.tokenizer, self.agents.format)
+
+    @functools.cached_property
     def _eos(self) -> frozenset[int]:
         return frozenset(self.tokenizer.eos_token_ids)
 
@@ -181,7 +185,7 @@ class AgenticSampler(GroupSampler):
             traj.truncated = True
             return False
         text = continuation(self.tokenizer, self.agents.format, traj.tools or None, traj.history, observations,
-                            stop_text=traj.stop_text)
+                            stop_text=traj.stop_text, closing=self._closing)
         traj.history += observations
         spliced = self.tokenizer.encode(text, add_special_tokens=False)
         if len(traj.ids) + len(spliced) >= self.cfg.max_completion_length:  # no room left for a sampled token

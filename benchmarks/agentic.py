@@ -8,7 +8,7 @@ examples, then a 3-digit product to compute), 2 prompts x 8 trajectories, up to 
 the prompt (the policy's and the tool results together), at most 3 tool rounds (tunix-rt max_turns=4, TRL
 max_tool_calling_iterations=3), the calculator tool (tunix_rt.tools.functions.calculator, the same function in
 both), the accuracy reward (tunix_rt.train.rewards.accuracy_reward, the same function), LoRA rank 8 (alpha 16)
-on all seven projections, AdamW at 3e-4, beta 0, one iteration per rollout, 2 threads. SmolLM2's chat template
+on all seven projections, AdamW at 3e-4 (--learning-rate), beta 0, one iteration per rollout, 2 threads. SmolLM2's chat template
 knows no tools and TRL refuses it, so TRL's tokenizer gets Qwen2.5's template (ChatML like SmolLM2's, with the
 hermes tools prompt, <tool_call> calls and <tool_response> results that tunix-rt renders for SmolLM2 itself:
 the same conversation up to the system prompt's wording), whose calls TRL knows how to parse.
@@ -36,7 +36,7 @@ from peer_process import run_contender
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "examples", "calculator_agentic.jsonl")
-PROMPTS, GENERATIONS, MAX_COMPLETION, TOOL_ROUNDS, RANK, ALPHA, LR = 2, 8, 96, 3, 8, 16.0, 3e-4
+PROMPTS, GENERATIONS, MAX_COMPLETION, TOOL_ROUNDS, RANK, ALPHA = 2, 8, 96, 3, 8, 16.0
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 THREADS = 2
 
@@ -45,7 +45,7 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def run_ours(model: str, data: str, steps: int) -> dict:
+def run_ours(model: str, data: str, steps: int, lr: float) -> dict:
     from tunix_rt.checkpoints.loader import load_model
     from tunix_rt.train.config import GRPOConfig
     from tunix_rt.train.rl_trainer import RLTrainer
@@ -55,7 +55,7 @@ def run_ours(model: str, data: str, steps: int) -> dict:
         cfg = GRPOConfig(model=model, data=data, output=out, steps=steps, batch_size=PROMPTS * GENERATIONS,
                          num_generations=GENERATIONS, max_completion_length=MAX_COMPLETION, max_prompt_length=512,
                          max_turns=TOOL_ROUNDS + 1, tool=("calculator",), reward=("accuracy",), lora_rank=RANK,
-                         lora_alpha=ALPHA, lora_targets=TARGETS, learning_rate=LR, save_steps=10_000, progress=False,
+                         lora_alpha=ALPHA, lora_targets=TARGETS, learning_rate=lr, save_steps=10_000, progress=False,
                          shuffle=False)
         loaded = load_model(model, dequantize=False)
         trainer = RLTrainer(cfg, loaded.model, build_objective(cfg, loaded, cfg.data))
@@ -69,7 +69,7 @@ def run_ours(model: str, data: str, steps: int) -> dict:
         return {"times": times, "tool_call_rates": rates, "lengths": lengths, "peak_rss_gb": peak_rss_gb()}
 
 
-def run_trl(model: str, data: str, steps: int) -> dict:
+def run_trl(model: str, data: str, steps: int, lr: float) -> dict:
     import torch
     from datasets import load_dataset
     from peer_process import trl_lora_and_timer
@@ -96,7 +96,7 @@ def run_trl(model: str, data: str, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS * GENERATIONS,
                             num_generations=GENERATIONS, max_completion_length=MAX_COMPLETION, max_steps=steps,
-                            max_tool_calling_iterations=TOOL_ROUNDS, learning_rate=LR, logging_steps=1,
+                            max_tool_calling_iterations=TOOL_ROUNDS, learning_rate=lr, logging_steps=1,
                             save_strategy="no", report_to=[], use_cpu=True, beta=0.0, temperature=1.0, use_vllm=False,
                             gradient_checkpointing=False, dataloader_num_workers=0, shuffle_dataset=False)
         trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
@@ -115,11 +115,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is warm-up")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter with trl + peft installed")
     parser.add_argument("--only", default="ours,trl")
-    parser.add_argument("--run", nargs=4, metavar=("NAME", "MODEL", "DATA", "STEPS"), help=argparse.SUPPRESS)
+    parser.add_argument("--learning-rate", type=float, default=3e-4,
+                        help="the example's 3e-4; 1e-9 keeps both policies as they start, so each step does the same work")
+    parser.add_argument("--run", nargs=5, metavar=("NAME", "MODEL", "DATA", "STEPS", "LR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
-        name, model, data, steps = args.run
-        print(json.dumps(RUNS[name](model, data, int(steps))))
+        name, model, data, steps, lr = args.run
+        print(json.dumps(RUNS[name](model, data, int(steps), float(lr))))
         return
 
     from tunix_rt.checkpoints.hf_export import export_hf
@@ -132,19 +134,22 @@ def main() -> None:
     del loaded
     runs = {"ours": "default", "trl": hf_dir}
     print(f"Agentic GRPO step (calculator), SmolLM2-135M-Instruct, {PROMPTS} prompts x {GENERATIONS} trajectories x "
-          f"up to {MAX_COMPLETION} tokens, <= {TOOL_ROUNDS} tool rounds, LoRA r{RANK}, {THREADS} threads; median of "
-          f"steps 2..{args.steps}", flush=True)
+          f"up to {MAX_COMPLETION} tokens, <= {TOOL_ROUNDS} tool rounds, LoRA r{RANK}, learning rate "
+          f"{args.learning_rate:g}, {THREADS} threads; median of steps 2..{args.steps}", flush=True)
     medians = {}
     for name in args.only.split(","):
         python = sys.executable if name == "ours" else args.peer_python
-        result = run_contender(python, __file__, ["--run", name, runs[name], DATA, str(args.steps)], THREADS)
+        argv = ["--run", name, runs[name], DATA, str(args.steps), str(args.learning_rate)]
+        result = run_contender(python, __file__, argv, THREADS)
         if "error" in result:
             print(f"  {name:5} failed: {result['error']}", flush=True)
             continue
         medians[name] = statistics.median(result["times"][1:])
+        length = statistics.mean(result["lengths"][1:])
         print(f"  {name:5} {medians[name]:7.2f} s/step  tool-call rate per step "
-              f"{' '.join(f'{r:.2f}' for r in result['tool_call_rates'])}  mean length "
-              f"{statistics.mean(result['lengths']):5.1f} tokens  peak RSS {result['peak_rss_gb']:.2f} GB", flush=True)
+              f"{' '.join(f'{r:.2f}' for r in result['tool_call_rates'])}  mean trajectory {length:5.1f} tokens "
+              f"({PROMPTS * GENERATIONS * length / medians[name]:5.1f} tokens/s)  peak RSS "
+              f"{result['peak_rss_gb']:.2f} GB", flush=True)
     if "ours" in medians and "trl" in medians:
         print(f"\nTRL / ours: {medians['trl'] / medians['ours']:.2f}x")
     import shutil

@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from serving import handlers
+import tunix_rt
+from serving import handlers, tokenization
 from serving import protocol as p
 from serving.errors import APIError, error_body
 from serving.errors import install as install_errors
@@ -138,7 +139,23 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
     @app.get("/v1/models", response_model=p.ModelList)
     async def models():
         ready()
-        return p.ModelList(data=[p.ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
+        return p.ModelList(data=[p.ModelCard(id=state.model_name, root=state.root, max_model_len=state.max_model_len)])
+
+    @app.get("/version")
+    async def version():
+        return {"version": tunix_rt.__version__}
+
+    @app.post("/tokenize", response_model=p.TokenizeResponse, responses={400: {"model": p.ErrorResponse}})
+    async def tokenize(body: p.TokenizeRequest):
+        ready()
+        check_model(body.model)
+        return tokenization.tokenize(state, body)
+
+    @app.post("/detokenize", response_model=p.DetokenizeResponse, responses={400: {"model": p.ErrorResponse}})
+    async def detokenize(body: p.DetokenizeRequest):
+        ready()
+        check_model(body.model)
+        return tokenization.detokenize(state, body)
 
     errors = {status: {"model": p.ErrorResponse} for status in (400, 401, 404, 413, 429)}
 
@@ -198,7 +215,7 @@ def build_state(options: ServeOptions) -> ServerState:
     name = options.served_model_name or options.model
     state = ServerState(engine=None, tokenizer=None, model_name=name, max_model_len=0,
                         tool_format=tool_format_for(None), metrics=None,
-                        capacity=options.engine.max_num_seqs + options.max_waiting)
+                        capacity=options.engine.max_num_seqs + options.max_waiting, root=str(options.model))
     state.metrics = ServerMetrics(lambda: None if state.engine is None else state.engine.stats(), name)
     return state
 

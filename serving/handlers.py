@@ -40,6 +40,7 @@ class ServerState:
     tool_format: ToolFormat
     metrics: ServerMetrics | None  # set right after construction (its collector reads this state)
     capacity: int  # sequences running or queued before new requests get 429
+    root: str = ""  # the model as given to the server (/v1/models' root)
     active: int = 0
 
     @functools.cached_property
@@ -58,6 +59,8 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> API
 
 def sampling_params(req: p.SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                     structured: StructuredOutputsParams | None) -> SamplingParams:
+    if req.stream_options is not None and not req.stream:
+        raise _bad("stream_options can only be given when stream is true", "stream_options")
     if req.logit_bias:
         raise _bad("logit_bias is not supported", "logit_bias")
     kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
@@ -156,6 +159,16 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> p.Usage:
 def _sse(payload) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, allow_nan=False)
     return f"data: {data}\n\n"
+
+
+def _usage_field(req: p.SamplingFields):
+    """A chunk's usage: absent without include_usage; null, or the usage so far with continuous_usage_stats."""
+    options = req.stream_options
+    if not (options and options.include_usage):
+        return lambda prompt_tokens, completion_tokens: {}
+    if not options.continuous_usage_stats:
+        return lambda prompt_tokens, completion_tokens: {"usage": None}
+    return lambda prompt_tokens, completion_tokens: {"usage": _usage(prompt_tokens, completion_tokens).model_dump()}
 
 
 def _stream_end(head: dict, include_usage: bool, usage: p.Usage, error: Exception | None) -> list[str]:
@@ -281,11 +294,13 @@ async def _chat_events(state, req, plan, rid, arrival, gen, out) -> AsyncIterato
     created = p.now()
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    usage = _usage_field(req)
     seqs = [_sequence(state, plan, arrival) for _ in range(plan.params.n)]
+    prompt_length = len(out.prompt_token_ids)
 
     def chunk(index, delta, finish_reason=None, logprobs=None):
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return _sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
+        return _sse({**head, "choices": [choice], **usage(prompt_length, sum(s.tokens_seen for s in seqs))})
 
     async with contextlib.aclosing(gen):
         for i in range(plan.params.n):
@@ -350,8 +365,12 @@ def _completion_logprobs(state: ServerState, out: RequestOutput, start: int, sto
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-    top = [{state.token_text(t): _finite(lp) for t, lp in out.top_logprobs[i].items()} if out.top_logprobs else None
-           for i in range(start, stop)]
+    # the top k and the sampled token (vLLM's rule: k + 1 entries when it is not among them; logprobs=0 gives it alone)
+    top = []
+    for i in range(start, stop):
+        entry = {state.token_text(t): _finite(lp) for t, lp in (out.top_logprobs[i] if out.top_logprobs else {}).items()}
+        entry.setdefault(state.token_text(out.token_ids[i]), _finite(out.logprobs[i]))
+        top.append(entry)
     return p.CompletionLogprobs(tokens=tokens, token_logprobs=[_finite(lp) for lp in out.logprobs[start:stop]],
                                 top_logprobs=top,
                                 text_offset=offsets)
@@ -441,13 +460,15 @@ async def _completion_events(state, req, plan, rid, arrival, opened) -> AsyncIte
     n = plan.params.n
     head = {"id": rid, "object": "text_completion", "created": p.now(), "model": state.model_name}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    usage = _usage_field(req)
     seqs = [_Sequence(state, arrival) for _ in range(len(plan.prompts) * n)]
     offsets = [0] * len(seqs)
     prompt_tokens, completion_tokens, error = 0, 0, None
+    prompt_total = sum(len(first.prompt_token_ids) for _, first in opened)
 
     def chunk(index, text, finish_reason=None, logprobs=None):
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        return _sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
+        return _sse({**head, "choices": [choice], **usage(prompt_total, sum(s.tokens_seen for s in seqs))})
 
     if req.echo:
         for i in range(len(seqs)):

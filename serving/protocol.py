@@ -26,6 +26,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: the usage so far on every chunk (with include_usage)
 
 
 class SamplingFields(_Request):
@@ -130,6 +131,30 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1)
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a text `prompt`, or chat `messages` rendered by the model's chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template adds them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 # -- responses ----------------------------------------------------------------------------------
 
 
@@ -207,12 +232,25 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "tunix-rt"
+    root: str  # the model it was loaded from (vLLM's field)
+    parent: str | None = None  # the base model of an adapter; None for a base model
     max_model_len: int
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

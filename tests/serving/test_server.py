@@ -24,6 +24,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import tunix_rt
 from tests.serving.conftest import API_KEY, MAX_BODY_BYTES, MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_WAITING, ORIGIN
 
 pytestmark = pytest.mark.slow
@@ -179,6 +180,66 @@ def test_models_lists_default_with_max_model_len(client):
     card = cards[MODEL].model_dump()
     assert card["object"] == "model"
     assert card["max_model_len"] == MAX_MODEL_LEN
+    assert card["root"] == MODEL and card["parent"] is None  # vLLM's fields: loaded from, base of
+
+
+def test_version(server):
+    r = httpx.get(_url(server, "/version"), timeout=30)
+    assert r.status_code == 200 and r.json() == {"version": tunix_rt.__version__}
+
+
+# -- /tokenize, /detokenize (vLLM's shapes) ------------------------------------------------------------
+
+
+def test_tokenize_a_prompt_and_back(server):
+    r = raw_post(server, "/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] == MAX_MODEL_LEN
+    assert len(body["token_strs"]) == body["count"] and body["token_strs"][-1].endswith("world")
+    back = raw_post(server, "/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": "Hello world"}
+    # the ids the engine sees for the same prompt
+    done = raw_post(server, "/v1/completions", json={"model": MODEL, "prompt": "Hello world", "max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == body["count"]
+
+
+def test_tokenize_messages_renders_the_chat_template(server):
+    messages = [{"role": "user", "content": "Hi there"}]
+    body = raw_post(server, "/tokenize", json={"messages": messages}).json()
+    text = raw_post(server, "/detokenize", json={"tokens": body["tokens"]}).json()["prompt"]
+    assert text.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"), text
+    chat = raw_post(server, "/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == body["count"]
+    # without the generation prompt, and with the last message left open for the model to continue
+    closed = raw_post(server, "/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert closed["count"] < body["count"]
+    open_ = raw_post(server, "/tokenize", json={"messages": [*messages, {"role": "assistant", "content": "Sure,"}],
+                                                "add_generation_prompt": False, "continue_final_message": True}).json()
+    assert raw_post(server, "/detokenize", json={"tokens": open_["tokens"]}).json()["prompt"].endswith(
+        "<|im_start|>assistant\nSure,")
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    with_tools = raw_post(server, "/tokenize", json={"messages": messages, "tools": tools}).json()
+    assert with_tools["count"] > body["count"]  # the tools prompt, as chat completions renders it
+
+
+@pytest.mark.parametrize("path, payload, param", [
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, None),
+    ("/tokenize", {}, None),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "continue_final_message": True},
+     "continue_final_message"),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+])
+def test_tokenize_bad_input_is_400(server, path, payload, param):
+    r = raw_post(server, path, json=payload)
+    assert r.status_code == 400, r.text
+    assert_envelope(r.json(), param=param)
+
+
+def test_tokenize_unknown_model_is_404(server):
+    r = raw_post(server, "/tokenize", json={"model": "nonesuch", "prompt": "a"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_health_is_open_and_was_503_while_loading(server):
@@ -326,6 +387,35 @@ def test_stream_ends_with_usage_then_done(server):
     assert all(json.loads(e)["usage"] is None for e in events[:-2])
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to five."}]}),
+    ("/v1/completions", {"prompt": ["One, two,", "Red, green,"], "n": 2}),
+])
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(server, path, body):
+    body = {"model": MODEL, **body, "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", _url(server, path), json=body, headers=server.headers(), timeout=60) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    usages = [c["usage"] for c in chunks]
+    assert all(u is not None for u in usages)
+    final = usages[-1]  # the closing usage chunk: the totals
+    assert chunks[-1]["choices"] == [] and final["total_tokens"] == final["prompt_tokens"] + final["completion_tokens"]
+    assert all(u["prompt_tokens"] == final["prompt_tokens"] for u in usages)
+    counts = [u["completion_tokens"] for u in usages]
+    assert counts == sorted(counts) and counts[-1] == final["completion_tokens"] > 0 and counts[0] < counts[-1]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+def test_stream_options_without_stream_is_400(server, path, body):
+    r = raw_post(server, path, json={"model": MODEL, **body, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400
+    assert_envelope(r.json(), param="stream_options")
+
+
 # -- sampling ----------------------------------------------------------------------------------
 
 
@@ -375,6 +465,13 @@ def test_completion_logprobs(client):
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert max(top.values()) == pytest.approx(logprob, abs=1e-4)  # greedy
         assert token in top
+
+
+def test_completion_logprobs_zero_holds_the_sampled_token(client):
+    """logprobs=0: no alternatives, but each entry of top_logprobs holds the sampled token (vLLM, OpenAI legacy)."""
+    r = client.completions.create(model=MODEL, prompt=FOX, max_tokens=4, temperature=1.0, seed=3, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert lp.top_logprobs == [{token: logprob} for token, logprob in zip(lp.tokens, lp.token_logprobs)]
 
 
 # -- tools -------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from tunix_rt.tools.environment import ToolEnvironment
 
 
 class Again:
-    """Answers every turn with a user message, so a trajectory lasts max_turns whatever the policy writes; its
+    """Answers every turn with a tool result, so a trajectory lasts max_turns whatever the policy writes; its
     reward is the number of turns it saw."""
 
     def reset(self, row):
@@ -15,7 +15,7 @@ class Again:
 
     def step(self, message):
         self.turns += 1
-        return [{"role": "user", "content": f"again {self.turns}"}], False
+        return [{"role": "tool", "content": f"again {self.turns}"}], False
 
     def reward(self):
         return float(self.turns)

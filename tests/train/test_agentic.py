@@ -23,7 +23,7 @@ from tunix_rt.train.rollout_engine import RolloutEngine, rollout_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compiles")]
 
-COMMON = ("batch_size=8", "num_generations=4", "max_completion_length=40", "max_turns=3", "progress=false")
+COMMON = ("batch_size=8", "num_generations=4", "max_completion_length=128", "max_turns=3", "progress=false")
 STOPS = list(range(40, 60))  # ids the tiny model's turns stop on (about one token in thirteen)
 
 
@@ -97,9 +97,10 @@ def test_trained_ids_are_the_sampled_ids_turn_by_turn_with_observations_masked(t
             position += len(out.token_ids)
             history.append({"role": "assistant", "content": out.text})
             if n + 1 < len(own):  # spliced before the next turn: the template's text alone, tokenised alone, unsampled
-                observation = [{"role": "user", "content": f"again {n + 1}"}]
+                observation = [{"role": "tool", "content": f"again {n + 1}"}]
                 stop = tok.decode(out.token_ids[-1:], skip_special_tokens=False) if out.token_ids[-1] in eos else ""
                 text = continuation(tok, sampler.agents.format, None, history, observation, stop_text=stop)
+                assert f"<tool_response>\nagain {n + 1}\n</tool_response>" in text  # the tool result, as rendered
                 gap = slice(position - len(prompt), own[n + 1][0] - len(prompt))
                 assert ids[gap] == tok.encode(text, add_special_tokens=False) and not sampled[gap].any()
                 history += observation

@@ -25,7 +25,7 @@ class Completions:
     prompts: list[PromptExample]  # one per row (repeated G times)
     token_ids: list[np.ndarray]
     logprobs: list[np.ndarray]  # the engine's log p of each sampled token (as its logprobs_mode reports)
-    truncated: np.ndarray  # (N,) bool: cut at max_completion_length, no EOS
+    truncated: np.ndarray  # (N,) bool: cut by a limit before it ended (max_completion_length; agentic: max_turns...)
     rewards: np.ndarray  # (N,) weighted total
     rewards_per_fn: np.ndarray  # (F, N), NaN where a function returned None
     # Per token, 1 where the policy sampled it and 0 where it was spliced in (an agentic trajectory's tool

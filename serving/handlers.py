@@ -57,6 +57,35 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> API
     return APIError(400, message, param=param, code=code)
 
 
+def requested_structure(state: ServerState, req: p.SamplingFields) -> StructuredOutputsParams | None:
+    """The request's `structured_outputs` (vLLM's field) as the engine's constraint, compiled here so a regex,
+    schema or grammar that does not compile is a 400 naming the field."""
+    spec = req.structured_outputs
+    if spec is None:
+        return None
+    given = {name: value for name, value in (("choice", spec.choice), ("regex", spec.regex), ("json", spec.json_),
+                                             ("grammar", spec.grammar), ("json_object", spec.json_object or None))
+             if value is not None}
+    if len(given) != 1:
+        raise _bad(f"structured_outputs takes exactly one of choice, regex, json, grammar, json_object; got "
+                   f"{', '.join(given) or 'none'}", "structured_outputs")
+    (name, value), = given.items()
+    try:
+        if name == "choice":
+            structured = StructuredOutputsParams(
+                grammar="start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
+        elif name == "json":
+            if isinstance(value, dict):
+                check_json_schema(value, "structured_outputs.json")
+            structured = StructuredOutputsParams(json=value)
+        else:
+            structured = StructuredOutputsParams(**{name: value})
+        state.engine.engine.grammars.compile(structured)
+    except ValueError as e:  # InvalidStructuredOutputError included
+        raise _bad(str(e), "structured_outputs") from None
+    return structured
+
+
 def sampling_params(req: p.SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                     structured: StructuredOutputsParams | None) -> SamplingParams:
     if req.stream_options is not None and not req.stream:
@@ -234,6 +263,12 @@ def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
         except ValueError as e:
             raise _bad(str(e), "response_format") from None
         structured = StructuredOutputsParams(json=spec.schema_)
+    requested = requested_structure(state, req)
+    if requested is not None:
+        if structured is not None:
+            raise _bad("structured_outputs cannot be combined with response_format or a required or named "
+                       "tool_choice", "structured_outputs")
+        structured = requested
     if req.logprobs is False and req.top_logprobs:
         raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -353,7 +388,8 @@ def plan_completion(state: ServerState, req: p.CompletionRequest) -> CompletionP
         prompts = list(prompt)
     if not prompts or any(len(x) == 0 for x in prompts):
         raise _bad("prompt must not be empty", "prompt")
-    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, structured=None)
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
+                             structured=requested_structure(state, req))
     return CompletionPlan(prompts, params)
 
 

@@ -29,6 +29,18 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False  # vLLM: the usage so far on every chunk (with include_usage)
 
 
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` (its guided decoding): exactly one constraint on the output."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    choice: list[str] | None = Field(None, min_length=1)
+    regex: str | None = None
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(_Request):
     """Fields both endpoints share; ranges follow OpenAI's (and vLLM's for the extras)."""
 
@@ -50,6 +62,7 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     user: str | None = None
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from serving import protocol as p
 from serving.errors import APIError
-from tunix_rt.tools.chat import render_chat
+from tunix_rt.tools.chat import message_text, render_chat
+from tunix_rt.tools.tool_calls import check_tools
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -18,13 +19,17 @@ def _chat_text(state, req: p.TokenizeRequest) -> str:
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
     try:
+        check_tools(tools or [])
+    except ValueError as e:
+        raise _bad(str(e), "tools") from None
+    try:
         text = render_chat(state.tokenizer, messages, state.tool_format, tools,
                            add_generation_prompt=req.add_generation_prompt)
+        content = message_text(messages[-1], len(messages) - 1) if messages else ""
     except ValueError as e:
         raise _bad(str(e), "messages") from None
     if req.continue_final_message:  # the last message stays open: the text ends where its content does
-        content = messages[-1].get("content")
-        end = text.rfind(content) if isinstance(content, str) and content else -1
+        end = text.rfind(content) if content else -1
         if end < 0:
             raise _bad("continue_final_message needs a final message with text content the chat template renders "
                        "as given", "messages")

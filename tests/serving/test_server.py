@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 import time
 
@@ -214,7 +215,8 @@ def test_tokenize_messages_renders_the_chat_template(server):
     # without the generation prompt, and with the last message left open for the model to continue
     closed = raw_post(server, "/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
     assert closed["count"] < body["count"]
-    open_ = raw_post(server, "/tokenize", json={"messages": [*messages, {"role": "assistant", "content": "Sure,"}],
+    final = {"role": "assistant", "content": [{"type": "text", "text": "Sure,"}]}
+    open_ = raw_post(server, "/tokenize", json={"messages": [*messages, final],
                                                 "add_generation_prompt": False, "continue_final_message": True}).json()
     assert raw_post(server, "/detokenize", json={"tokens": open_["tokens"]}).json()["prompt"].endswith(
         "<|im_start|>assistant\nSure,")
@@ -228,6 +230,8 @@ def test_tokenize_messages_renders_the_chat_template(server):
     ("/tokenize", {}, None),
     ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "continue_final_message": True},
      "continue_final_message"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/detokenize", {"tokens": [1, -1]}, "tokens"),
     ("/detokenize", {"tokens": [10**9]}, "tokens"),
 ])
@@ -414,6 +418,54 @@ def test_stream_options_without_stream_is_400(server, path, body):
     r = raw_post(server, path, json={"model": MODEL, **body, "stream_options": {"include_usage": True}})
     assert r.status_code == 400
     assert_envelope(r.json(), param="stream_options")
+
+
+# -- vLLM's structured_outputs ---------------------------------------------------------------------
+
+
+def test_structured_outputs_choice_regex_json_and_grammar(client):
+    kw = dict(model=MODEL, max_tokens=24, temperature=1.0, seed=5)
+    choices = ["yes", "no", "it depends"]
+    for seed in range(3):
+        r = client.completions.create(prompt="Is the sky blue?", **{**kw, "seed": seed},
+                                      extra_body={"structured_outputs": {"choice": choices}})
+        assert r.choices[0].text in choices
+    r = client.chat.completions.create(messages=QUESTION, **kw, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert re.fullmatch("[0-9]{3}", r.choices[0].message.content)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(messages=QUESTION, **{**kw, "max_tokens": 40},
+                                       extra_body={"structured_outputs": {"json": schema}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.completions.create(prompt="Say it:", **kw,
+                                  extra_body={"structured_outputs": {"grammar": 'start: "ab" | "cd"'}})
+    assert r.choices[0].text in ("ab", "cd")
+
+
+@pytest.mark.parametrize("path, structured", [
+    ("/v1/completions", {"regex": "("}),
+    ("/v1/completions", {"grammar": "start: nonesuch"}),
+    ("/v1/completions", {"json": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}),
+    ("/v1/completions", {"json": "{not json"}),
+    ("/v1/completions", {"choice": ["a"], "regex": "b"}),
+    ("/v1/completions", {}),
+    ("/v1/chat/completions", {"choice": []}),
+])
+def test_structured_outputs_that_do_not_compile_are_400(server, path, structured):
+    body = {"model": MODEL, "max_tokens": 4, "structured_outputs": structured}
+    body.update({"prompt": "x"} if path == "/v1/completions" else {"messages": QUESTION})
+    r = raw_post(server, path, json=body)
+    assert r.status_code == 400, r.text
+    err = assert_envelope(r.json())
+    assert err["param"] is None or err["param"].startswith("structured_outputs"), err
+
+
+def test_structured_outputs_with_response_format_is_400(server):
+    r = raw_post(server, "/v1/chat/completions", json={
+        "model": MODEL, "messages": QUESTION, "response_format": {"type": "json_object"},
+        "structured_outputs": {"regex": "a"}})
+    assert r.status_code == 400
+    assert_envelope(r.json(), param="structured_outputs")
 
 
 # -- sampling ----------------------------------------------------------------------------------

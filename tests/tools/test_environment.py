@@ -117,7 +117,11 @@ def test_environment_specs_resolve_or_fail_in_one_line():
     assert factory is Opening and [t.name for t in tools] == ["calculator"]
     e = factory()
     e.bind(tools, HERMES)
-    assert [t.name for t in e.tools] == ["calculator", "calculator"]  # its own, then the run's
+    assert [t.name for t in e.tools] == ["calculator"]  # one per name: its own
+    e = factory()
+    e.tools = [fails]  # set on the instance
+    e.bind(tools, HERMES)
+    assert [t.name for t in e.tools] == ["fails", "calculator"]  # its own, then the run's
     for spec, message in [("nonesuch", "give module:Factory"), ("no_such_module_xyz:F", "cannot import"),
                           (f"{__name__}:Missing", "has no attribute 'Missing'"),
                           (f"{__name__}:HERMES", "is not a class or function"),
@@ -172,9 +176,11 @@ def test_continuation_is_exactly_what_the_template_writes_between_turns(tiny_tok
     whole = render_chat(tok, history + observations, HERMES, tools)
     assert render_chat(tok, opening, HERMES, tools) + reply + stop + text == whole
     assert "<tool_response>\n6\n</tool_response>" in text
-    assert turn_closing(tok, HERMES).startswith(stop)
-    with pytest.raises(ValueError, match="does not start with the stop token"):
-        continuation(tok, HERMES, tools, history, observations, stop_text="<pad>")
+    closing = turn_closing(tok, HERMES)
+    assert closing.startswith(stop)
+    # a turn that ended on another token (a second end token, a stop id) gets the whole closing
+    assert continuation(tok, HERMES, tools, history, observations, stop_text="<pad>") == closing + text[
+        len(closing) - len(stop):]
 
 
 def test_continuation_refuses_a_template_that_rewrites_earlier_turns(tiny_tokenizer):

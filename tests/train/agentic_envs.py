@@ -7,7 +7,9 @@ from tunix_rt.tools.environment import ToolEnvironment
 
 class Again:
     """Answers every turn with a tool result, so a trajectory lasts max_turns whatever the policy writes; its
-    reward is the number of turns it saw."""
+    reward is the number of turns it saw. Counts the environments closed."""
+
+    closed = 0
 
     def reset(self, row):
         self.turns = 0
@@ -20,9 +22,34 @@ class Again:
     def reward(self):
         return float(self.turns)
 
+    def close(self):
+        Again.closed += 1
+
+
+class Sleepy(Again):
+    """Takes 3 s to answer: past a short max_tool_time."""
+
+    def step(self, message):
+        import time
+
+        time.sleep(3)
+        return super().step(message)
+
+
+def multiply(a: int, b: int) -> str:
+    """Multiply two integers.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    return str(a * b)
+
 
 class Calculating(ToolEnvironment):
-    """The default environment with a tool of its own: what `--env` plus `--tool` make."""
+    """The default environment with a tool of its own and an opening of its own: what `--env` plus `--tool` make."""
+
+    tools = [multiply]
 
     def reset(self, row):
         return [{"role": "user", "content": f"{row['prompt']} Use the calculator."}]

@@ -9,12 +9,13 @@ import re
 import numpy as np
 import pytest
 
+from tests.train import agentic_envs
 from tests.train.test_rl import flags_first
 from tests.train.test_train_cli import cli, write_jsonl
 from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.tools.chat import continuation
 from tunix_rt.tools.environment import environment_factory
-from tunix_rt.train.agentic import AgenticSampler, agentic_sampler
+from tunix_rt.train.agentic import AgenticSampler, Agents, agentic_sampler
 from tunix_rt.train.config import GRPOConfig, build_config
 from tunix_rt.train.group_packing import pack_groups
 from tunix_rt.train.metrics import read_metrics
@@ -124,13 +125,15 @@ def run(tiny, rows, out, *extra, algo="grpo"):
 
 
 AGENTIC = ("agentic/turns", "agentic/tool_calls", "agentic/tool_call_rate", "agentic/tool_errors",
-           "agentic/tool_timeouts", "agentic/tool_seconds", "agentic/truncated", "agentic/prefix_cache_hit_rate",
+           "agentic/tool_timeouts", "agentic/tool_seconds", "agentic/prefix_cache_hit_rate",
            "time/tools")
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_grpo_and_ppo_train_on_trajectories_from_the_command_line(tiny, rows, root, short_turns, algo):
-    """In the exact mode, too: the trainer's log-probs of every sampled token of every turn equal the engine's."""
+    """In the exact mode, too: the trainer's log-probs of every sampled token of every turn equal the engine's.
+    Every environment made is closed."""
+    closed = agentic_envs.Again.closed
     metrics = run(tiny, rows, root / f"{algo}-env", "--env", "tests.train.agentic_envs:Again", "--steps", "2",
                   "--lora-rank", "4", "num_iterations=1", "exact_on_policy=true", algo=algo)
     assert [m["step"] for m in metrics] == [1, 2]
@@ -142,16 +145,30 @@ def test_grpo_and_ppo_train_on_trajectories_from_the_command_line(tiny, rows, ro
         assert m["mismatch/logp_abs_max"] == 0 and m["importance_sampling/weight_min"] == 1.0
     assert max(m["agentic/turns"] for m in metrics) > 1
     assert metrics[-1]["agentic/prefix_cache_hit_rate"] > 0  # later turns find the conversation's KV cached
+    assert agentic_envs.Again.closed - closed >= 2 * 8  # the trajectories' (and the probes' and the openings')
+
+
+def test_an_environment_step_past_max_tool_time_is_given_up(tiny, rows, root, short_turns):
+    metrics = run(tiny, rows, root / "sleepy", "--env", "tests.train.agentic_envs:Sleepy", "--steps", "1",
+                  "max_tool_time=0.5")
+    m = metrics[0]
+    assert m["completions/clipped_ratio"] > 0 and m["agentic/tool_seconds"] >= 1.5 / 8 and np.isfinite(m["loss"])
 
 
 def test_tools_and_an_environment_of_tools_from_the_command_line(tiny, rows, root):
+    """The prompt tells the policy about the environment's own tools and the run's, and both runs train."""
+    tok = load_model(tiny).tokenizer
+    factory, tools = environment_factory("tests.train.agentic_envs:Calculating", ["calculator", "python"])
+    opening = Agents(factory, tools, tok, 30.0).load_prompts(rows, max_prompt_length=4096)[0]
+    text = tok.decode(opening.prompt_ids.tolist(), skip_special_tokens=False)
+    for name in ("multiply", "calculator", "python"):
+        assert f'"name": "{name}"' in text
+    assert "hi 0 Use the calculator." in text and opening.prompt == "hi 0"
     # (the tools prompt is over a thousand of the tiny tokenizer's characters)
-    metrics = run(tiny, rows, root / "tools", "--tool", "calculator", "--tool", "python", "--steps", "1",
-                  "max_prompt_length=2048")
-    assert metrics[0]["agentic/turns"] >= 1 and "agentic/tool_call_rate" in metrics[0]
-    metrics = run(tiny, rows, root / "env-tools", "--env", "tests.train.agentic_envs:Calculating", "--tool",
-                  "calculator", "--steps", "1", "max_prompt_length=2048")
-    assert "agentic/tool_errors" in metrics[0]
+    for out, extra in [("tools", ("--tool", "calculator", "--tool", "python")),
+                       ("env-tools", ("--env", "tests.train.agentic_envs:Calculating", "--tool", "calculator"))]:
+        metrics = run(tiny, rows, root / out, *extra, "--steps", "1", "max_prompt_length=2048")
+        assert np.isfinite(metrics[0]["loss"]) and all(name in metrics[0] for name in AGENTIC)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -14,7 +14,8 @@ import json
 from tunix_rt.tools.tool_calls import ToolFormat
 
 
-def _text(message: dict, index: int) -> str:
+def message_text(message: dict, index: int) -> str:
+    """A message's text: its content, or its text parts joined (ValueError naming any other part)."""
     content = message.get("content")
     if content is None:
         return ""
@@ -45,7 +46,7 @@ def template_messages(messages: list[dict], fmt: ToolFormat, tools: list[dict] |
     out: list[dict] = []
     for i, m in enumerate(messages):
         role = "system" if m["role"] == "developer" else m["role"]
-        entry: dict = {"role": role, "content": _text(m, i)}
+        entry: dict = {"role": role, "content": message_text(m, i)}
         calls = [(c["function"]["name"], _arguments(c["function"].get("arguments", "{}"), i), c.get("id"))
                  for c in m.get("tool_calls") or ()]
         if fmt.native:
@@ -100,8 +101,9 @@ def turn_closing(tokenizer, fmt: ToolFormat) -> str:
 def continuation(tokenizer, fmt: ToolFormat, tools: list[dict] | None, history: list[dict], observations: list[dict],
                  *, stop_text: str, closing: str | None = None) -> str:
     """The text the chat template puts between an assistant turn the policy wrote and the policy's next turn:
-    the rest of the turn's closing after the stop token the policy sampled (`stop_text`, e.g. "<|im_end|>"),
-    the observation messages, and the next assistant header. `history` ends with that assistant turn (its
+    the rest of the turn's closing after the stop token the policy sampled (`stop_text`, e.g. "<|im_end|>";
+    the whole closing when the turn ended on another token, such as a second end token or a stop id), the
+    observation messages, and the next assistant header. `history` ends with that assistant turn (its
     content the policy's raw text). Only the template's own text is rendered: what the policy sampled stays
     as it sampled it. `closing`: turn_closing's answer, when the caller keeps it."""
     before = render_chat(tokenizer, history, fmt, tools, add_generation_prompt=False)
@@ -110,7 +112,6 @@ def continuation(tokenizer, fmt: ToolFormat, tools: list[dict] | None, history: 
         raise ValueError("the chat template renders earlier turns differently once later ones follow, so a "
                          "conversation cannot grow turn by turn as token ids")
     closing = turn_closing(tokenizer, fmt) if closing is None else closing
-    if not closing.startswith(stop_text):
-        raise ValueError(f"the chat template closes an assistant turn with {closing!r}, which does not start with "
-                         f"the stop token the turn ended on ({stop_text!r})")
-    return closing[len(stop_text):] + after[len(before):]
+    if stop_text and closing.startswith(stop_text):
+        closing = closing[len(stop_text):]
+    return closing + after[len(before):]

@@ -7,7 +7,8 @@ environment_factory shape; `--env module:Factory`) and follows a small protocol:
 - `step(message) -> (observations, done)`: the policy's assistant message (OpenAI's shape: content and
   tool_calls) in, the messages it gets back and whether the episode is over;
 - optional `tools` (callables or Tools): what the chat template tells the policy it may call;
-- optional `reward() -> float | None`: a reward at the episode's end, beside the run's reward functions.
+- optional `reward() -> float | None`: a reward at the episode's end, beside the run's reward functions;
+- optional `close()`: called once the episode is scored (or the rollout fails), to free what it holds.
 
 ToolEnvironment is the default (`--tool` alone) and a base class: the row's prompt opens, every call the
 policy makes runs (tools.functions.call_tool: nothing a tool or the model does raises), a turn without calls
@@ -29,9 +30,12 @@ class ToolEnvironment:
     tools: Sequence = ()
 
     def bind(self, tools: Sequence[Tool], fmt: ToolFormat, max_tool_time: float = math.inf) -> None:
-        """Called by the rollout before reset: the run's --tool tools join the environment's own, the tool-call
-        format tells a malformed call from text, and `max_tool_time` caps the tool seconds of the episode."""
-        self.tools = [*(as_tool(t) for t in type(self).tools), *tools]
+        """Called by the rollout before reset: the run's --tool tools join the environment's own (one tool per
+        name: the environment's win), the tool-call format tells a malformed call from text, and `max_tool_time`
+        caps the tool seconds of the episode."""
+        own = [as_tool(t) for t in vars(self).get("tools", type(self).tools)]
+        names = {t.name for t in own}
+        self.tools = [*own, *(t for t in tools if t.name not in names)]
         self.format = fmt
         self.tool_time_left = max_tool_time
         self.results: list[ToolResult] = []
@@ -70,6 +74,16 @@ class ToolEnvironment:
         return out, False
 
 
+def close_environment(env) -> None:
+    """The environment's close(), when it has one; what it raises is the run's error, named as such."""
+    close = getattr(env, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(f"the environment's close raised {type(e).__name__}: {e}") from e
+
+
 def resolve_environment(spec: str) -> Callable[[], object]:
     """The factory `--env module:Factory` (or `file.py:Factory`) names, checked to make an environment with
     reset and step; a bad spec is a ValueError whose one line names it."""
@@ -83,6 +97,7 @@ def resolve_environment(spec: str) -> Callable[[], object]:
     except Exception as e:  # noqa: BLE001 - whatever the factory raises is the spec's problem
         raise ValueError(f"--env {spec!r}: calling it raised {type(e).__name__}: {e}") from None
     missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+    close_environment(env)
     if missing:
         raise ValueError(f"--env {spec!r}: what it makes has no {' and no '.join(missing)} method")
     return factory
@@ -93,7 +108,10 @@ def environment_factory(env: str | None, tools: Sequence[str]) -> tuple[Callable
     fails before any model loads. With --tool, the environments must be ToolEnvironments (they run the calls)."""
     resolved = [resolve_tool(spec) for spec in tools]
     factory = ToolEnvironment if env is None else resolve_environment(env)
-    if resolved and not isinstance(factory(), ToolEnvironment):
+    probe = factory()
+    runs_calls = isinstance(probe, ToolEnvironment)
+    close_environment(probe)
+    if resolved and not runs_calls:
         raise ValueError(f"--tool with --env {env!r}: its environment must subclass "
                          "tunix_rt.tools.environment.ToolEnvironment to run the tools' calls")
     return factory, resolved

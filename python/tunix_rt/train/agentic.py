@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -27,13 +28,17 @@ import numpy as np
 
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.tools.chat import continuation, render_chat, turn_closing
-from tunix_rt.tools.environment import ToolEnvironment
+from tunix_rt.tools.environment import ToolEnvironment, close_environment
 from tunix_rt.tools.functions import Tool, as_tool
 from tunix_rt.tools.tool_calls import ToolFormat, tool_format_for
 from tunix_rt.train.config import RLConfig
 from tunix_rt.train.data import DataError, PromptExample, load_prompts
 from tunix_rt.train.rewards import RewardScorer
 from tunix_rt.train.rollout import Completions, GroupSampler
+
+log = logging.getLogger("tunix_rt.train")
+_POLL_SECONDS = 0.5  # how often an idle rollout checks its environment steps' time
+_GRACE_SECONDS = 1.0  # past max_tool_time, before a step still running is given up
 
 
 class Agents:
@@ -43,6 +48,7 @@ class Agents:
     def __init__(self, factory: Callable[[], object], tools: Sequence[Tool], tokenizer, max_tool_time: float):
         self.factory, self.tools, self.tokenizer, self.max_tool_time = factory, list(tools), tokenizer, max_tool_time
         self.format: ToolFormat = tool_format_for(tokenizer.chat_template)
+        self.closing = turn_closing(tokenizer, self.format)  # a template that cannot grow a conversation fails here
 
     def make(self):
         """A fresh environment, bound to the run's tools (a ToolEnvironment)."""
@@ -58,7 +64,10 @@ class Agents:
     def opening(self, env, row: dict, where: str) -> tuple[list[dict], list[int]]:
         """The environment's opening messages for `row` and their token ids (the chat template's, with the
         tools and the generation prompt)."""
-        messages = env.reset(row)
+        try:
+            messages = env.reset(row)
+        except Exception as e:  # noqa: BLE001 - the environment's problem with this row, named as such
+            raise DataError(f"{where}: the environment's reset raised {type(e).__name__}: {e}") from None
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m
                                                                       for m in messages):
             raise DataError(f"{where}: the environment's reset must return a non-empty list of messages, "
@@ -73,7 +82,11 @@ class Agents:
         reward functions get as the prompt."""
 
         def tokenize(row: dict, tokenizer, *, max_prompt_length: int, where: str) -> PromptExample:
-            messages, ids = self.opening(self.make(), row, where)
+            env = self.make()
+            try:
+                messages, ids = self.opening(env, row, where)
+            finally:
+                close_environment(env)
             if len(ids) > max_prompt_length:
                 raise DataError(f"{where}: the opening conversation has {len(ids)} tokens, over max_prompt_length "
                                 f"({max_prompt_length})")
@@ -115,10 +128,6 @@ class AgenticSampler(GroupSampler):
         self.tokenizer = agents.tokenizer
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="environment")
         self._rollout_stats: dict[str, float] = {}
-
-    @functools.cached_property
-    def _closing(self) -> str:
-        return turn_closing(self.tokenizer, self.agents.format)
 
     @functools.cached_property
     def _eos(self) -> frozenset[int]:
@@ -184,8 +193,13 @@ class AgenticSampler(GroupSampler):
         if traj.turns >= self.cfg.max_turns or traj.tool_seconds > self.cfg.max_tool_time or not observations:
             traj.truncated = True
             return False
-        text = continuation(self.tokenizer, self.agents.format, traj.tools or None, traj.history, observations,
-                            stop_text=traj.stop_text, closing=self._closing)
+        try:
+            text = continuation(self.tokenizer, self.agents.format, traj.tools or None, traj.history, observations,
+                                stop_text=traj.stop_text, closing=self.agents.closing)
+        except ValueError as e:  # the template re-renders what the policy wrote: the trajectory cannot go on as ids
+            log.warning("a trajectory ends early: %s", e)
+            traj.truncated = True
+            return False
         traj.history += observations
         spliced = self.tokenizer.encode(text, add_special_tokens=False)
         if len(traj.ids) + len(spliced) >= self.cfg.max_completion_length:  # no room left for a sampled token
@@ -195,6 +209,21 @@ class AgenticSampler(GroupSampler):
         traj.sampled += [0] * len(spliced)
         traj.logprobs += [0.0] * len(spliced)
         return True
+
+    def _drop_overdue(self, steps: dict, ready: list) -> int:
+        """Give up on environment steps running past their trajectory's tool time (a thread cannot be killed: its
+        result is dropped), each trajectory truncated; returns how many ended."""
+        now, ended = time.perf_counter(), 0
+        for future in [f for f in steps if f not in ready]:
+            traj, started = steps[future]
+            if now - started > self.cfg.max_tool_time - traj.tool_seconds + _GRACE_SECONDS:
+                del steps[future]
+                traj.tool_seconds += now - started
+                traj.truncated = True
+                log.warning("an environment step ran past max_tool_time (%.0f s): its trajectory ends",
+                            self.cfg.max_tool_time)
+                ended += 1
+        return ended
 
     def sample(self, rollout, prompt_indices: np.ndarray, stream: int = 0) -> Completions:
         """G trajectories of each prompt, all running at once (see the module), scored by the reward functions."""
@@ -210,7 +239,7 @@ class AgenticSampler(GroupSampler):
             rid = engine.add_request(example.prompt_ids.tolist(),
                                      self._params(g, cfg.max_completion_length, rollout.seed(position, stream)))
             waiting[rid] = group
-        steps: dict[concurrent.futures.Future, _Trajectory] = {}
+        steps: dict[concurrent.futures.Future, tuple[_Trajectory, float]] = {}  # -> (trajectory, started)
         active = len(trajectories)
         try:
             while active:
@@ -218,17 +247,22 @@ class AgenticSampler(GroupSampler):
                     for out in engine.step():
                         if not out.finished:
                             continue
-                        traj = waiting[out.request_id][out.index]
+                        group = waiting.get(out.request_id)
+                        if group is None:  # another caller's request on the engine
+                            continue
+                        traj = group[out.index]
                         message = self._end_turn(traj, out)
                         if message is None:
                             active -= 1
                         else:
-                            steps[self._pool.submit(self._timed_step, traj, message)] = traj
+                            steps[self._pool.submit(self._timed_step, traj, message)] = (traj, time.perf_counter())
                 ready = [f for f in steps if f.done()]
                 if not ready and steps and not engine.has_unfinished_requests():
-                    ready = list(concurrent.futures.wait(steps, return_when=concurrent.futures.FIRST_COMPLETED).done)
+                    ready = list(concurrent.futures.wait(steps, timeout=_POLL_SECONDS,
+                                                         return_when=concurrent.futures.FIRST_COMPLETED).done)
+                active -= self._drop_overdue(steps, ready)
                 for future in ready:
-                    traj = steps.pop(future)
+                    traj, _ = steps.pop(future)
                     if not self._observe(traj, future.result()):
                         active -= 1
                         continue
@@ -241,6 +275,8 @@ class AgenticSampler(GroupSampler):
                 engine.abort(rid)
             for future in steps:
                 future.cancel()
+            for traj in trajectories:
+                close_environment(traj.env)
             raise
         after = engine.stats()
         queries = after.prefix_cache_queries - before.prefix_cache_queries
@@ -249,7 +285,20 @@ class AgenticSampler(GroupSampler):
             "agentic/prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / max(queries, 1),
             "time/tools": tool_time}
         rollout.times["time/rollout"] += time.perf_counter() - start
-        return self._completions(trajectories)
+        try:
+            return self._completions(trajectories)
+        finally:
+            for traj in trajectories:
+                close_environment(traj.env)
+
+    @staticmethod
+    def _env_reward(env) -> float | None:
+        if not callable(getattr(env, "reward", None)):
+            return None
+        try:
+            return env.reward()
+        except Exception as e:  # an environment's bug is the run's error, named as such
+            raise RuntimeError(f"the environment's reward raised {type(e).__name__}: {e}") from e
 
     def _completions(self, trajectories: list[_Trajectory]) -> Completions:
         prompts = [t.example for t in trajectories]
@@ -257,10 +306,9 @@ class AgenticSampler(GroupSampler):
         columns = {name: [p.columns[name] for p in prompts] for name in prompts[0].columns}
         columns["completion_ids"] = [t.ids for t in trajectories]
         if any(callable(getattr(t.env, "reward", None)) for t in trajectories):
-            columns["environment_reward"] = [t.env.reward() if callable(getattr(t.env, "reward", None)) else None
-                                             for t in trajectories]
+            columns["environment_reward"] = [self._env_reward(t.env) for t in trajectories]
         total, per_fn = self.scorer([p.prompt for p in prompts], [t.messages for t in trajectories], columns)
-        results = [getattr(t.env, "results", []) for t in trajectories]
+        results = [t.env.results if isinstance(t.env, ToolEnvironment) else [] for t in trajectories]
         stats = {"turns": [t.turns for t in trajectories], "tool_calls": [t.tool_calls for t in trajectories],
                  "tool_errors": [sum(r.error for r in rs) for rs in results],
                  "tool_timeouts": [sum(r.timed_out for r in rs) for rs in results],
@@ -271,14 +319,14 @@ class AgenticSampler(GroupSampler):
                            {k: np.asarray(v, np.float64) for k, v in stats.items()})
 
     def metrics(self, c: Completions) -> dict[str, float]:
-        """GroupSampler's, and per trajectory: turns, tool calls (and the fraction that makes any), tool
-        errors and timeouts, tool seconds, the truncated fraction and the mean reward by turn count; the
-        rollout's prefix-cache hit rate and time in tools."""
+        """GroupSampler's (completions/clipped_ratio: the truncated fraction), and per trajectory: turns, tool
+        calls (and the fraction that makes any), tool errors and timeouts, tool seconds and the mean reward by
+        turn count; the rollout's prefix-cache hit rate and its seconds in environment steps, summed over the
+        trajectories (time/tools: they overlap each other and the engine's decoding)."""
         out = super().metrics(c)
         s = c.stats
         out.update({f"agentic/{name}": float(s[name].mean()) for name in s})
         out["agentic/tool_call_rate"] = float((s["tool_calls"] > 0).mean())
-        out["agentic/truncated"] = float(c.truncated.mean())
         for turns in np.unique(s["turns"]).astype(int):
             out[f"agentic/reward_turns_{turns}"] = float(c.rewards[s["turns"] == turns].mean())
         out.update(self._rollout_stats)
@@ -290,8 +338,10 @@ def agentic_sampler(cfg: RLConfig, tokenizer, data: str, rewards: list, factory:
     """The run's sampler: its prompts opened by the environments, the environments' own rewards (when they
     give one) scored beside the run's reward functions."""
     agents = Agents(factory, tools, tokenizer, cfg.max_tool_time)
-    if callable(getattr(agents.make(), "reward", None)):
+    probe = agents.make()
+    if callable(getattr(probe, "reward", None)):
         rewards = [*rewards, ("environment", environment_reward)]
+    close_environment(probe)
     weights = None if cfg.reward_weights is None else (*cfg.reward_weights, 1.0)[:len(rewards)]
     scorer = RewardScorer(rewards, weights)
     return AgenticSampler(cfg, agents.load_prompts(data, max_prompt_length=cfg.max_prompt_length), scorer, agents)

@@ -31,7 +31,7 @@ def _text(completion) -> str:
     trajectory's tool results are not the policy's answer)."""
     if isinstance(completion, str):
         return completion
-    return "".join(m.get("content") or "" for m in completion if m.get("role", "assistant") == "assistant")
+    return "\n".join(m.get("content") or "" for m in completion if m.get("role", "assistant") == "assistant")
 
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")

@@ -112,10 +112,9 @@ class RolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list:
         """The engine's outputs for these prompts, sampled from the trainer's current weights."""
-        if self._stale or self.engine.is_sleeping:
-            self._sync()
+        engine = self.live()
         start = time.perf_counter()
-        outputs = self.engine.generate([list(p) for p in prompts], params)
+        outputs = engine.generate([list(p) for p in prompts], params)
         self.times["time/rollout"] += time.perf_counter() - start
         return outputs
 

@@ -18,6 +18,7 @@ and `max_tool_time` seconds in the environment's steps.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -232,16 +233,16 @@ class AgenticSampler(GroupSampler):
         start, before = time.perf_counter(), engine.stats()
         waiting: dict[str, list[_Trajectory]] = {}
         trajectories: list[_Trajectory] = []
-        for position, index in enumerate(prompt_indices):
-            example = self.examples[index]
-            group = [self._start(example, position, k) for k in range(g)]
-            trajectories += group
-            rid = engine.add_request(example.prompt_ids.tolist(),
-                                     self._params(g, cfg.max_completion_length, rollout.seed(position, stream)))
-            waiting[rid] = group
         steps: dict[concurrent.futures.Future, tuple[_Trajectory, float]] = {}  # -> (trajectory, started)
-        active = len(trajectories)
         try:
+            for position, index in enumerate(prompt_indices):
+                example = self.examples[index]
+                for k in range(g):
+                    trajectories.append(self._start(example, position, k))
+                rid = engine.add_request(example.prompt_ids.tolist(),
+                                         self._params(g, cfg.max_completion_length, rollout.seed(position, stream)))
+                waiting[rid] = trajectories[-g:]
+            active = len(trajectories)
             while active:
                 if engine.has_unfinished_requests():
                     for out in engine.step():
@@ -276,7 +277,8 @@ class AgenticSampler(GroupSampler):
             for future in steps:
                 future.cancel()
             for traj in trajectories:
-                close_environment(traj.env)
+                with contextlib.suppress(Exception):  # the error being raised is the one to report
+                    close_environment(traj.env)
             raise
         after = engine.stats()
         queries = after.prefix_cache_queries - before.prefix_cache_queries

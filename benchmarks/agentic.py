@@ -30,9 +30,8 @@ import resource
 import statistics
 import sys
 import tempfile
-import time
 
-from peer_process import run_contender
+from peer_process import run_contender, timed_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "examples", "calculator_agentic.jsonl")
@@ -59,14 +58,9 @@ def run_ours(model: str, data: str, steps: int, lr: float) -> dict:
                          shuffle=False)
         loaded = load_model(model, dequantize=False)
         trainer = RLTrainer(cfg, loaded.model, build_objective(cfg, loaded, cfg.data))
-        times, rates, lengths = [], [], []
-        for step in range(steps):
-            start = time.perf_counter()
-            m = trainer.run_step(step)
-            times.append(time.perf_counter() - start)
-            rates.append(m["agentic/tool_call_rate"])
-            lengths.append(m["completions/mean_length"])
-        return {"times": times, "tool_call_rates": rates, "lengths": lengths, "peak_rss_gb": peak_rss_gb()}
+        times, metrics = timed_steps(trainer, steps)
+        return {"times": times, "tool_call_rates": [m["agentic/tool_call_rate"] for m in metrics],
+                "lengths": [m["completions/mean_length"] for m in metrics], "peak_rss_gb": peak_rss_gb()}
 
 
 def run_trl(model: str, data: str, steps: int, lr: float) -> dict:

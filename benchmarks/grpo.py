@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from peer_process import run_contender
+from peer_process import run_contender, timed_steps
 
 PROMPTS_PER_STEP, GENERATIONS, MAX_NEW, RANK, ALPHA = 4, 4, 64, 8, 16.0
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -74,14 +74,10 @@ def run_ours(model: str, steps: int, compute_dtype: str = "float32", exact: bool
                          exact_on_policy=exact)
         loaded = load_model(model, dequantize=False)
         trainer = RLTrainer(cfg, loaded.model, build_objective(cfg, loaded, cfg.data))
-        times, splits, lengths = [], [], []
-        for step in range(steps):
-            start = time.perf_counter()
-            out_ = trainer.run_step(step)
-            times.append(time.perf_counter() - start)
-            splits.append({k: out_[k] for k in ("time/rollout", "time/reference", "time/train", "time/sync")})
-            lengths.append(out_["completions/mean_length"])
-        return {"times": times, "splits": splits, "lengths": lengths, "compiles": trainer.num_compiles()}
+        times, metrics = timed_steps(trainer, steps)
+        splits = [{k: m[k] for k in ("time/rollout", "time/reference", "time/train", "time/sync")} for m in metrics]
+        return {"times": times, "splits": splits, "lengths": [m["completions/mean_length"] for m in metrics],
+                "compiles": trainer.num_compiles()}
 
 
 def run_trl(model: str, steps: int, bf16: bool = False) -> dict:

@@ -21,6 +21,18 @@ def run_contender(python: str, script: str, argv: list[str], threads: int, **env
     return json.loads(lines[-1])
 
 
+def timed_steps(trainer, steps: int) -> tuple[list[float], list[dict]]:
+    """Each of `steps` tunix-rt RL steps (trainer.run_step) timed: the wall seconds and the metrics of each."""
+    import time
+
+    times, metrics = [], []
+    for step in range(steps):
+        start = time.perf_counter()
+        metrics.append(trainer.run_step(step))
+        times.append(time.perf_counter() - start)
+    return times, metrics
+
+
 def trl_lora_and_timer(mode: str, rank: int, alpha: float, targets) -> tuple:
     """(peft LoraConfig or None for full fine-tuning, a transformers callback, its list of step times): what
     every TRL contender sets up the same way. Imported in the peer's interpreter only."""

@@ -4,13 +4,11 @@ command line with the agentic metrics; bad tools and environments are one-line e
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 
 from tests.train import agentic_envs
-from tests.train.test_rl import flags_first
+from tests.train.test_rl import assert_one_line_error
 from tests.train.test_train_cli import cli, write_jsonl
 from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.tools.chat import continuation
@@ -182,12 +180,8 @@ def test_tools_and_an_environment_of_tools_from_the_command_line(tiny, rows, roo
     (("--tool", "calculator", "max_prompt_length=4"), r"rows.jsonl:1: the opening conversation has \d+ tokens"),
 ])
 def test_bad_tools_and_environments_are_one_line_errors(tiny, rows, tmp_path, capsys, extra, message):
-    capsys.readouterr()
-    argv = ["grpo", *flags_first(["--model", tiny, "--data", rows, "--output", tmp_path / "out", "--reward", "brevity",
-                                  *COMMON, *extra])]
-    assert cli(*argv) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+    assert_one_line_error(capsys, message, "--model", tiny, "--data", rows, "--output", tmp_path / "out", "--reward",
+                          "brevity", *COMMON, *extra)
 
 
 def test_an_environment_that_raises_stops_the_run_naming_it(tiny, rows, tmp_path, short_turns):

@@ -302,10 +302,14 @@ def test_reward_errors_name_the_function(root, tiny, prompts, capsys, tmp_path):
 ])
 def test_bad_inputs_are_one_line_errors(tiny, tmp_path, capsys, rows, extra, message):
     data = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    assert_one_line_error(capsys, message, "--model", tiny, "--data", data, "--output", tmp_path / "out", "--reward",
+                          "brevity", *COMMON, *extra)
+
+
+def assert_one_line_error(capsys, message: str, *args) -> None:
+    """`tunix-rt grpo args...` (flags put first) exits 2 with one line on stderr that matches `message`."""
     capsys.readouterr()
-    argv = ["grpo", *flags_first(["--model", tiny, "--data", data, "--output", tmp_path / "out", "--reward", "brevity",
-                                  *COMMON, *extra])]
-    assert cli(*argv) == 2
+    assert cli("grpo", *flags_first(list(args))) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
 

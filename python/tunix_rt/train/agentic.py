@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from tunix_rt.engine.params import SamplingParams
 from tunix_rt.tools.chat import continuation, render_chat, turn_closing
 from tunix_rt.tools.environment import ToolEnvironment, close_environment
 from tunix_rt.tools.functions import Tool, as_tool
@@ -133,11 +132,6 @@ class AgenticSampler(GroupSampler):
     @functools.cached_property
     def _eos(self) -> frozenset[int]:
         return frozenset(self.tokenizer.eos_token_ids)
-
-    def _params(self, n: int, max_tokens: int, seed: int) -> SamplingParams:
-        cfg = self.cfg
-        return SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                              max_tokens=max_tokens, seed=seed, logprobs=0)
 
     def _start(self, example: PromptExample, position: int, sample: int) -> _Trajectory:
         env = self.agents.make()
@@ -305,8 +299,7 @@ class AgenticSampler(GroupSampler):
     def _completions(self, trajectories: list[_Trajectory]) -> Completions:
         prompts = [t.example for t in trajectories]
         token_ids = [np.asarray(t.ids, np.int32) for t in trajectories]
-        columns = {name: [p.columns[name] for p in prompts] for name in prompts[0].columns}
-        columns["completion_ids"] = [t.ids for t in trajectories]
+        columns = self._columns(prompts, [t.ids for t in trajectories])
         if any(callable(getattr(t.env, "reward", None)) for t in trajectories):
             columns["environment_reward"] = [self._env_reward(t.env) for t in trajectories]
         total, per_fn = self.scorer([p.prompt for p in prompts], [t.messages for t in trajectories], columns)

@@ -73,14 +73,26 @@ class GroupSampler:
         self.seq_len = -(-(longest + cfg.num_generations * cfg.max_completion_length) // 8) * 8
         self.max_model_len = longest + cfg.max_completion_length  # what the engine holds per sequence
 
+    def _params(self, n: int, max_tokens: int, seed: int) -> SamplingParams:
+        """A request's sampling: the run's temperature and truncation, the sampled tokens' log-probs."""
+        cfg = self.cfg
+        return SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+                              max_tokens=max_tokens, seed=seed, logprobs=0)
+
+    @staticmethod
+    def _columns(prompts: Sequence[PromptExample], token_ids: Sequence) -> dict[str, list]:
+        """What the reward functions get besides prompts and completions: each dataset column aligned with the
+        completions, and the sampled ids (completion_ids)."""
+        columns = {name: [p.columns[name] for p in prompts] for name in prompts[0].columns}
+        columns["completion_ids"] = [list(map(int, ids)) for ids in token_ids]
+        return columns
+
     def sample(self, rollout, prompt_indices: np.ndarray, stream: int = 0) -> Completions:
         """G completions of each prompt through the rollout engine (one request with n = G per prompt, seeded
         by the prompt's position in the rollout and `stream`), scored by the reward functions."""
         cfg, g = self.cfg, self.cfg.num_generations
         prompts = [self.examples[i] for i in prompt_indices]
-        params = [SamplingParams(n=g, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                                 max_tokens=cfg.max_completion_length, seed=rollout.seed(i, stream), logprobs=0)
-                  for i in range(len(prompts))]
+        params = [self._params(g, cfg.max_completion_length, rollout.seed(i, stream)) for i in range(len(prompts))]
         outputs = rollout.generate([p.prompt_ids.tolist() for p in prompts], params)
         outputs = [o if isinstance(o, list) else [o] for o in outputs]
         rows = [o for group in outputs for o in group]
@@ -88,9 +100,7 @@ class GroupSampler:
         completions = [[{"role": "assistant", "content": o.text}] if isinstance(p.prompt, list) else o.text
                        for p, o in zip(repeated, rows)]
         token_ids = [np.asarray(o.token_ids, np.int32) for o in rows]
-        columns = {name: [p.columns[name] for p in repeated] for name in repeated[0].columns}
-        columns["completion_ids"] = [ids.tolist() for ids in token_ids]
-        total, per_fn = self.scorer([p.prompt for p in repeated], completions, columns)
+        total, per_fn = self.scorer([p.prompt for p in repeated], completions, self._columns(repeated, token_ids))
         return Completions(repeated, token_ids, [np.asarray(o.logprobs, np.float32) for o in rows],
                            np.array([o.finish_reason == "length" for o in rows]), total, per_fn)
 

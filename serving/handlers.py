@@ -86,20 +86,53 @@ def requested_structure(state: ServerState, req: p.SamplingFields) -> Structured
     return structured
 
 
-def sampling_params(req: p.SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    structured: StructuredOutputsParams | None) -> SamplingParams:
+def _logit_bias(state: ServerState, req: p.SamplingFields) -> dict[int, float] | None:
+    """OpenAI's logit_bias (JSON keys are strings) as token id -> bias, every key a token of the vocabulary."""
+    if not req.logit_bias:
+        return None
+    vocab = state.engine.engine.model.config.vocab_size
+    bias = {}
+    for key, value in req.logit_bias.items():
+        token = int(key) if key.strip().lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < vocab:
+            raise _bad(f"logit_bias key {key!r} is not a token id of this model: keys are integer token ids in "
+                       f"[0, {vocab}) (the vocabulary has {vocab} tokens)", "logit_bias")
+        bias[token] = value
+    return bias
+
+
+def sampling_params(state: ServerState, req: p.SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                    structured: StructuredOutputsParams | None, prompt_logprobs: int | None = None) -> SamplingParams:
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options can only be given when stream is true", "stream_options")
-    if req.logit_bias:
-        raise _bad("logit_bias is not supported", "logit_bias")
+    if req.prompt_logprobs is not None and req.stream:
+        raise _bad("prompt_logprobs is not available with stream: true", "prompt_logprobs")
     kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+    asked = [k for k in (prompt_logprobs, req.prompt_logprobs) if k is not None]
     try:
         return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                               ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
                               include_stop_str_in_output=req.include_stop_str_in_output, seed=req.seed,
-                              logprobs=logprobs, structured_outputs=structured, **kwargs)
+                              logprobs=logprobs, prompt_logprobs=max(asked) if asked else None,
+                              logit_bias=_logit_bias(state, req), structured_outputs=structured, **kwargs)
     except InvalidRequestError as e:
         raise _bad(str(e), e.param) from None
+
+
+def prompt_logprobs_field(state: ServerState, out: RequestOutput, k: int | None) -> p.PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` response field: per prompt position (None for the first), the prompt token's
+    entry and the top k, keyed by token id."""
+    if k is None:
+        return None
+    entries: p.PromptLogprobs = [None]
+    for pos in range(1, len(out.prompt_token_ids)):
+        tid = out.prompt_token_ids[pos]
+        entry = {str(tid): p.PromptLogprob(logprob=out.prompt_logprobs[pos], rank=out.prompt_ranks[pos],
+                                           decoded_token=state.token_text(tid))}
+        for rank, (t, lp) in enumerate(list(out.prompt_top_logprobs[pos].items())[:k] if k else (), 1):
+            entry.setdefault(str(t), p.PromptLogprob(logprob=lp, rank=rank, decoded_token=state.token_text(t)))
+        entries.append(entry)
+    return entries
 
 
 def admit(state: ServerState, sequences: int):
@@ -273,7 +306,7 @@ def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
         raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens or req.max_tokens
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, structured=structured)
+    params = sampling_params(state, req, max_tokens=max_tokens, logprobs=logprobs, structured=structured)
     try:
         all_tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -310,7 +343,8 @@ async def chat_full(state: ServerState, req: p.ChatCompletionRequest, plan: Chat
                                     logprobs=logprobs, finish_reason=seq.finish_reason(out)))
     completion = sum(len(o.token_ids) for o in final)
     return p.ChatCompletion(id=rid, model=state.model_name, choices=choices,
-                            usage=_usage(len(final[0].prompt_token_ids), completion))
+                            usage=_usage(len(final[0].prompt_token_ids), completion),
+                            prompt_logprobs=prompt_logprobs_field(state, final[0], req.prompt_logprobs))
 
 
 async def chat_stream(state: ServerState, req: p.ChatCompletionRequest, plan: ChatPlan) -> AsyncIterator[str]:
@@ -379,8 +413,8 @@ def plan_completion(state: ServerState, req: p.CompletionRequest) -> CompletionP
         raise _bad("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise _bad("best_of other than n is not supported", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise _bad("echo with logprobs (prompt logprobs) is not supported", "echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise _bad("max_tokens 0 generates nothing: it is only allowed with echo (the prompt scored)", "max_tokens")
     prompt = req.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompts = [prompt]
@@ -388,28 +422,46 @@ def plan_completion(state: ServerState, req: p.CompletionRequest) -> CompletionP
         prompts = list(prompt)
     if not prompts or any(len(x) == 0 for x in prompts):
         raise _bad("prompt must not be empty", "prompt")
-    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
-                             structured=requested_structure(state, req))
+    params = sampling_params(state, req, max_tokens=req.max_tokens, logprobs=req.logprobs,
+                             structured=requested_structure(state, req),
+                             prompt_logprobs=req.logprobs if req.echo else None)
     return CompletionPlan(prompts, params)
 
 
-def _completion_logprobs(state: ServerState, out: RequestOutput, start: int, stop: int, offset: int
-                         ) -> p.CompletionLogprobs:
-    tokens, offsets = [], []
-    for i in range(start, stop):
-        text = state.token_text(out.token_ids[i])
+def _legacy_logprobs(state: ServerState, ids, logprobs, tops, k: int, offset: int) -> p.CompletionLogprobs:
+    """OpenAI's legacy layout for `ids` (a None logprob: the prompt's first token): per token its text, log p,
+    text offset, and the top k with the token itself (vLLM's rule: k + 1 entries when it is not among them;
+    logprobs=0 gives it alone)."""
+    tokens, offsets, top = [], [], []
+    for tid, lp, entries in zip(ids, logprobs, tops):
+        text = state.token_text(tid)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-    # the top k and the sampled token (vLLM's rule: k + 1 entries when it is not among them; logprobs=0 gives it alone)
-    top = []
-    for i in range(start, stop):
-        entry = {state.token_text(t): _finite(lp) for t, lp in (out.top_logprobs[i] if out.top_logprobs else {}).items()}
-        entry.setdefault(state.token_text(out.token_ids[i]), _finite(out.logprobs[i]))
+        if lp is None:
+            top.append(None)
+            continue
+        entry = {state.token_text(t): _finite(v) for t, v in list((entries or {}).items())[:k]}
+        entry.setdefault(text, _finite(lp))
         top.append(entry)
-    return p.CompletionLogprobs(tokens=tokens, token_logprobs=[_finite(lp) for lp in out.logprobs[start:stop]],
-                                top_logprobs=top,
-                                text_offset=offsets)
+    return p.CompletionLogprobs(tokens=tokens, token_logprobs=[lp if lp is None else _finite(lp) for lp in logprobs],
+                                top_logprobs=top, text_offset=offsets)
+
+
+def _completion_logprobs(state: ServerState, out: RequestOutput, start: int, stop: int, offset: int, k: int
+                         ) -> p.CompletionLogprobs:
+    tops = out.top_logprobs[start:stop] if out.top_logprobs else [None] * (stop - start)
+    return _legacy_logprobs(state, out.token_ids[start:stop], out.logprobs[start:stop], tops, k, offset)
+
+
+def _echo_logprobs(state: ServerState, out: RequestOutput, k: int) -> p.CompletionLogprobs:
+    """The prompt's tokens in the legacy layout (echo with logprobs): the first one's log-prob is null."""
+    tops = out.prompt_top_logprobs or [None] * len(out.prompt_token_ids)
+    return _legacy_logprobs(state, out.prompt_token_ids, out.prompt_logprobs, tops, k, 0)
+
+
+def _joined(a: p.CompletionLogprobs, b: p.CompletionLogprobs) -> p.CompletionLogprobs:
+    return p.CompletionLogprobs(**{name: getattr(a, name) + getattr(b, name) for name in p.CompletionLogprobs.model_fields})
 
 
 def _echo(state: ServerState, prompt) -> str:
@@ -476,10 +528,14 @@ async def completion_full(state: ServerState, req: p.CompletionRequest, plan: Co
     choices = []
     for i, out in enumerate(final):
         prefix = _echo(state, plan.prompts[i // n]) if req.echo else ""
-        logprobs = (_completion_logprobs(state, out, 0, len(out.token_ids), len(prefix))
-                    if plan.params.logprobs is not None else None)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = _completion_logprobs(state, out, 0, len(out.token_ids), len(prefix), req.logprobs)
+            if req.echo:
+                logprobs = _joined(_echo_logprobs(state, out, req.logprobs), logprobs)
         choices.append(p.CompletionChoice(index=i, text=prefix + out.text, logprobs=logprobs,
-                                          finish_reason=out.finish_reason))
+                                          finish_reason=out.finish_reason,
+                                          prompt_logprobs=prompt_logprobs_field(state, out, req.prompt_logprobs)))
     prompt_tokens = sum(len(final[k * n].prompt_token_ids) for k in range(len(plan.prompts)))
     return p.Completion(id=rid, model=state.model_name, choices=choices,
                         usage=_usage(prompt_tokens, sum(len(o.token_ids) for o in final)))
@@ -510,7 +566,9 @@ async def _completion_events(state, req, plan, rid, arrival, opened) -> AsyncIte
         for i in range(len(seqs)):
             text = _echo(state, plan.prompts[i // n])
             offsets[i] = len(text)
-            yield chunk(i, text)
+            first = opened[i // n][1]  # the prompt is computed before a request's first output
+            logprobs = None if req.logprobs is None else _echo_logprobs(state, first, req.logprobs).model_dump()
+            yield chunk(i, text, logprobs=logprobs)
     async with contextlib.aclosing(_merged(opened)) as merged:
         try:
             async for k, out in merged:
@@ -518,8 +576,9 @@ async def _completion_events(state, req, plan, rid, arrival, opened) -> AsyncIte
                 start = seqs[i].tokens_seen
                 new_ids, parsed = seqs[i].advance(out)
                 logprobs = None
-                if plan.params.logprobs is not None and new_ids:
-                    logprobs = _completion_logprobs(state, out, start, seqs[i].tokens_seen, offsets[i]).model_dump()
+                if req.logprobs is not None and new_ids:
+                    logprobs = _completion_logprobs(state, out, start, seqs[i].tokens_seen, offsets[i],
+                                                    req.logprobs).model_dump()
                 offsets[i] += len(parsed.content)
                 if parsed.content or logprobs or out.finished:
                     yield chunk(i, parsed.content, out.finish_reason, logprobs)

@@ -61,7 +61,8 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias in [-100, 100]
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM: the prompt tokens' log-probs, top k
     structured_outputs: StructuredOutputsRequest | None = None
     user: str | None = None
 
@@ -137,7 +138,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt scored, nothing generated
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -201,6 +202,17 @@ class ResponseMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None  # None when the reply calls no tool
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, as its `prompt_logprobs` response field holds them (keyed by token id)."""
+
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ResponseMessage
@@ -215,6 +227,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with the request's prompt_logprobs
 
 
 class CompletionLogprobs(BaseModel):
@@ -229,6 +242,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with the request's prompt_logprobs
 
 
 class Completion(BaseModel):

@@ -380,8 +380,10 @@ def test_prompt_errors(llama):
 @pytest.mark.parametrize("field,value", [
     ("n", 0), ("n", 1.5), ("temperature", -0.1), ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.01),
     ("top_k", -2), ("min_p", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
-    ("repetition_penalty", 0.0), ("seed", 1.5), ("max_tokens", 0), ("stop", [""]), ("stop", [3]),
-    ("stop_token_ids", [-1]), ("logprobs", 21), ("logprobs", -1),
+    ("repetition_penalty", 0.0), ("seed", 1.5), ("max_tokens", -1), ("stop", [""]), ("stop", [3]),
+    ("stop_token_ids", [-1]), ("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", -1), ("prompt_logprobs", 21),
+    ("prompt_logprobs", True), ("logit_bias", [1, 2]), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}),
+    ("logit_bias", {5: 101}), ("logit_bias", {5: math.inf}),
 ])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(InvalidSamplingParamError, match=rf"SamplingParams\.{field}\b") as e:
@@ -500,7 +502,7 @@ def test_no_recompiles_after_warm_up(llama):
         engine.reset_prefix_cache()  # so every prompt token is computed
         engine.generate(_prompts(100 + i, lengths), SamplingParams(max_tokens=1, **GREEDY))
     expected = ({("forward", t) for t in runner.token_buckets} | {("rows", t, b) for t, b in shapes}
-                | {("sample", b, 1, 0, False) for _, b in shapes})
+                | {("sample", b, 1, 0, False, 0) for _, b in shapes})
     assert expected <= runner.compiled
     compiled, num_compiles = set(runner.compiled), engine.stats().num_compiles
     # samplers per row bucket x {no penalties, penalties} x {no logprobs, logprobs} x {no grammar, grammar}
@@ -716,6 +718,89 @@ def test_processed_logprobs_are_of_the_tempered_distribution(llama):
             assert {k: pytest.approx(v, abs=1e-4) for k, v in top.items()} == {k: tempered[k] for k in top}
     with pytest.raises(ValueError, match="logprobs_mode must be one of raw_logprobs, processed_logprobs"):
         EngineConfig(logprobs_mode="raw_logits")
+    assert_idle(engine)
+
+
+def test_prompt_logprobs_match_the_model_through_chunks_and_n(llama):
+    """prompt_logprobs: log p of every prompt token given those before it (None first), and the top k, computed in
+    the prefill chunks (a 25-token prompt takes two steps of 16); n > 1 and max_tokens=0 (score only) alike."""
+    model, engine = llama
+    prompts = _prompts(61, [25, 6, 1])
+    params = [SamplingParams(prompt_logprobs=3, max_tokens=2, n=2, temperature=1.0, seed=3),
+              SamplingParams(prompt_logprobs=0, max_tokens=0), SamplingParams(prompt_logprobs=2, max_tokens=0)]
+    with _scheduled(engine) as schedule:
+        outs = engine.generate(prompts, params)
+    assert any(completes is False for step in schedule for *_, completes in step)  # a prefill chunk ran
+    for prompt, out, p in zip(prompts, outs, params):
+        for o in out if isinstance(out, list) else [out]:
+            lsm = _log_softmax_teacher_forced(model, prompt)
+            assert len(o.prompt_logprobs) == len(prompt) and o.prompt_logprobs[0] is None
+            np.testing.assert_allclose(o.prompt_logprobs[1:], [lsm[i - 1, prompt[i]] for i in range(1, len(prompt))],
+                                       atol=1e-4)
+            assert o.prompt_ranks[0] is None
+            assert o.prompt_ranks[1:] == [1 + int(np.sum(lsm[i - 1] > lsm[i - 1, prompt[i]]))
+                                          for i in range(1, len(prompt))]
+            if p.prompt_logprobs:
+                assert o.prompt_top_logprobs[0] is None
+                for i, top in enumerate(o.prompt_top_logprobs[1:], 1):
+                    assert list(top) == np.argsort(-lsm[i - 1], kind="stable")[:p.prompt_logprobs].tolist()
+                    np.testing.assert_allclose(list(top.values()), lsm[i - 1, list(top)], atol=1e-4)
+            else:
+                assert o.prompt_top_logprobs is None
+            if p.max_tokens == 0:
+                assert o.token_ids == [] and o.finish_reason == "length" and o.text == ""
+    assert engine.generate(prompts[1], SamplingParams(max_tokens=1)).pop().prompt_logprobs is None
+    assert_idle(engine)
+
+
+def test_prompt_logprobs_equal_the_sampled_logprobs_and_skip_the_prefix_cache(llama):
+    """Scoring a prompt + its greedy continuation gives the continuation's sampled logprobs bit for bit (the same
+    head, the same kernels, whatever the chunking); a prompt whose blocks are cached is computed again."""
+    _, engine = llama
+    [prompt] = _prompts(62, [21])
+    [greedy] = engine.generate(prompt, SamplingParams(max_tokens=9, logprobs=0, **GREEDY))
+    full = prompt + greedy.token_ids
+    engine.generate(full, SamplingParams(max_tokens=1))  # full's blocks are now in the prefix cache
+    [scored] = engine.generate(full, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert scored.num_cached_tokens == 0
+    assert scored.prompt_logprobs[len(prompt):] == greedy.logprobs
+    assert_idle(engine)
+
+
+def test_prompt_logprobs_under_preemption_and_abort(gemma):
+    """Preempted requests recompute their prompts (the same values land again); an abort leaves nothing held."""
+    model, engine = gemma
+    prompts = _prompts(63, [30, 29, 28, 27])
+    before = engine.stats().num_preemptions
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, prompt_logprobs=1, **GREEDY))
+    assert engine.stats().num_preemptions > before
+    for prompt, out in zip(prompts, outs):
+        lsm = _log_softmax_teacher_forced(model, prompt)
+        np.testing.assert_allclose(out.prompt_logprobs[1:], [lsm[i - 1, prompt[i]] for i in range(1, len(prompt))],
+                                   atol=1e-4)
+    rid = engine.add_request(prompts[0], SamplingParams(max_tokens=4, prompt_logprobs=2))
+    engine.step()
+    engine.abort(rid)
+    assert_idle(engine)
+
+
+def test_logit_bias(llama):
+    """OpenAI's logit_bias: -100 bans a token, +100 forces one; the raw logprobs stay the model's; biased requests
+    decode one step at a time; a token id past the vocabulary is refused, naming logit_bias and the vocabulary."""
+    model, engine = llama
+    [prompt] = _prompts(64, [7])
+    [plain] = engine.generate(prompt, SamplingParams(max_tokens=6, **GREEDY))
+    banned = plain.token_ids[0]
+    with _limits(engine) as limits:
+        [out] = engine.generate(prompt, SamplingParams(max_tokens=6, logit_bias={banned: -100.0}, **GREEDY))
+    assert banned not in out.token_ids and all(max(step) == 1 for step in limits)
+    [forced] = engine.generate(prompt, SamplingParams(max_tokens=4, logprobs=0, logit_bias={42: 100}, **GREEDY))
+    assert forced.token_ids == [42] * 4
+    lsm = _log_softmax_teacher_forced(model, prompt + forced.token_ids)
+    np.testing.assert_allclose(forced.logprobs, [lsm[len(prompt) - 1 + i, 42] for i in range(4)], atol=1e-4)
+    with pytest.raises(InvalidRequestError, match=r"logit_bias holds token id 97, outside .*\[0, 97\)") as e:
+        engine.add_request(prompt, SamplingParams(logit_bias={97: 1.0}))
+    assert e.value.param == "logit_bias"
     assert_idle(engine)
 
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from tunix_rt.engine.sampler import (
     SamplerOutput,
     SamplingTensors,
+    add_logit_bias,
     apply_penalties,
     categorical,
     filter_logits,
@@ -286,6 +287,31 @@ def test_processed_logprobs_are_of_the_distribution_drawn_from(seed):
         assert float(out.logprobs[b]) == pytest.approx(want[tokens[b]], abs=2e-5)
         top_ids = np.asarray(out.top_ids[b])
         np.testing.assert_allclose(np.asarray(out.top_logprobs[b]), want[top_ids], rtol=1e-5, atol=2e-5)
+
+
+@settings(max_examples=15)
+@given(seed=st.integers(0, 2**32 - 1), width=st.sampled_from([1, 4, 9]))
+def test_logit_bias_is_added_before_penalties_and_leaves_raw_logprobs(seed, width):
+    """OpenAI's logit_bias, sparse: ids padded with -1 (and ids past the vocabulary) add nothing; repeated ids add
+    up. The draw is the unbiased one's on the biased logits; the raw logprobs stay the model's."""
+    rng = np.random.default_rng(seed)
+    logits, params, prompt, output = _random_case(rng, greedy_frac=0.5)
+    ids = rng.integers(-1, V + 2, size=(B, width)).astype(np.int32)
+    values = rng.uniform(-100, 100, size=(B, width)).astype(np.float32)
+    dense = logits.astype(np.float32).copy()
+    for b in range(B):
+        for t, v in zip(ids[b], values[b]):
+            if 0 <= t < V:
+                dense[b, t] += v
+    np.testing.assert_allclose(np.asarray(jax.jit(add_logit_bias)(logits, ids, values)), dense, rtol=1e-6, atol=1e-4)
+    biased = _sample(logits, params, prompt, output, logit_bias=(ids, values))
+    plain_on_dense = _sample(np.asarray(jax.jit(add_logit_bias)(logits, ids, values)), params, prompt, output)
+    np.testing.assert_array_equal(np.asarray(biased.tokens), np.asarray(plain_on_dense.tokens))
+    raw = _np_log_softmax(logits)
+    np.testing.assert_allclose(np.asarray(biased.logprobs), raw[np.arange(B), np.asarray(biased.tokens)],
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="logit_bias must be two"):
+        sample_tokens(logits, params, prompt, output, logit_bias=(ids, values[:, :0]))
 
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (2.0, 3)])

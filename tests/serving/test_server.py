@@ -670,7 +670,10 @@ def test_malformed_json_is_400(server):
     (dict(temperature=5), "temperature"),
     (dict(top_logprobs=2), "top_logprobs"),  # without logprobs
     (dict(n=0), "n"),
-    (dict(logit_bias={"50": 5}), "logit_bias"),
+    (dict(logit_bias={"fifty": 5}), "logit_bias"),
+    (dict(logit_bias={"50": 101}), "logit_bias"),
+    (dict(extra_body={"prompt_logprobs": -1}), "prompt_logprobs"),
+    (dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
 ])
 def test_invalid_parameter_is_400(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -679,10 +682,100 @@ def test_invalid_parameter_is_400(client, kwargs, param):
     assert err["type"] == "invalid_request_error"
 
 
-def test_completions_logit_bias_is_400(client):
+@pytest.mark.parametrize("key", ["-1", "49152", "1e3", "abc"])
+def test_logit_bias_key_outside_the_vocabulary_is_400(client, key):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt=FOX, max_tokens=4, logit_bias={"50": 5})
-    api_error(e, 400, param="logit_bias")
+        client.completions.create(model=MODEL, prompt=FOX, max_tokens=4, logit_bias={key: 5})
+    err = api_error(e, 400, param="logit_bias")
+    assert repr(key) in err["message"] and "49152" in err["message"], err
+
+
+def test_logit_bias_bans_and_forces_tokens(server, client):
+    """-100 bans a token, +100 forces one (OpenAI's semantics), applied in the sampler on both endpoints; the
+    logprobs reported stay the model's own (vLLM's raw logprobs)."""
+    plain = client.completions.create(model=MODEL, prompt=FOX_IDS, max_tokens=4, temperature=0, logprobs=0)
+    first = plain.choices[0].logprobs.tokens[0]
+    ids = raw_post(server, "/tokenize", json={"prompt": first, "add_special_tokens": False}).json()["tokens"]
+    assert len(ids) == 1, ids
+    banned = client.completions.create(model=MODEL, prompt=FOX_IDS, max_tokens=4, temperature=0, logprobs=0,
+                                       logit_bias={str(ids[0]): -100})
+    assert banned.choices[0].logprobs.tokens[0] != first
+    forced = client.completions.create(model=MODEL, prompt=FOX_IDS, max_tokens=3, temperature=0.8, seed=1,
+                                       logprobs=0, logit_bias={"42": 100})
+    text42 = raw_post(server, "/detokenize", json={"tokens": [42]}).json()["prompt"]
+    assert forced.choices[0].text == text42 * 3
+    assert all(lp < 0 for lp in forced.choices[0].logprobs.token_logprobs)  # not the biased distribution's ~0
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0,
+                                          logit_bias={"42": 100})
+    assert chat.choices[0].message.content == text42 * 2
+
+
+def test_echo_with_logprobs_scores_the_prompt(client):
+    """echo + logprobs (lm-evaluation-harness's log-likelihood requests): the prompt tokens' log-probs (the first
+    null) then the completion's, in the legacy layout; they equal the log-probs the tokens get when sampled."""
+    gen = client.completions.create(model=MODEL, prompt=FOX_IDS, max_tokens=5, temperature=0, logprobs=2)
+    sampled = gen.choices[0].logprobs
+    full_text = FOX + gen.choices[0].text
+    prompt = client.completions.create(model=MODEL, prompt=FOX, max_tokens=0, echo=True).usage.prompt_tokens
+    r = client.completions.create(model=MODEL, prompt=full_text, max_tokens=1, temperature=0, logprobs=2, echo=True)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n_prompt + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens[:n_prompt]) == full_text and choice.text.startswith(full_text)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    if n_prompt == prompt + len(sampled.tokens):  # the text re-tokenised to the same ids
+        assert lp.token_logprobs[prompt:n_prompt] == sampled.token_logprobs
+        assert lp.top_logprobs[prompt:n_prompt] == sampled.top_logprobs
+    for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert value < 0 and token in top and top[token] == value and len(top) <= 3
+        assert max(top.values()) >= value
+    # max_tokens 0 scores only; streamed, the echo chunk carries the prompt's log-probs
+    only = client.completions.create(model=MODEL, prompt=full_text, max_tokens=0, logprobs=2, echo=True)
+    assert only.choices[0].text == full_text and only.usage.completion_tokens == 0
+    assert only.choices[0].finish_reason == "length"
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n_prompt]
+    chunks = list(client.completions.create(model=MODEL, prompt=full_text, max_tokens=1, temperature=0, logprobs=2,
+                                            echo=True, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert streamed[0].token_logprobs == lp.token_logprobs[:n_prompt]
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=FOX, max_tokens=0)
+    api_error(e, 400, param="max_tokens")
+
+
+def test_prompt_logprobs_field(server, client):
+    """vLLM's prompt_logprobs: per prompt position the prompt token's entry (logprob, rank, decoded_token) and the
+    top k, keyed by token id; per choice on /v1/completions, top level on chat; not with stream."""
+    r = raw_post(server, "/v1/completions", json={"model": MODEL, "prompt": FOX_IDS, "max_tokens": 1,
+                                                  "prompt_logprobs": 2, "logprobs": 1, "echo": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(FOX_IDS) and entries[0] is None
+    for pos, entry in enumerate(entries[1:], 1):
+        mine = entry[str(FOX_IDS[pos])]
+        assert mine["logprob"] == choice["logprobs"]["token_logprobs"][pos]
+        assert isinstance(mine["rank"], int) and mine["rank"] >= 1
+        assert 2 <= len(entry) <= 3  # the top 2, and the prompt token when it is not among them
+        by_rank = sorted(entry.values(), key=lambda e: e["rank"])
+        assert [e["rank"] for e in by_rank][:2] == [1, 2]
+        assert [e["logprob"] for e in by_rank] == sorted((e["logprob"] for e in by_rank), reverse=True)
+    chat = raw_post(server, "/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, "max_tokens": 1,
+                                                          "prompt_logprobs": 0})
+    assert chat.status_code == 200, chat.text
+    body = chat.json()
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in body["prompt_logprobs"][1:])
+    plain = raw_post(server, "/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, "max_tokens": 1})
+    assert plain.json()["prompt_logprobs"] is None
+    for path, extra in (("/v1/completions", {"prompt": FOX}), ("/v1/chat/completions", {"messages": QUESTION})):
+        r = raw_post(server, path, json={"model": MODEL, "max_tokens": 1, "stream": True, "prompt_logprobs": 1,
+                                         **extra})
+        assert r.status_code == 400, r.text
+        assert_envelope(r.json(), param="prompt_logprobs")
 
 
 def test_messages_missing_is_400(server):

@@ -148,6 +148,11 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer to detokenize with", param="stop")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"logit_bias holds token id {bad}, outside the model's vocabulary "
+                                      f"[0, {vocab})", param="logit_bias")
         matcher = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         base_seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         seqs = []
@@ -206,10 +211,18 @@ class Engine:
             self.scheduler.preempt_all([s.request for s in scheduled])
             raise
         outputs = []
+        for i, prompt in result.prompt_logprobs.items():
+            scheduled[i].request.record_prompt_logprobs(prompt.positions, prompt.logprobs, prompt.ranks,
+                                                        prompt.top_ids, prompt.top_logprobs)
         for i, s in enumerate(scheduled):
             if not s.completes:
                 continue  # a prefill chunk: its logits are not a next token yet
             req = s.request
+            if req.max_tokens == 0:  # the prompt is scored: nothing is sampled
+                req.finish("length")
+                self.scheduler.finish(req)
+                outputs.append(req.output())
+                continue
             k = req.params.logprobs
             for step in range(s.limit):  # a multi-step decode's tokens after a stop are dropped
                 top = None

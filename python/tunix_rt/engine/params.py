@@ -26,12 +26,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None = up to the context window
+    max_tokens: int | None = 16  # None = up to the context window; 0 = score the prompt only (no token sampled)
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None = off; k >= 0 = the sampled token's logprob plus the top k
+    prompt_logprobs: int | None = None  # None = off; k >= 0 = each prompt token's logprob plus the top k
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's range)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
@@ -64,8 +66,8 @@ class SamplingParams:
             fail("repetition_penalty", "must be > 0 (1 = off)")
         if self.seed is not None and not is_int(self.seed):
             fail("seed", "must be an integer or None")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            fail("max_tokens", "must be a positive integer or None")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
+            fail("max_tokens", "must be a non-negative integer (0 = score the prompt only) or None")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -76,6 +78,18 @@ class SamplingParams:
             fail("stop_token_ids", "must be a list of non-negative integers")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            fail("prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", "must be a dict of token id -> bias")
+            for token, bias in self.logit_bias.items():
+                if not is_int(token) or token < 0:
+                    fail("logit_bias", f"keys must be token ids (non-negative integers), {token!r} is not")
+                if not is_num(bias) or not -100 <= bias <= 100:
+                    fail("logit_bias", f"values must be numbers in [-100, 100], token {token}'s is {bias!r}")
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             fail("structured_outputs", "must be a StructuredOutputsParams or None")
 
@@ -101,6 +115,11 @@ class RequestOutput:
     logprobs: list[float] | None = None  # log p of each generated token (raw model distribution; masked by a grammar)
     top_logprobs: list[dict[int, float]] | None = None  # per token, the top-k ids -> log p
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # with SamplingParams.prompt_logprobs: log p of each prompt token given those before it (None for the first),
+    # and with k > 0 the top k ids -> log p at each position (None for the first); raw model distribution
+    prompt_logprobs: list[float | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank in its distribution (1 = the most likely)
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     delta_text: str = ""  # streaming: text added since the previous output of this request
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
 

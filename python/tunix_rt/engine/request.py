@@ -38,6 +38,12 @@ class Request:
         self.stop_reason: str | int | None = None
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None
         self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs else None
+        # filled chunk by chunk as the prompt is computed (by position: a recomputed chunk writes the same values)
+        wants_prompt = params.prompt_logprobs is not None
+        self.prompt_logprobs: list[float | None] | None = [None] * len(prompt_token_ids) if wants_prompt else None
+        self.prompt_ranks: list[int | None] | None = [None] * len(prompt_token_ids) if wants_prompt else None
+        self.prompt_top_logprobs: list[dict[int, float] | None] | None = (
+            [None] * len(prompt_token_ids) if params.prompt_logprobs else None)
         self.text = ""
         self._sent_tokens = 0
         self._sent_text = 0
@@ -70,6 +76,15 @@ class Request:
         elif n >= self.max_tokens:
             self.finish("length")
 
+    def record_prompt_logprobs(self, positions, logprobs, ranks, top_ids, top_logprobs) -> None:
+        """Log-probs of prompt tokens at `positions` (each given the tokens before it), from a prefill chunk."""
+        k = self.params.prompt_logprobs
+        for i, pos in enumerate(positions):
+            self.prompt_logprobs[pos] = float(logprobs[i])
+            self.prompt_ranks[pos] = int(ranks[i])
+            if k:
+                self.prompt_top_logprobs[pos] = dict(zip(top_ids[i, :k].tolist(), top_logprobs[i, :k].tolist()))
+
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
         if self.detokenizer is not None and self.detokenizer.stop_reason is None:
             self.text += self.detokenizer.flush()
@@ -89,4 +104,8 @@ class Request:
             token_ids=list(self.output_token_ids), text=self.text, finish_reason=self.finish_reason,
             stop_reason=self.stop_reason, logprobs=None if self.logprobs is None else list(self.logprobs),
             top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
-            num_cached_tokens=self.num_cached_tokens or 0, delta_text=delta_text, delta_token_ids=delta_ids)
+            num_cached_tokens=self.num_cached_tokens or 0,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            prompt_ranks=None if self.prompt_ranks is None else list(self.prompt_ranks),
+            prompt_top_logprobs=None if self.prompt_top_logprobs is None else list(self.prompt_top_logprobs),
+            delta_text=delta_text, delta_token_ids=delta_ids)

@@ -4,7 +4,9 @@
    through the decoder over the paged KV pools, which the program takes donated and gives back.
    Block tables have min(T_b, max_num_seqs) rows and a fixed width (max_model_len / block_size).
 2. sample: the rows' last hidden states -> logits -> SamplerOutput, for B_b rows (sequence buckets).
-3. decode_loop: up to `decode_steps` decode steps of one token per row (T_b rows) in one program,
+3. score_prompt: log-probs of prompt tokens at the forward's rows (a request's `prompt_logprobs`), from
+   the same hidden states the step computes anyway: no second pass over the prompt.
+4. decode_loop: up to `decode_steps` decode steps of one token per row (T_b rows) in one program,
    each feeding the tokens it samples to the next, for multi-step scheduling: one dispatch and one
    host round trip for several tokens. It turns as often as the longest row's limit asks (a
    dynamic trip count, so one program serves every limit); a row past its limit writes nothing.
@@ -28,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from tunix_rt.engine.params import MAX_LOGPROBS
-from tunix_rt.engine.sampler import SamplerOutput, SamplingTensors, sample_tokens
+from tunix_rt.engine.sampler import SamplerOutput, SamplingTensors, log_softmax, sample_tokens
 from tunix_rt.engine.scheduler import ScheduledRequest
 from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.batch_invariant import use_batch_invariant_kernels
@@ -52,6 +54,9 @@ def _fit(n: int, sizes: tuple[int, ...]) -> int:
     return next(s for s in sizes if s >= n)
 
 
+_SCORE_CHUNK = 64  # prompt rows scored per pass of score_prompt's loop
+
+
 def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size, processed_logprobs):
     """The jitted programs with the model's structure closed over: a static graphdef argument would be
     hashed on every call, and flat weight leaves skip pytree flattening. The sampler takes only the
@@ -70,12 +75,35 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
     def take_rows(hidden, rows):
         return hidden[rows]
 
+    def output_head(head_leaves):
+        return use_batch_invariant_kernels(nnx.merge(head_def, jax.tree.unflatten(head_treedef, head_leaves)))
+
     @functools.partial(jax.jit, static_argnums=5)
-    def sample(head_leaves, hidden_rows, params, prompt_tokens, output_tokens, num_top_logprobs, bitmask):
-        head = use_batch_invariant_kernels(nnx.merge(head_def, jax.tree.unflatten(head_treedef, head_leaves)))
-        logits = head_logits(config, head, hidden_rows)
+    def sample(head_leaves, hidden_rows, params, prompt_tokens, output_tokens, num_top_logprobs, bitmask,
+               logit_bias):
+        logits = head_logits(config, output_head(head_leaves), hidden_rows)
         return sample_tokens(logits, params, prompt_tokens, output_tokens, num_top_logprobs=num_top_logprobs,
-                             bitmask=bitmask, processed_logprobs=processed_logprobs)
+                             bitmask=bitmask, logit_bias=logit_bias, processed_logprobs=processed_logprobs)
+
+    @functools.partial(jax.jit, static_argnums=4)
+    def score_prompt(head_leaves, hidden, rows, targets, num_top_logprobs):
+        """log p(targets[i] | the tokens up to hidden row rows[i]) and the top k, in chunks of at most
+        _SCORE_CHUNK rows (a whole step's logits would be max_num_batched_tokens x vocab floats at once)."""
+        head = output_head(head_leaves)
+        chunk = min(len(rows), _SCORE_CHUNK)
+
+        def score(args):
+            rows, targets = args
+            logprobs = log_softmax(head_logits(config, head, hidden[rows]))
+            token = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+            rank = 1 + jnp.sum(logprobs > token[:, None], axis=-1, dtype=jnp.int32)
+            if not num_top_logprobs:
+                return token, rank, jnp.zeros((chunk, 0), jnp.int32), jnp.zeros((chunk, 0), jnp.float32)
+            top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)
+            return token, rank, top_ids.astype(jnp.int32), top_logprobs
+
+        out = jax.lax.map(score, (rows.reshape(-1, chunk), targets.reshape(-1, chunk)))
+        return tuple(a.reshape(len(rows), *a.shape[2:]) for a in out)
 
     @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnums=(9, 10))
     def decode_loop(leaves, k, v, tokens, positions, token_seq, block_tables, limits, params, max_steps,
@@ -107,7 +135,18 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
         k, v, _, _, outs = jax.lax.fori_loop(0, jnp.max(limits), one_step, (k, v, tokens, positions, outs))
         return outs, k, v
 
-    return forward, take_rows, sample, decode_loop
+    return forward, take_rows, sample, score_prompt, decode_loop
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """One scheduled request's prompt log-probs from a step: positions[i]'s token given those before it."""
+
+    positions: np.ndarray  # (R,) prompt positions, each >= 1
+    logprobs: np.ndarray  # (R,)
+    ranks: np.ndarray  # (R,) the token's rank in its distribution, 1 = the most likely
+    top_ids: np.ndarray  # (R, K)
+    top_logprobs: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +155,7 @@ class StepResult:
     logprobs: np.ndarray  # (steps, B)
     top_ids: np.ndarray  # (steps, B, K)
     top_logprobs: np.ndarray
+    prompt_logprobs: dict[int, PromptLogprobs] = dataclasses.field(default_factory=dict)  # by scheduled index
 
 
 class _LaneScales:
@@ -155,7 +195,7 @@ class ModelRunner:
         self.leaves, self.treedef = jax.tree.flatten(self._lane_scales.apply(state))
         head_def, head_state = nnx.split(model.output_head())
         self.head_leaves, head_treedef = jax.tree.flatten(head_state)
-        self._forward, self._take_rows, self._sample, self._decode_loop = _compile_step(
+        self._forward, self._take_rows, self._sample, self._score_prompt, self._decode_loop = _compile_step(
             self.graphdef, self.treedef, head_def, head_treedef, model.config, block_size, processed_logprobs)
         self.decode_steps = decode_steps
         cfg = model.config
@@ -169,6 +209,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.token_buckets = buckets(1, max_num_batched_tokens) if token_buckets is None else tuple(token_buckets)
         self.seq_buckets = buckets(1, max_num_seqs)
+        # prompt rows scored in a step: powers of two, then multiples of _SCORE_CHUNK (score_prompt's chunks)
+        self.score_buckets = buckets(1, -(-max_num_batched_tokens // _SCORE_CHUNK) * _SCORE_CHUNK)
         self.k: tuple[jax.Array, ...] | None = None
         self.v: tuple[jax.Array, ...] | None = None
         self.compiled: set[tuple] = set()
@@ -231,11 +273,11 @@ class ModelRunner:
                     return len(self.compiled) - before
                 self._note_compile(("rows", t_b, b_b))
                 hidden_rows = self._take_rows(hidden, np.zeros(b_b, np.int32))
-                if ("sample", b_b, 1, 0, False) not in self.compiled:
+                if ("sample", b_b, 1, 0, False, 0) not in self.compiled:
                     hist = np.full((b_b, 1), -1, np.int32)
-                    self._note_compile(("sample", b_b, 1, 0, False))
+                    self._note_compile(("sample", b_b, 1, 0, False, 0))
                     jax.block_until_ready(self._sample(self.head_leaves, hidden_rows, SamplingTensors.from_rows([], b_b),
-                                                       hist, hist, 0, None))
+                                                       hist, hist, 0, None, None))
             if self.decode_steps > 1 and t_b in decode_buckets and not stop():
                 self._note_compile(("decode_loop", t_b, self.decode_steps, 0))
                 _, self.k, self.v = self._decode_loop(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
@@ -279,11 +321,53 @@ class ModelRunner:
         self._note_compile(("forward", t_b))
         hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, tokens, positions, slots, token_seq, tables)
         bitmask = self._grammar_masks(scheduled, b_b)
+        bias = self._logit_biases(scheduled, b_b)
         self._note_compile(("rows", t_b, b_b))
-        self._note_compile(("sample", b_b, prompt_hist.shape[1], num_top, bitmask is not None))
+        self._note_compile(("sample", b_b, prompt_hist.shape[1], num_top, bitmask is not None,
+                            0 if bias is None else bias[0].shape[1]))
         out: SamplerOutput = self._sample(self.head_leaves, self._take_rows(hidden, rows), params, prompt_hist,
-                                          output_hist, num_top, bitmask)
-        return self._result(out, len(scheduled), steps_axis=False)
+                                          output_hist, num_top, bitmask, bias)
+        prompt_logprobs = self._prompt_logprobs(scheduled, hidden, t_b)
+        return dataclasses.replace(self._result(out, len(scheduled), steps_axis=False), prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: jax.Array, t_b: int
+                         ) -> dict[int, PromptLogprobs]:
+        """Score the prompt tokens this step's rows predict, for the requests that ask (prompt_logprobs):
+        the row at prompt position p predicts token p + 1."""
+        wanted, rows, targets, offset = [], [], [], 0
+        for i, s in enumerate(scheduled):
+            req = s.request
+            prompt_len = len(req.prompt_token_ids)
+            if req.params.prompt_logprobs is not None and s.start + 1 < prompt_len:
+                positions = np.arange(s.start + 1, min(s.start + s.num_new, prompt_len - 1) + 1)
+                wanted.append((i, positions, len(rows)))
+                rows.extend(offset + positions - 1 - s.start)
+                targets.extend(req.prompt_token_ids[p] for p in positions)
+            offset += s.num_new
+        if not wanted:
+            return {}
+        r_b = _fit(len(rows), self.score_buckets)
+        num_top = min(MAX_LOGPROBS, self.vocab_size) if any(
+            scheduled[i].request.params.prompt_logprobs for i, _, _ in wanted) else 0
+        padded = lambda values: np.pad(np.asarray(values, np.int32), (0, r_b - len(values)))
+        self._note_compile(("score_prompt", t_b, r_b, num_top))
+        out = [np.asarray(a) for a in self._score_prompt(self.head_leaves, hidden, padded(rows), padded(targets),
+                                                          num_top)]
+        return {i: PromptLogprobs(positions, *(a[at:at + len(positions)] for a in out))
+                for i, positions, at in wanted}
+
+    def _logit_biases(self, scheduled: list[ScheduledRequest], b_b: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The rows' logit_bias as (ids, values) padded to (b_b, M) with M a power of two (at least 8), or None."""
+        biases = [s.request.params.logit_bias or {} for s in scheduled]
+        most = max(map(len, biases))
+        if not most:
+            return None
+        width = max(8, 1 << (most - 1).bit_length())
+        ids, values = np.full((b_b, width), -1, np.int32), np.zeros((b_b, width), np.float32)
+        for i, bias in enumerate(biases):
+            ids[i, :len(bias)] = list(bias)
+            values[i, :len(bias)] = list(bias.values())
+        return ids, values
 
     def _run_decode_loop(self, scheduled, t_b, tokens, positions, token_seq, tables) -> StepResult:
         """Each request's `limit` decodes of one token per row in one program (rows are the step's tokens)."""

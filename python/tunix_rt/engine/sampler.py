@@ -5,8 +5,8 @@ with vLLM (v1) semantics.
 Every per-request option is a (B,) array (`SamplingTensors`), so one compiled step serves any mix of
 requests and changing a value never recompiles. The order follows vLLM v1:
 
-1. penalties on the logits: repetition (prompt and output tokens), then frequency and presence
-   (output tokens only);
+1. logit biases (OpenAI's logit_bias), then penalties on the logits: repetition (prompt and output
+   tokens), then frequency and presence (output tokens only);
 2. greedy rows (temperature < SAMPLING_EPS) take the argmax of the penalised logits;
 3. the other rows: temperature, then min_p, top_k, top_p (`filter_logits`), then a draw
    with the row's own key `fold_in(key(seed), step)`, so a request's tokens depend only on its
@@ -234,6 +234,15 @@ def apply_penalties(logits: jax.Array, params: SamplingTensors, prompt_tokens: j
     return jax.lax.cond(needed, penalise, lambda x: x, logits)
 
 
+def add_logit_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array) -> jax.Array:
+    """Add each row's biases: bias_ids (B, M) int32 token ids padded with -1, bias_values (B, M) f32.
+    A sparse form, as a request biases a few tokens: M is the most any row has (bucketed), not V."""
+    vocab = logits.shape[-1]
+    ids = jnp.where((bias_ids >= 0) & (bias_ids < vocab), bias_ids, vocab)  # padding goes out of range: dropped
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, ids].add(bias_values, mode="drop")
+
+
 def _row_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
     # threefry pinned: the draws must not change with the process-wide default PRNG implementation.
     return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s, impl="threefry2x32"), n))(
@@ -248,6 +257,7 @@ def allowed_tokens(bitmask: jax.Array, vocab: int) -> jax.Array:
 
 def sample_tokens(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax.Array, output_tokens: jax.Array,
                   *, num_top_logprobs: int = 0, bitmask: jax.Array | None = None,
+                  logit_bias: tuple[jax.Array, jax.Array] | None = None,
                   processed_logprobs: bool = False) -> SamplerOutput:
     """One token per row, vLLM v1 semantics (see the module docstring). Trace it inside a jitted step.
 
@@ -255,7 +265,9 @@ def sample_tokens(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax
     with -1 (any Lp, Lo >= 1; a width-1 all -1 array when no row has penalties). num_top_logprobs
     (static) K: SamplerOutput.top_ids / top_logprobs are (B, K), (B, 0) when K == 0. bitmask:
     structured outputs' (B, ceil(V / 32)) int32 allowed-token masks (all ones = unconstrained), applied
-    first, so logprobs are those of the constrained distribution (as in vLLM). processed_logprobs (static):
+    first, so logprobs are those of the constrained distribution (as in vLLM). logit_bias: (bias_ids,
+    bias_values) of `add_logit_bias`, applied after the raw logprobs are taken (as in vLLM: the biases change
+    what is drawn, and the processed logprobs, not the raw ones). processed_logprobs (static):
     logprobs and top logprobs of the distribution drawn from instead of the raw one.
     """
     if logits.ndim != 2:
@@ -271,12 +283,19 @@ def sample_tokens(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax
     if not 0 <= num_top_logprobs <= vocab:
         raise ValueError(f"num_top_logprobs must be in [0, {vocab}], got {num_top_logprobs}")
 
+    if logit_bias is not None:
+        bias_ids, bias_values = logit_bias
+        if bias_ids.ndim != 2 or bias_ids.shape[0] != batch or bias_values.shape != bias_ids.shape:
+            raise ValueError(f"logit_bias must be two ({batch}, M) arrays, got shapes {bias_ids.shape} and "
+                             f"{bias_values.shape}")
     logits = logits.astype(jnp.float32)
     if bitmask is not None:
         if bitmask.shape != (batch, -(-vocab // 32)):
             raise ValueError(f"bitmask must be ({batch}, {-(-vocab // 32)}), got shape {bitmask.shape}")
         logits = jnp.where(allowed_tokens(bitmask, vocab), logits, -jnp.inf)
     raw_logprobs = log_softmax(logits)
+    if logit_bias is not None:
+        logits = add_logit_bias(logits, *logit_bias)
     penalised = apply_penalties(logits, params, prompt_tokens, output_tokens)
     greedy_rows = params.temperature < SAMPLING_EPS
     greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)

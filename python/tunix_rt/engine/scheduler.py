@@ -77,6 +77,8 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             cached, num_cached = self.kv.computed_blocks(req.all_token_ids, req.extra_keys)
+            if req.params.prompt_logprobs is not None:  # every prompt position's logits are needed: compute all
+                cached, num_cached = [], 0
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate(req.seq_id, req.all_token_ids, num_cached, num_new, cached, req.extra_keys):
                 break
@@ -99,15 +101,16 @@ class Scheduler:
         """Give a pure decode step `decode_steps` tokens per request where the KV pool has room.
 
         Requests nearer their max_tokens get a smaller limit (the loop turns as often as the largest
-        limit asks). Penalties and grammars need the host between tokens, so a step with either stays
-        single. Blocks taken here and left unused (a stop came first) go back with the request's other
+        limit asks). Penalties, logit biases and grammars need the host between tokens, so a step with any
+        stays single. Blocks taken here and left unused (a stop came first) go back with the request's other
         blocks.
         """
         steps = self.decode_steps
         if steps < 2 or not scheduled or not all(s.num_new == 1 and s.completes and s.request.matcher is None
-                                and not s.request.params.uses_penalties for s in scheduled):
+                                and not s.request.params.uses_penalties and not s.request.params.logit_bias
+                                for s in scheduled):
             return scheduled
-        limits = [min(steps, s.request.max_tokens - len(s.request.output_token_ids)) for s in scheduled]
+        limits = [max(1, min(steps, s.request.max_tokens - len(s.request.output_token_ids))) for s in scheduled]
         if max(limits) < 2:
             return scheduled
         for s, limit in zip(scheduled, limits):

@@ -14,48 +14,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx2 as httpx
 import openai
+import server_process
 from prometheus_client.parser import text_string_to_metric_families
 
 TOPICS = ["the sea", "a library", "mountains", "rain", "a small robot", "bread", "the moon", "trains", "winter",
           "a garden", "music", "chess", "rivers", "coffee", "owls", "bridges"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile("w", prefix="serve-load-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "tunix_rt.cli", "serve", "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
-           "--max-waiting", str(args.requests), "--max-model-len", "512"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"the server exited ({proc.returncode}); log: {log.name}")
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                print(f"server up on {base} (log {log.name})", file=sys.stderr)
-                return proc, base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    sys.exit(f"the server did not come up in 300 s; log: {log.name}")
+    return server_process.start(["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.requests),
+                                 "--max-model-len", "512"], log_prefix="serve-load-")
 
 
 def engine_gauges(base: str) -> dict[str, float]:

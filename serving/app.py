@@ -151,6 +151,11 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
         check_model(body.model)
         return tokenization.tokenize(state, body)
 
+    @app.get("/tokenizer_info", response_model=p.TokenizerInfo)
+    async def tokenizer_info():
+        ready()
+        return tokenization.tokenizer_info(state)
+
     @app.post("/detokenize", response_model=p.DetokenizeResponse, responses={400: {"model": p.ErrorResponse}})
     async def detokenize(body: p.DetokenizeRequest):
         ready()

@@ -276,6 +276,19 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
+class TokenizerInfo(BaseModel):
+    """vLLM's /tokenizer_info: the special tokens and chat template a client needs to tokenize as the server does."""
+
+    tokenizer_class: str = "tunix_rt.Tokenizer"
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
+    add_bos_token: bool
+
+
 class DetokenizeResponse(BaseModel):
     prompt: str
 

@@ -1,5 +1,6 @@
-"""vLLM's /tokenize and /detokenize: the server's own tokenizer and chat template, so a client counts and
-builds prompts with exactly the ids the engine will see."""
+"""vLLM's /tokenize, /detokenize and /tokenizer_info: the server's own tokenizer and chat template, so a client
+counts and builds prompts with exactly the ids the engine will see (lm-evaluation-harness's "remote" tokenizer
+reads these three)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,10 @@ def detokenize(state, req: p.DetokenizeRequest) -> p.DetokenizeResponse:
     if bad is not None:
         raise _bad(f"tokens[{bad}] is {req.tokens[bad]}, outside the vocabulary [0, {vocab})", "tokens")
     return p.DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens, skip_special_tokens=False))
+
+
+def tokenizer_info(state) -> p.TokenizerInfo:
+    tok = state.tokenizer
+    return p.TokenizerInfo(bos_token=tok.bos_token, eos_token=tok.eos_token, pad_token=tok.pad_token,
+                           chat_template=tok.chat_template, model_max_length=state.max_model_len,
+                           vocab_size=tok.vocab_size, add_bos_token=tok.add_bos_token)

@@ -47,5 +47,5 @@ def test_sampling_params_errors_name_their_field():
 
     req = p.CompletionRequest(model="m", prompt="hi", stop=[""])
     with pytest.raises(APIError) as info:
-        handlers.sampling_params(req, max_tokens=4, logprobs=None, structured=None)
+        handlers.sampling_params(None, req, max_tokens=4, logprobs=None, structured=None)
     assert (info.value.status, info.value.param) == (400, "stop")

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 OPERATIONS = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
-              ("POST", "/v1/completions"), ("GET", "/version"), ("POST", "/tokenize"), ("POST", "/detokenize")]
+              ("POST", "/v1/completions"), ("GET", "/version"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+              ("GET", "/tokenizer_info")]
 _CAPS = {"n": 2, "max_tokens": 3, "max_completion_tokens": 3, "best_of": 2}
 
 

@@ -189,7 +189,18 @@ def test_version(server):
     assert r.status_code == 200 and r.json() == {"version": tunix_rt.__version__}
 
 
-# -- /tokenize, /detokenize (vLLM's shapes) ------------------------------------------------------------
+# -- /tokenize, /detokenize, /tokenizer_info (vLLM's shapes) ------------------------------------------
+
+
+def test_tokenizer_info(server):
+    """What lm-evaluation-harness's remote tokenizer reads: the special tokens and the chat template."""
+    r = httpx.get(_url(server, "/tokenizer_info"), headers=server.headers(), timeout=30)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == MAX_MODEL_LEN
+    assert info["vocab_size"] == 49152 and "<|im_start|>" in info["chat_template"]
+    eos = raw_post(server, "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+    assert eos["count"] == 1
 
 
 def test_tokenize_a_prompt_and_back(server):

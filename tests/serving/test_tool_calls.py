@@ -271,6 +271,17 @@ def hermes_reply(draw):
     return text, content, calls
 
 
+def test_hermes_malformed_call_with_an_unbalanced_quote_ends_at_its_closing_tag():
+    """The string-aware scan for the closing tag reads a lone quote as opening a string; when that leaves the call
+    unparseable, the call ends at the first closing tag and the next call is still read (found by the property
+    below)."""
+    bad = '<tool_call>"</tool_call>'
+    for arguments in ({"a": 0, "b": 0}, '{"a": 0, "b": 0}'):  # the second: the later quotes close the first one
+        text = bad + hermes_call({"name": "add", "arguments": arguments}, before="", after="")
+        expected = (bad, [("add", {"a": 0, "b": 0})])
+        assert whole(HermesParser, text) == by_char(HermesParser, text) == expected
+
+
 @PROPERTY
 @given(hermes_reply(), st.lists(st.integers(1, 12), min_size=1, max_size=16))
 def test_hermes_streaming_matches_whole_text(reply, sizes):

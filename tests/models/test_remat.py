@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from tests.train import sharded_worker as W
 from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.lora import apply_lora
 from tunix_rt.models.remat import recompute_in_backward
-from tunix_rt.train.lora import apply_lora
 
 
 def _layer(w, x, scale):

@@ -19,10 +19,10 @@ from flax import nnx
 from tests.train.test_rl import COMMON, grpo, prompts  # noqa: F401 (prompts: a module fixture)
 from tests.train.test_train_cli import cli
 from tunix_rt.checkpoints.loader import load_model
+from tunix_rt.models.lora import LoRALinear
 from tunix_rt.train import run as run_module
 from tunix_rt.train.config import GRPOConfig, PPOConfig, build_config
 from tunix_rt.train.group_packing import paged_layout
-from tunix_rt.train.lora import LoRALinear
 from tunix_rt.train.metrics import read_metrics
 from tunix_rt.train.rl_trainer import RLTrainer, completion_logprobs
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunix_rt.train.lora import lora_delta
+from tunix_rt.models.lora import lora_delta
 
 
 @pytest.mark.slow

@@ -25,10 +25,11 @@ from flax import nnx
 
 from tests.models.hf_tiny import make_tiny_model_dir
 from tunix_rt.checkpoints.loader import load_model
+from tunix_rt.checkpoints.peft_adapter import load_adapter
 from tunix_rt.cli import main
+from tunix_rt.models.lora import LoRALinear, apply_lora, has_lora, merge_lora
 from tunix_rt.models.quant_layers import QuantLinear, QuantWeight
 from tunix_rt.train import run as run_module
-from tunix_rt.train.lora import LoRALinear, apply_lora, has_lora, merge_lora
 from tunix_rt.train.metrics import read_events, read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compiles")]
@@ -253,6 +254,57 @@ def test_lora_final_loads_in_transformers(lora_run):
     with torch.no_grad():
         theirs = hf(torch.tensor(TOKENS)).logits.numpy()
     assert np.abs(theirs - logits(load_model(out / "final").model)).max() < 1e-4
+
+
+def test_lora_run_writes_its_adapter_in_peft_layout(lora_run, tiny, capsys):
+    """DIR/adapter beside DIR/final: on the base it is the trained model (ours, and HF peft's on the base's HF
+    directory); `--lora` applies it in generate and score."""
+    out, trainer = lora_run
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == \
+        ("LORA", 4, 8.0, str(tiny))
+    base = load_model(tiny).model
+    load_adapter(base, out / "adapter")
+    np.testing.assert_allclose(logits(base), logits(trainer.model()), atol=1e-5)
+    assert cli("score", "--model", tiny, "--lora", out / "adapter", "--text", "the theme", "--json") == 0
+    with_adapter = json.loads(capsys.readouterr().out)
+    assert cli("score", "--model", out / "final", "--text", "the theme", "--json") == 0
+    merged = json.loads(capsys.readouterr().out)
+    assert with_adapter["token_ids"] == merged["token_ids"]
+    np.testing.assert_allclose(with_adapter["logprobs"][1:], merged["logprobs"][1:], atol=1e-4)
+    assert cli("generate", "--model", tiny, "--lora", out / "adapter", "--prompt", "the", "--max-tokens", "3",
+               "--json") == 0
+    assert json.loads(capsys.readouterr().out)["finish_reason"] in ("stop", "length")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    hf = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32),
+                                        out / "adapter").eval()
+    with torch.no_grad():
+        theirs = torch.log_softmax(hf(torch.tensor(TOKENS)).logits, -1).numpy()
+    assert np.abs(theirs - np.asarray(jax.nn.log_softmax(logits(trainer.model()), -1))).max() < 1e-4
+
+
+def test_training_starts_from_an_adapter(lora_run, root, tiny, sft_data, capsys):
+    """--lora PATH: the run trains that adapter on (its rank and alpha are the run's); at learning rate 0 the
+    result is the adapter's model. A --lora-rank that differs is a one-line error; so is a missing adapter."""
+    out, trainer = lora_run
+    again = root / "from_adapter"
+    with recording_trainers() as trainers:
+        assert cli("sft", "--model", tiny, "--data", sft_data, "--output", again, "--steps", "1", "--lora",
+                   out / "adapter", "learning_rate=0", *COMMON) == 0
+    saved = yaml.safe_load((again / "config.yaml").read_text())
+    assert (saved["lora_rank"], saved["lora_alpha"], saved["lora"]) == (4, 8.0, str(out / "adapter"))
+    np.testing.assert_allclose(logits(trainers[0].model()), logits(trainer.model()), atol=1e-5)
+    np.testing.assert_allclose(logits(load_model(again / "final").model), logits(trainer.model()), atol=1e-4)
+    capsys.readouterr()
+    for extra, message in ((["--lora-rank", "2"], "lora_rank=2 differs from the rank 4"),
+                           ([], "is not a peft adapter directory")):
+        adapter = out / "adapter" if extra else out / "final"
+        assert cli("sft", "--model", tiny, "--data", sft_data, "--output", root / "refused", "--lora", adapter,
+                   *extra, *COMMON) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
 
 
 def _nonzero_adapters(model, seed=0):

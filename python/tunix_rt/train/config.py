@@ -16,9 +16,9 @@ from typing import Any
 
 import yaml
 
+from tunix_rt.models.lora import ALL_TARGETS
 from tunix_rt.ops.bf16_matmul import KERNELS as MATMUL_KERNELS
 from tunix_rt.ops.bf16_matmul import default_kernel
-from tunix_rt.train.lora import ALL_TARGETS
 from tunix_rt.train.losses import PreferenceConfig
 
 SCHEDULES = ("linear", "cosine", "constant")
@@ -56,6 +56,7 @@ class TrainConfig:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ALL_TARGETS
+    lora: str | None = None  # a peft LoRA adapter directory to start from: its rank, alpha and targets are the run's
     dequantize: bool | None = None  # None: keep a quantized base for LoRA (QLoRA), dequantize for full
     fsdp: int = -1  # mesh axis sizes; -1 takes the devices the other axis leaves
     tp: int = 1
@@ -113,11 +114,23 @@ class TrainConfig:
             raise ValueError("num_processes > 1 needs coordinator_address (host:port of process 0)")
         if not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"process_id must be in [0, num_processes), got {self.process_id}")
+        if self.lora is not None:
+            self._adopt_adapter()
         if self.dequantize is None:
             self.dequantize = self.lora_rank == 0
         if self.lora_rank == 0 and not self.dequantize:
             raise ValueError("full fine-tuning needs float weights: set dequantize=true (or use lora_rank > 0)")
         self.lora_targets = tuple(self.lora_targets)
+
+    def _adopt_adapter(self) -> None:
+        """Training from an adapter: its rank, alpha and targets are the run's (a lora_rank that differs is refused)."""
+        from tunix_rt.checkpoints.peft_adapter import adapter_targets, read_adapter_config
+
+        adapter = read_adapter_config(self.lora)
+        rank = int(adapter["r"])
+        if self.lora_rank not in (0, rank):
+            raise ValueError(f"lora_rank={self.lora_rank} differs from the rank {rank} of the adapter lora={self.lora}")
+        self.lora_rank, self.lora_alpha, self.lora_targets = rank, float(adapter["lora_alpha"]), adapter_targets(self.lora)
 
     @property
     def bf16_matmul_kernel(self) -> str | None:

@@ -1,4 +1,4 @@
-"""From a config to a trained model: load, build the objective, fit, export DIR/final.
+"""From a config to a trained model: load, build the objective, fit, export DIR/final (and a LoRA run's DIR/adapter).
 
 This is what `tunix-rt sft|dpo|distill|grpo|ppo` run (the ALGORITHMS registry names each one's config,
 objective and trainer); Python callers can call `run(config)` directly.
@@ -19,16 +19,18 @@ from tunix_rt.checkpoints.default_model import DefaultModelMissing
 from tunix_rt.checkpoints.hf_export import export_hf
 from tunix_rt.checkpoints.loader import LoadedModel, holds_quantized, load_model, resolve_model_path
 from tunix_rt.checkpoints.output_dir import OutputDirError, check_output_dir, make_dirs
+from tunix_rt.checkpoints.peft_adapter import load_adapter, save_adapter
 from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.lora import merge_lora
 from tunix_rt.parallel.mesh import initialize_distributed
 from tunix_rt.train.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RLConfig, SFTConfig, TrainConfig
 from tunix_rt.train.data import load_preferences, load_prompts, load_sft, pack
-from tunix_rt.train.lora import merge_lora
 from tunix_rt.train.rl_trainer import RLTrainer
 from tunix_rt.train.trainer import Objective, Trainer
 
 log = logging.getLogger("tunix_rt.train")
 FINAL = "final"
+ADAPTER = "adapter"  # a LoRA run's adapter in peft's layout (adapter_config.json, adapter_model.safetensors)
 RUN_CONFIG = "config.yaml"
 
 
@@ -161,7 +163,7 @@ def run_record(path: Path) -> dict | None:
 
 
 # What a run writes in its directory, and what `resume=false overwrite=true` removes to start over.
-_RUN_OUTPUTS = (RUN_CONFIG, "checkpoints", "metrics.jsonl", "tensorboard", FINAL)
+_RUN_OUTPUTS = (RUN_CONFIG, "checkpoints", "metrics.jsonl", "tensorboard", FINAL, ADAPTER)
 
 
 def prepare_run_dir(cfg: TrainConfig) -> tuple[Path, dict[str, dict]]:
@@ -197,7 +199,7 @@ def _model_path(model) -> str | None:
 
 
 # Options the checkpoints' parameters and moments depend on: a resume that changes one is refused.
-_FIXED_BY_CHECKPOINT = ("model", "lora_rank", "lora_targets", "dequantize")
+_FIXED_BY_CHECKPOINT = ("model", "lora_rank", "lora_targets", "lora", "dequantize")
 # Options whose change nobody needs told of.
 _QUIET = ("output", "resume", "overwrite", "progress", "coordinator_address", "process_id")
 
@@ -227,6 +229,8 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
         initialize_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
     output, changed = prepare_run_dir(cfg)
     loaded = load_model(cfg.model, dequantize=cfg.dequantize)
+    if cfg.lora is not None:  # the run starts from this adapter (the trainer adds none of its own)
+        load_adapter(loaded.model, cfg.lora, dropout=cfg.lora_dropout, seed=cfg.seed)
     objective = build_objective(cfg, loaded, cfg.data)
     eval_objective = build_objective(cfg, loaded, cfg.eval_data) if cfg.eval_data else None
     reference = None
@@ -243,10 +247,12 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
     if trainer.step == trainer.steps:
         trainer.release_optimizer()
         model = trainer.model()
-        if trainer.lora:
-            model = merge_lora(model)
         if algorithm.exported is not None:
             model = algorithm.exported(model)
+        if trainer.lora and jax.process_index() == 0:  # the adapter alone, in peft's layout, beside final/
+            save_adapter(model, output / ADAPTER, base_model=str(cfg.model), overwrite=True)
+        if trainer.lora:
+            model = merge_lora(model)
         if jax.process_index() == 0:
             export_hf(model, loaded.tokenizer, loaded.hf_config, final, dtype=cfg.export_dtype,
                       generation_config=loaded.generation_config or None, overwrite=True)  # the run's own

@@ -28,6 +28,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from tunix_rt.models.decoder import Decoder, Embed, record_router_logits
+from tunix_rt.models.lora import HeadParam, apply_lora, has_lora
 from tunix_rt.models.quant_layers import QuantEmbed, set_int8_rows
 from tunix_rt.ops.bf16_matmul import bf16_dot_general
 from tunix_rt.ops.moe import load_balancing_loss, router_z_loss
@@ -37,7 +38,6 @@ from tunix_rt.train.config import TrainConfig
 from tunix_rt.train.data import DataOrder, harmonized_lengths
 from tunix_rt.train.errors import TrainingError, TrainingInterrupted
 from tunix_rt.train.interrupt import StopOnInterrupt
-from tunix_rt.train.lora import HeadParam, apply_lora, has_lora
 from tunix_rt.train.metrics import MetricsWriter
 from tunix_rt.train.rollout_engine import RolloutEngine
 

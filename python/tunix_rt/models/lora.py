@@ -106,7 +106,7 @@ class LoRALinear(nnx.Module):
         return linear
 
 
-def _targets(model: Decoder, names: tuple[str, ...]):
+def lora_targets(model: Decoder, names: tuple[str, ...]):
     """(owner module, attribute) for every targeted projection of every layer. A MoE layer's routed
     experts (stacked weights, no Linear) take no adapter; its shared expert, if any, does."""
     for layer in model.layers:
@@ -131,7 +131,7 @@ def apply_lora(model: Decoder, *, rank: int, alpha: float, dropout: float = 0.0,
     if unknown or not targets:
         raise ValueError(f"lora_targets {list(targets)!r}: valid names are {', '.join(ALL_TARGETS)}")
     rngs = nnx.Rngs(params=seed, dropout=seed + 1)
-    for owner, name in _targets(model, tuple(targets)):
+    for owner, name in lora_targets(model, tuple(targets)):
         base = getattr(owner, name)
         if isinstance(base, LoRALinear):
             raise ValueError(f"{name} already has a LoRA adapter")
@@ -146,7 +146,7 @@ def has_lora(model: nnx.Module) -> bool:
 def merge_lora(model: Decoder) -> Decoder:
     """A copy of `model` with every adapter folded into a float kernel (what an HF export holds)."""
     merged = nnx.clone(model)
-    for owner, name in _targets(merged, ALL_TARGETS):
+    for owner, name in lora_targets(merged, ALL_TARGETS):
         module = getattr(owner, name)
         if isinstance(module, LoRALinear):
             setattr(owner, name, module.merged())

@@ -1,0 +1,182 @@
+"""LoRA adapters in HF peft's layout, both ways: what a LoRA run trains leaves as a directory peft loads on the
+base model's HF export, and an adapter trained by peft or TRL loads onto our decoder.
+
+The layout (peft's save_pretrained): adapter_config.json (peft_type "LORA", r, lora_alpha, target_modules, ...)
+and adapter_model.safetensors with `base_model.model.<HF module>.lora_A.weight` (r, in) and `.lora_B.weight`
+(out, r) per adapted module. Module names come from the one HF name table (checkpoints/weights.py through
+hf_export.inverse_names). peft's scaling is lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), per module
+where rank_pattern / alpha_pattern say so; LoRALinear.scaling holds it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tunix_rt.checkpoints.hf_export import inverse_names
+from tunix_rt.checkpoints.output_dir import check_output_dir, staged_output_dir
+from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.lora import ALL_TARGETS, LoRALinear, lora_targets
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_TENSOR = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter that does not fit the model it is loaded on, or is not a LoRA adapter we can run."""
+
+
+def hf_module_names(model: Decoder) -> dict[str, tuple[nnx.Module, str]]:
+    """HF module name (model.layers.3.self_attn.q_proj) -> (owner module, attribute) of every projection a
+    LoRA adapter can target."""
+    inverse = inverse_names(model.config)
+    paths = {id(module): path for path, module in nnx.iter_modules(model)}
+    names = {}
+    for owner, attr in lora_targets(model, ALL_TARGETS):
+        [(tensor, _, _)] = inverse[(*paths[id(owner)], attr, "kernel")]
+        names[tensor.removesuffix(".weight")] = (owner, attr)
+    return names
+
+
+def save_adapter(model: Decoder, out_dir: str | os.PathLike, *, base_model: str = "", overwrite: bool = False
+                 ) -> Path:
+    """Write `model`'s LoRA adapters as a peft adapter directory (staged beside it, renamed into place)."""
+    tensors, ranks, alphas, modules = {}, {}, {}, []
+    for name, (owner, attr) in hf_module_names(model).items():
+        lora = getattr(owner, attr)
+        if not isinstance(lora, LoRALinear):
+            continue
+        a = np.asarray(jax.device_get(lora.lora_a[...]), np.float32)  # (in, r)
+        b = np.asarray(jax.device_get(lora.lora_b[...]), np.float32)  # (r, out)
+        tensors[f"{_PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(a.T)
+        tensors[f"{_PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(b.T)
+        ranks[name] = a.shape[1]
+        alphas[name] = lora.scaling * a.shape[1]
+        modules.append(name.rsplit(".", 1)[1])
+    if not tensors:
+        raise AdapterError("the model has no LoRA adapters to save")
+    rank = max(set(ranks.values()), key=list(ranks.values()).count)
+    alpha = max(set(alphas.values()), key=list(alphas.values()).count)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": rank,
+        "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": sorted(set(modules)), "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
+        "use_dora": False, "modules_to_save": None, "layers_to_transform": None,
+        "rank_pattern": {f"^{re.escape(k)}$": v for k, v in ranks.items() if v != rank},
+        "alpha_pattern": {f"^{re.escape(k)}$": v for k, v in alphas.items() if v != alpha},
+    }
+    out_dir = check_output_dir(out_dir, overwrite=overwrite, what="adapter directory")
+    from safetensors.numpy import save_file
+
+    with staged_output_dir(out_dir, overwrite=overwrite, what="adapter directory") as staging:
+        save_file(tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
+        (staging / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return out_dir
+
+
+def is_adapter_dir(path: str | os.PathLike) -> bool:
+    return (Path(path) / CONFIG).is_file()
+
+
+def read_adapter_config(path: str | os.PathLike) -> dict:
+    """adapter_config.json, checked to be a LoRA adapter this runtime can apply."""
+    path = Path(path)
+    if not (path / CONFIG).is_file():
+        raise AdapterError(f"{path} is not a peft adapter directory (no {CONFIG})")
+    if not (path / WEIGHTS).is_file():
+        raise AdapterError(f"{path} has no {WEIGHTS} (adapters saved as .bin are not read; save with safetensors)")
+    try:
+        config = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{path / CONFIG} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{path / CONFIG} must hold a JSON object")
+    unsupported = [
+        (config.get("peft_type", "LORA") != "LORA", f"peft_type {config.get('peft_type')!r} (only LORA)"),
+        (bool(config.get("use_dora")), "use_dora (DoRA)"),
+        (config.get("bias", "none") != "none", f"bias {config.get('bias')!r} (only 'none')"),
+        (bool(config.get("modules_to_save")), f"modules_to_save {config.get('modules_to_save')!r}"),
+        (bool(config.get("fan_in_fan_out")), "fan_in_fan_out"),
+    ]
+    reasons = [why for bad, why in unsupported if bad]
+    if reasons:
+        raise AdapterError(f"{path}: unsupported adapter option(s): {', '.join(reasons)}")
+    for key in ("r", "lora_alpha"):
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise AdapterError(f"{path / CONFIG}: {key} must be a positive number, got {value!r}")
+    return config
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """peft's rank_pattern / alpha_pattern: the first key that matches the end of the module's name."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def load_adapter(model: Decoder, path: str | os.PathLike, *, dropout: float = 0.0, seed: int = 0) -> dict:
+    """Wrap the projections `path`'s adapter targets in LoRALinear with its weights, in place (`dropout` for
+    training on from it); returns the adapter's config. A tensor naming a module the model lacks, or of another
+    shape (an adapter of another base), is an AdapterError naming it; the model is changed only when every
+    tensor fits."""
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    config = read_adapter_config(path)
+    names = hf_module_names(model)
+    pairs: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in load_file(str(path / WEIGHTS)).items():
+        match = _TENSOR.match(key)
+        if match is None:
+            raise AdapterError(f"{path / WEIGHTS}: tensor {key!r} is not a LoRA A or B weight")
+        pairs.setdefault(match["module"], {})[match["part"]] = value
+    if not pairs:
+        raise AdapterError(f"{path / WEIGHTS} holds no LoRA weights")
+    planned = []
+    for module, parts in sorted(pairs.items()):
+        if module not in names:
+            raise AdapterError(f"{path}: the adapter targets {module}, which this model has no adaptable projection "
+                               f"named (an adapter of another base model?)")
+        if set(parts) != {"A", "B"}:
+            raise AdapterError(f"{path}: {module} has lora_{next(iter(parts))} but not both lora_A and lora_B")
+        owner, attr = names[module]
+        base = getattr(owner, attr)
+        if isinstance(base, LoRALinear):
+            raise AdapterError(f"{module} already has a LoRA adapter")
+        din, dout = base.kernel.get_value().shape
+        a, b = parts["A"], parts["B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != din or b.shape[0] != dout or a.shape[0] != b.shape[1]:
+            raise AdapterError(f"{path}: {module}'s lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit its "
+                               f"({dout}, {din}) weight (an adapter of another base model?)")
+        rank = a.shape[0]
+        alpha = float(_pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"]))
+        scaling = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
+        planned.append((owner, attr, base, a, b, scaling))
+    rngs = nnx.Rngs(params=seed, dropout=seed + 1)
+    for owner, attr, base, a, b, scaling in planned:
+        lora = LoRALinear(base, rank=a.shape[0], alpha=1.0, dropout=dropout, rngs=rngs)
+        lora.lora_a.set_value(jnp.asarray(a.T, jnp.float32))
+        lora.lora_b.set_value(jnp.asarray(b.T, jnp.float32))
+        lora.scaling = scaling
+        setattr(owner, attr, lora)
+    return config
+
+
+def adapter_targets(path: str | os.PathLike) -> tuple[str, ...]:
+    """The projection names (q_proj, ...) an adapter directory's weights adapt."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path) / WEIGHTS), "np") as f:
+        modules = {m["module"].rsplit(".", 1)[-1] for m in map(_TENSOR.match, f.keys()) if m}
+    return tuple(t for t in ALL_TARGETS if t in modules)

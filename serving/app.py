@@ -16,7 +16,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
@@ -28,6 +28,7 @@ from serving.errors import install as install_errors
 from serving.handlers import ServerState
 from serving.metrics import ServerMetrics
 from tunix_rt.engine.config import EngineConfig
+from tunix_rt.engine.errors import InvalidRequestError
 from tunix_rt.tools.tool_calls import tool_format_for
 
 log = logging.getLogger("tunix_rt.serve")
@@ -45,6 +46,7 @@ class ServeOptions:
     max_body_bytes: int = 8 << 20
     dequantize: bool = False
     lora: str | None = None  # a peft LoRA adapter directory applied on the model
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) adapters served beside the base model
     engine: EngineConfig = EngineConfig()  # the engine's limits and sizing
     compile_cache_dir: str | None = None  # a persistent XLA compilation cache (engine/compile_cache.py); None: off
 
@@ -125,8 +127,7 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
             raise APIError(503, "the model is still loading", code="model_loading")
 
     def check_model(model: str | None) -> None:
-        if model is not None and model != state.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        state.lora_for(model)  # the base model or a served adapter, else 404
 
     @app.get("/health")
     async def health():
@@ -140,7 +141,37 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
     @app.get("/v1/models", response_model=p.ModelList)
     async def models():
         ready()
-        return p.ModelList(data=[p.ModelCard(id=state.model_name, root=state.root, max_model_len=state.max_model_len)])
+        base = p.ModelCard(id=state.model_name, root=state.root, max_model_len=state.max_model_len)
+        adapters = [p.ModelCard(id=name, root=path, parent=state.model_name, max_model_len=state.max_model_len)
+                    for name, path in state.adapters.items()]
+        return p.ModelList(data=[base, *adapters])
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+              responses={400: {"model": p.ErrorResponse}})
+    async def load_lora_adapter(body: p.LoadLoRAAdapterRequest):
+        """vLLM's runtime adapter loading: the adapter is read and checked, then requests may name it."""
+        ready()
+        if body.lora_name == state.model_name or body.lora_name in state.adapters:
+            raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name",
+                           code="lora_adapter_exists")
+        try:
+            await state.engine.call(lambda engine: engine.add_lora(body.lora_name, body.lora_path))
+        except InvalidRequestError as e:  # LoRAAdapterError, or an engine without adapter slots
+            raise APIError(400, str(e), param="lora_path", code=e.code) from None
+        state.adapters[body.lora_name] = body.lora_path
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+              responses={404: {"model": p.ErrorResponse}})
+    async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest):
+        """vLLM's runtime unloading: new requests cannot name it; those in flight finish with it."""
+        ready()
+        if body.lora_name not in state.adapters:
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
+                           code="model_not_found")
+        del state.adapters[body.lora_name]  # first: no request planned from here on names it
+        await state.engine.call(lambda engine: engine.remove_lora(body.lora_name))
+        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
     @app.get("/version")
     async def version():
@@ -234,15 +265,21 @@ def load_engine(state: ServerState, options: ServeOptions, stopping: threading.E
 
     stopping = stopping or threading.Event()
 
+    config = options.engine
+    if options.lora_modules and not config.max_loras:  # a slot per adapter named at start
+        config = dataclasses.replace(config, max_loras=len(options.lora_modules))
     if options.lora is None:
-        engine = Engine(options.model, None, options.engine, dequantize=options.dequantize)
+        engine = Engine(options.model, None, config, dequantize=options.dequantize)
     else:
         from tunix_rt.checkpoints.loader import load_model
         from tunix_rt.checkpoints.peft_adapter import load_adapter
 
         loaded = load_model(options.model, dequantize=options.dequantize)
         load_adapter(loaded.model, options.lora)
-        engine = Engine(loaded.model, loaded.tokenizer, options.engine)
+        engine = Engine(loaded.model, loaded.tokenizer, config)
+    for name, path in options.lora_modules:
+        engine.add_lora(name, path)
+        state.adapters[name] = str(path)
     state.tokenizer = engine.tokenizer
     if state.tokenizer is None:
         raise ValueError(f"{options.model} has no tokenizer; the server needs one to read and write text")

@@ -21,7 +21,7 @@ from serving import protocol as p
 from serving.errors import APIError, error_body
 from serving.metrics import SequenceTimer, ServerMetrics
 from tunix_rt.engine.async_engine import AsyncEngine
-from tunix_rt.engine.errors import EngineUnavailableError, InvalidRequestError
+from tunix_rt.engine.errors import EngineUnavailableError, InvalidRequestError, UnknownLoRAAdapterError
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.structured import StructuredOutputsParams
 from tunix_rt.tools.chat import render_chat
@@ -42,6 +42,15 @@ class ServerState:
     capacity: int  # sequences running or queued before new requests get 429
     root: str = ""  # the model as given to the server (/v1/models' root)
     active: int = 0
+    adapters: dict[str, str] = dataclasses.field(default_factory=dict)  # LoRA adapters served: name -> path
+
+    def lora_for(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); any other name is OpenAI's 404."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.adapters:
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     @functools.cached_property
     def token_text(self):
@@ -158,6 +167,8 @@ async def _first(gen: AsyncIterator[RequestOutput], param: str) -> RequestOutput
     (context length, vocabulary, constraint compile) surface here, before any byte is sent."""
     try:
         return await anext(gen)
+    except UnknownLoRAAdapterError as e:  # unloaded since the request was planned
+        raise APIError(404, str(e), param="model", code=e.code) from None
     except InvalidRequestError as e:
         raise _bad(str(e), e.param or param, e.code) from None
     except EngineUnavailableError as e:  # asleep or shut down: the request may succeed elsewhere or later
@@ -261,6 +272,8 @@ class ChatPlan:
     parse_tools: bool  # read tool calls out of the reply
     tools: list[dict]  # OpenAI tool dicts (tools/tool_calls.py)
     forced: bool  # required / named tool_choice: the grammar makes every token part of a call
+    model: str  # the name replies carry: the base model's or the adapter's
+    lora: str | None  # the LoRA adapter it runs with
 
 
 def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
@@ -313,7 +326,9 @@ def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
         prompt = render_chat(state.tokenizer, messages, fmt, all_tools if choice != "none" else None)
     except ValueError as e:
         raise _bad(str(e), "messages") from None
-    return ChatPlan(prompt, params, parse_tools=choice != "none", tools=tools, forced=forced)
+    lora = state.lora_for(req.model)
+    return ChatPlan(prompt, params, parse_tools=choice != "none", tools=tools, forced=forced,
+                    model=lora or state.model_name, lora=lora)
 
 
 def _sequence(state: ServerState, plan: ChatPlan, arrival: float) -> _Sequence:
@@ -326,7 +341,7 @@ async def chat_full(state: ServerState, req: p.ChatCompletionRequest, plan: Chat
     seqs = [_sequence(state, plan, arrival) for _ in range(plan.params.n)]
     final: list[RequestOutput | None] = [None] * plan.params.n
     content = [""] * plan.params.n
-    gen = state.engine.generate(plan.prompt, plan.params, rid)
+    gen = state.engine.generate(plan.prompt, plan.params, rid, lora_request=plan.lora)
     async with contextlib.aclosing(gen):
         out = await _first(gen, "messages")
         while out is not None:
@@ -342,7 +357,7 @@ async def chat_full(state: ServerState, req: p.ChatCompletionRequest, plan: Chat
         choices.append(p.ChatChoice(index=i, message=p.ResponseMessage(content=content[i] or None, tool_calls=calls or None),
                                     logprobs=logprobs, finish_reason=seq.finish_reason(out)))
     completion = sum(len(o.token_ids) for o in final)
-    return p.ChatCompletion(id=rid, model=state.model_name, choices=choices,
+    return p.ChatCompletion(id=rid, model=plan.model, choices=choices,
                             usage=_usage(len(final[0].prompt_token_ids), completion),
                             prompt_logprobs=prompt_logprobs_field(state, final[0], req.prompt_logprobs))
 
@@ -350,7 +365,7 @@ async def chat_full(state: ServerState, req: p.ChatCompletionRequest, plan: Chat
 async def chat_stream(state: ServerState, req: p.ChatCompletionRequest, plan: ChatPlan) -> AsyncIterator[str]:
     """Starts the engine request before returning, so prompt errors are still plain 400 responses."""
     arrival, rid = time.monotonic(), f"chatcmpl-{uuid.uuid4().hex}"
-    gen = state.engine.generate(plan.prompt, plan.params, rid)
+    gen = state.engine.generate(plan.prompt, plan.params, rid, lora_request=plan.lora)
     try:
         first = await _first(gen, "messages")
     except BaseException:
@@ -361,7 +376,7 @@ async def chat_stream(state: ServerState, req: p.ChatCompletionRequest, plan: Ch
 
 async def _chat_events(state, req, plan, rid, arrival, gen, out) -> AsyncIterator[str]:
     created = p.now()
-    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": plan.model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     usage = _usage_field(req)
     seqs = [_sequence(state, plan, arrival) for _ in range(plan.params.n)]
@@ -406,6 +421,8 @@ async def _chat_events(state, req, plan, rid, arrival, gen, out) -> AsyncIterato
 class CompletionPlan:
     prompts: list  # text or token-id lists
     params: SamplingParams
+    model: str  # the name replies carry: the base model's or the adapter's
+    lora: str | None  # the LoRA adapter it runs with
 
 
 def plan_completion(state: ServerState, req: p.CompletionRequest) -> CompletionPlan:
@@ -425,7 +442,8 @@ def plan_completion(state: ServerState, req: p.CompletionRequest) -> CompletionP
     params = sampling_params(state, req, max_tokens=req.max_tokens, logprobs=req.logprobs,
                              structured=requested_structure(state, req),
                              prompt_logprobs=req.logprobs if req.echo else None)
-    return CompletionPlan(prompts, params)
+    lora = state.lora_for(req.model)
+    return CompletionPlan(prompts, params, model=lora or state.model_name, lora=lora)
 
 
 def _legacy_logprobs(state: ServerState, ids, logprobs, tops, k: int, offset: int) -> p.CompletionLogprobs:
@@ -471,7 +489,8 @@ def _echo(state: ServerState, prompt) -> str:
 async def _open_all(state: ServerState, plan: CompletionPlan, rid: str):
     """One engine stream per prompt, all submitted at once (their prefills share steps) and each
     started, so prompt errors raise before any output."""
-    gens = [state.engine.generate(prompt, plan.params, f"{rid}-{k}") for k, prompt in enumerate(plan.prompts)]
+    gens = [state.engine.generate(prompt, plan.params, f"{rid}-{k}", lora_request=plan.lora)
+            for k, prompt in enumerate(plan.prompts)]
     try:
         firsts = await asyncio.gather(*(_first(gen, "prompt") for gen in gens), return_exceptions=True)
         failed = [e for e in firsts if isinstance(e, BaseException)]
@@ -537,7 +556,7 @@ async def completion_full(state: ServerState, req: p.CompletionRequest, plan: Co
                                           finish_reason=out.finish_reason,
                                           prompt_logprobs=prompt_logprobs_field(state, out, req.prompt_logprobs)))
     prompt_tokens = sum(len(final[k * n].prompt_token_ids) for k in range(len(plan.prompts)))
-    return p.Completion(id=rid, model=state.model_name, choices=choices,
+    return p.Completion(id=rid, model=plan.model, choices=choices,
                         usage=_usage(prompt_tokens, sum(len(o.token_ids) for o in final)))
 
 
@@ -550,7 +569,7 @@ async def completion_stream(state: ServerState, req: p.CompletionRequest, plan: 
 
 async def _completion_events(state, req, plan, rid, arrival, opened) -> AsyncIterator[str]:
     n = plan.params.n
-    head = {"id": rid, "object": "text_completion", "created": p.now(), "model": state.model_name}
+    head = {"id": rid, "object": "text_completion", "created": p.now(), "model": plan.model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     usage = _usage_field(req)
     seqs = [_Sequence(state, arrival) for _ in range(len(plan.prompts) * n)]

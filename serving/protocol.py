@@ -169,6 +169,20 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 # -- responses ----------------------------------------------------------------------------------
 
 

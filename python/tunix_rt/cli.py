@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins to allow (default: none)")
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="sequences queued beyond --max-num-seqs before requests get 429")
+    serve.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                       help="LoRA adapters (peft layout) served beside the base model, each picked by a request's "
+                            "model field (NAME=PATH, or vLLM's JSON {\"name\": ..., \"path\": ...})")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     serve.add_argument("--compile-cache-dir", default=DEFAULT_COMPILE_CACHE,
                        help="persistent XLA compilation cache: a restart loads the engine's compiled step programs "
@@ -230,6 +233,26 @@ def _info(args) -> int:
     return 0
 
 
+def _lora_modules(specs: list[str]) -> tuple[tuple[str, str], ...]:
+    """--lora-modules entries, NAME=PATH or vLLM's JSON form, as (name, path) pairs with unique names."""
+    modules = []
+    for spec in specs:
+        if spec.lstrip().startswith("{"):
+            try:
+                entry = json.loads(spec)
+            except ValueError as e:
+                raise ValueError(f"--lora-modules {spec!r} is not valid JSON: {e}") from None
+            name, path = (entry.get("name"), entry.get("path")) if isinstance(entry, dict) else (None, None)
+        else:
+            name, _, path = spec.partition("=")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f"--lora-modules {spec!r} must be NAME=PATH or {{\"name\": ..., \"path\": ...}}")
+        if name in dict(modules):
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules.append((name, path))
+    return tuple(modules)
+
+
 def _serve(args) -> int:
     from serving.app import ServeOptions, serve
 
@@ -240,11 +263,14 @@ def _serve(args) -> int:
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     engine = EngineConfig(**{f.name: getattr(args, f.name) for f in EngineConfig.flags()})  # checks them
+    modules = _lora_modules(args.lora_modules)
+    if modules and args.lora is not None:
+        raise ValueError("--lora and --lora-modules cannot be combined: serve the adapter as one of --lora-modules")
     logging.getLogger("tunix_rt").setLevel(logging.INFO)  # a server logs its loading and compiles
     serve(ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                        served_model_name=args.served_model_name, allowed_origins=tuple(args.allowed_origins),
                        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, dequantize=args.dequantize,
-                       lora=args.lora, engine=engine, compile_cache_dir=args.compile_cache_dir))
+                       lora=args.lora, lora_modules=modules, engine=engine, compile_cache_dir=args.compile_cache_dir))
     return 0
 
 

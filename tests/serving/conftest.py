@@ -6,6 +6,7 @@ bounded queue and body limit small enough for tests to reach, and one CORS origi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -44,25 +45,15 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"}
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    try:
-        default_model_path()
-    except DefaultModelMissing as e:
-        pytest.skip(f"the server tests run the default model: {e}")
+@contextlib.contextmanager
+def running_server(args: list, log_path: str, env: dict | None = None):
+    """`tunix-rt serve --port P <args>` until /health answers 200: yields (base URL, the /health codes seen);
+    the process is stopped on exit."""
     port = free_port()
-    log_path = str(tmp_path_factory.mktemp("serve") / "serve.log")
-    cmd = [sys.executable, "-m", "tunix_rt.cli", "serve", "--port", str(port), "--api-key", API_KEY,
-           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-           "--max-num-batched-tokens", "64", "--max-waiting", str(MAX_WAITING),
-           "--max-body-bytes", str(MAX_BODY_BYTES), "--allowed-origins", ORIGIN]
-    # The warm-up compiles every plain step program before /health is ready; a compilation cache shared by the
-    # session's servers (one per test worker) lets a second server load them.
-    cache = tmp_path_factory.getbasetemp().parent / "serve_jax_cache"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_COMPILATION_CACHE_DIR": str(cache),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    cmd = [sys.executable, "-m", "tunix_rt.cli", "serve", "--port", str(port), *map(str, args)]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     base = f"http://127.0.0.1:{port}"
     codes: list[int] = []
     deadline = time.monotonic() + 300
@@ -80,10 +71,7 @@ def server(tmp_path_factory):
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        metrics = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).text
-        compiles = next(float(line.split()[-1]) for line in metrics.splitlines()
-                        if line.startswith("tunix_rt:compiles_total"))
-        yield Server(base, API_KEY, "default", tuple(codes), log_path, compiles)
+        yield base, tuple(codes)
     finally:
         proc.terminate()
         try:
@@ -91,3 +79,25 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    try:
+        default_model_path()
+    except DefaultModelMissing as e:
+        pytest.skip(f"the server tests run the default model: {e}")
+    log_path = str(tmp_path_factory.mktemp("serve") / "serve.log")
+    args = ["--api-key", API_KEY, "--max-model-len", MAX_MODEL_LEN, "--max-num-seqs", MAX_NUM_SEQS,
+            "--max-num-batched-tokens", "64", "--max-waiting", MAX_WAITING, "--max-body-bytes", MAX_BODY_BYTES,
+            "--allowed-origins", ORIGIN]
+    # The warm-up compiles every plain step program before /health is ready; a compilation cache shared by the
+    # session's servers (one per test worker) lets a second server load them.
+    cache = tmp_path_factory.getbasetemp().parent / "serve_jax_cache"
+    env = {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    with running_server(args, log_path, env) as (base, codes):
+        metrics = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).text
+        compiles = next(float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith("tunix_rt:compiles_total"))
+        yield Server(base, API_KEY, "default", codes, log_path, compiles)

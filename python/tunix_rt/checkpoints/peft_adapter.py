@@ -10,6 +10,7 @@ where rank_pattern / alpha_pattern say so; LoRALinear.scaling holds it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -125,11 +126,26 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def load_adapter(model: Decoder, path: str | os.PathLike, *, dropout: float = 0.0, seed: int = 0) -> dict:
-    """Wrap the projections `path`'s adapter targets in LoRALinear with its weights, in place (`dropout` for
-    training on from it); returns the adapter's config. A tensor naming a module the model lacks, or of another
-    shape (an adapter of another base), is an AdapterError naming it; the model is changed only when every
-    tensor fits."""
+@dataclasses.dataclass(frozen=True)
+class AdaptedModule:
+    """One projection's adapter, read and checked against the model it is for."""
+
+    name: str  # the HF module name
+    owner: nnx.Module
+    attr: str
+    a: np.ndarray  # (in, r)
+    b: np.ndarray  # (r, out)
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[1]
+
+
+def read_adapter(model: Decoder, path: str | os.PathLike) -> tuple[dict, list[AdaptedModule]]:
+    """The adapter at `path` (its config and one AdaptedModule per adapted projection), checked against `model`:
+    a tensor naming a module the model lacks, or of another shape (an adapter of another base), is an
+    AdapterError naming it."""
     from safetensors.numpy import load_file
 
     path = Path(path)
@@ -143,7 +159,7 @@ def load_adapter(model: Decoder, path: str | os.PathLike, *, dropout: float = 0.
         pairs.setdefault(match["module"], {})[match["part"]] = value
     if not pairs:
         raise AdapterError(f"{path / WEIGHTS} holds no LoRA weights")
-    planned = []
+    modules = []
     for module, parts in sorted(pairs.items()):
         if module not in names:
             raise AdapterError(f"{path}: the adapter targets {module}, which this model has no adaptable projection "
@@ -151,10 +167,8 @@ def load_adapter(model: Decoder, path: str | os.PathLike, *, dropout: float = 0.
         if set(parts) != {"A", "B"}:
             raise AdapterError(f"{path}: {module} has lora_{next(iter(parts))} but not both lora_A and lora_B")
         owner, attr = names[module]
-        base = getattr(owner, attr)
-        if isinstance(base, LoRALinear):
-            raise AdapterError(f"{module} already has a LoRA adapter")
-        din, dout = base.kernel.get_value().shape
+        layer = getattr(owner, attr)
+        din, dout = getattr(layer, "base", layer).kernel.get_value().shape
         a, b = parts["A"], parts["B"]
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != din or b.shape[0] != dout or a.shape[0] != b.shape[1]:
             raise AdapterError(f"{path}: {module}'s lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit its "
@@ -162,14 +176,26 @@ def load_adapter(model: Decoder, path: str | os.PathLike, *, dropout: float = 0.
         rank = a.shape[0]
         alpha = float(_pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"]))
         scaling = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
-        planned.append((owner, attr, base, a, b, scaling))
+        modules.append(AdaptedModule(module, owner, attr, np.ascontiguousarray(a.T, np.float32),
+                                     np.ascontiguousarray(b.T, np.float32), scaling))
+    return config, modules
+
+
+def load_adapter(model: Decoder, path: str | os.PathLike, *, dropout: float = 0.0, seed: int = 0) -> dict:
+    """Wrap the projections `path`'s adapter targets in LoRALinear with its weights, in place (`dropout` for
+    training on from it); returns the adapter's config. The model is changed only when every tensor fits
+    (read_adapter)."""
+    config, modules = read_adapter(model, path)
+    for m in modules:
+        if isinstance(getattr(m.owner, m.attr), LoRALinear):
+            raise AdapterError(f"{m.name} already has a LoRA adapter")
     rngs = nnx.Rngs(params=seed, dropout=seed + 1)
-    for owner, attr, base, a, b, scaling in planned:
-        lora = LoRALinear(base, rank=a.shape[0], alpha=1.0, dropout=dropout, rngs=rngs)
-        lora.lora_a.set_value(jnp.asarray(a.T, jnp.float32))
-        lora.lora_b.set_value(jnp.asarray(b.T, jnp.float32))
-        lora.scaling = scaling
-        setattr(owner, attr, lora)
+    for m in modules:
+        lora = LoRALinear(getattr(m.owner, m.attr), rank=m.rank, alpha=1.0, dropout=dropout, rngs=rngs)
+        lora.lora_a.set_value(jnp.asarray(m.a))
+        lora.lora_b.set_value(jnp.asarray(m.b))
+        lora.scaling = m.scaling
+        setattr(m.owner, m.attr, lora)
     return config
 
 

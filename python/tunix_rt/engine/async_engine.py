@@ -4,7 +4,8 @@ One thread owns the Engine: it takes new requests and aborts from an inbox betwe
 `step()` while there is work, and hands each output to its caller's asyncio queue. Callers never
 wait for a step to end (an event loop must not block for a whole batch's forward pass), so a
 request's errors at admission (too long, bad ids, a grammar that does not compile) arrive as the
-first item of its stream. Once an AsyncEngine runs an Engine, nothing else may use it. Closing a
+first item of its stream. `call` runs a function on that thread between steps (loading a LoRA adapter
+while requests run). Once an AsyncEngine runs an Engine, nothing else may use it. Closing a
 stream early (a client that disconnects) aborts its request, which frees its KV blocks before the
 next step. An error inside a step fails every request in flight with that error instead of leaving
 their streams waiting forever; the engine stays usable.
@@ -14,16 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from tunix_rt.engine.engine import Engine, EngineStats, Prompt
 from tunix_rt.engine.errors import EngineShutdownError
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -38,12 +42,12 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Yield each sample's output as it advances until all n samples finished."""
         params = params or SamplingParams()
         rid = uuid.uuid4().hex if request_id is None else str(request_id)
         queue: asyncio.Queue = asyncio.Queue()
-        self._post(("add", rid, prompt, params, (asyncio.get_running_loop(), queue)))
+        self._post(("add", rid, prompt, params, (asyncio.get_running_loop(), queue), lora_request))
         remaining = params.n
         try:
             while remaining:
@@ -56,6 +60,16 @@ class AsyncEngine:
         finally:
             if remaining:
                 self.abort(rid)
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run fn(engine) on the engine's thread between two steps (the engine is not thread-safe): how the
+        server loads and unloads LoRA adapters while requests run. Its exception is raised here."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._post(("call", fn, (asyncio.get_running_loop(), queue)))
+        result = await queue.get()
+        if isinstance(result, _Raised):
+            raise result.error
+        return result
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the engine's next step."""
@@ -102,6 +116,8 @@ class AsyncEngine:
         for item in inbox:
             if item[0] == "add":
                 _deliver(item[4], stopped)
+            elif item[0] == "call":
+                _deliver(item[2], _Raised(stopped))
         self._fail_all(stopped)
 
     def _fail_all(self, error: BaseException) -> None:
@@ -117,9 +133,17 @@ class AsyncEngine:
             self._streams.pop(item[1], None)
             self.engine.abort(item[1])
             return
-        _, rid, prompt, params, target = item
+        if item[0] == "call":
+            _, fn, target = item
+            try:
+                result = fn(self.engine)
+            except Exception as e:  # noqa: BLE001 - the caller's error, raised from its await
+                result = _Raised(e)
+            _deliver(target, result)
+            return
+        _, rid, prompt, params, target, lora_request = item
         try:
-            self.engine.add_request(prompt, params, rid)
+            self.engine.add_request(prompt, params, rid, lora_request=lora_request)
         except Exception as e:  # noqa: BLE001 - the caller's error, raised from its stream
             _deliver(target, e)
             return
@@ -141,6 +165,13 @@ class AsyncEngine:
         for out in outputs:  # only now: several samples of one request can finish in the same step
             if out.finished and not self.engine.has_request(out.request_id):
                 self._streams.pop(out.request_id, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Raised:
+    """An engine call's exception on its way back to the awaiting caller (an exception could be its result)."""
+
+    error: BaseException
 
 
 def _deliver(target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item) -> None:

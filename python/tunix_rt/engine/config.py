@@ -29,6 +29,8 @@ class EngineConfig:
     seed: int = 0  # seeds the requests that name none
     token_buckets: Sequence[int] | None = None  # step sizes compiled (the largest = max_num_batched_tokens)
     decode_steps: int = _flag(8, "decode steps run as one program when a step has only decodes")
+    max_loras: int = _flag(0, "LoRA adapters resident at once, each request picking its own (0: no adapters)")
+    max_lora_rank: int = _flag(16, "the largest LoRA rank an adapter may have (with --max-loras)")
     logprobs_mode: str = _flag("raw_logprobs", "log-probs reported: raw_logprobs (the model's distribution) or "
                                "processed_logprobs (the one sampled from: after penalties, temperature, top-k/p)")
 
@@ -37,8 +39,11 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine: {name} must be a positive integer, got {value!r}")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "decode_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "decode_steps",
+                     "max_lora_rank"):
             positive(name, getattr(self, name))
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"Engine: max_loras must be an integer >= 0, got {self.max_loras!r}")
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 positive(name, getattr(self, name))

@@ -28,12 +28,14 @@ from tunix_rt.engine.errors import (
     RequestTooLargeError,
 )
 from tunix_rt.engine.kv_cache_manager import KVCacheManager
+from tunix_rt.engine.lora_manager import LoRAManager, LoRARequest
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.request import Request, Status
 from tunix_rt.engine.runner import ModelRunner
 from tunix_rt.engine.scheduler import Scheduler
 from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.multi_lora import with_adapter_slots
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +84,15 @@ class Engine:
             raise ValueError(f"Engine: the KV cache needs at least one block of {block_size} tokens, "
                              f"got {num_kv_blocks} (raise kv_cache_memory or num_kv_blocks)")
         self.config = config
+        if config.max_loras:  # the engine's copy gets adapter slots; the caller's model stays as it is
+            model = with_adapter_slots(model, slots=config.max_loras, rank=config.max_lora_rank)
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   decode_steps=config.decode_steps)
+                                   decode_steps=config.decode_steps)  # its LoRA manager: set once the runner is
         eos = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, eos)
         self.runner = ModelRunner(model, num_blocks=num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
@@ -96,6 +100,9 @@ class Engine:
                                   grammars=self.grammars, token_buckets=config.token_buckets,
                                   decode_steps=config.decode_steps,
                                   processed_logprobs=config.logprobs_mode == "processed_logprobs")
+        self.loras = (LoRAManager(model, self.runner, slots=config.max_loras, rank=config.max_lora_rank)
+                      if config.max_loras else None)
+        self.scheduler.loras = self.loras
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
@@ -129,8 +136,9 @@ class Engine:
         return ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    *, cache_salt: str | None = None) -> str:
-        """Queue a prompt (text or token ids); returns its request id. n > 1 queues n sequences."""
+                    *, cache_salt: str | None = None, lora_request: LoRARequest | str | None = None) -> str:
+        """Queue a prompt (text or token ids); returns its request id. n > 1 queues n sequences. `lora_request`
+        (vLLM's LoRARequest, or an adapter's name) runs it with that LoRA adapter (an engine with max_loras)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -154,6 +162,13 @@ class Engine:
             raise InvalidRequestError(f"logit_bias holds token id {bad}, outside the model's vocabulary "
                                       f"[0, {vocab})", param="logit_bias")
         matcher = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
+        lora = None
+        if lora_request is not None:
+            if self.loras is None:
+                raise InvalidRequestError("lora_request needs an engine with adapter slots (max_loras > 0)",
+                                          param="lora_request")
+            lora = self.loras.get(lora_request)
+        extra_keys = (() if lora is None else (lora.cache_key,)) + (() if cache_salt is None else (cache_salt,))
         base_seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         seqs = []
         for i in range(params.n):
@@ -163,8 +178,10 @@ class Engine:
                                                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
             seqs.append(Request(request_id, i, ids, params, max_tokens=max_tokens, stop_ids=stop_ids,
                                 seed=(base_seed + i) % 2**32, detokenizer=detok,
-                                extra_keys=() if cache_salt is None else (cache_salt,),
-                                matcher=None if matcher is None else matcher.deep_copy()))
+                                extra_keys=extra_keys, matcher=None if matcher is None else matcher.deep_copy(),
+                                lora=lora))
+        if lora is not None:
+            self.loras.request_added(lora, params.n)
         self._requests[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
@@ -181,6 +198,7 @@ class Engine:
         for seq in seqs:
             if seq.status is not Status.FINISHED:
                 seq.finish("abort")
+                self._sequence_done(seq)
             outs.append(seq.output())
         return outs
 
@@ -221,6 +239,7 @@ class Engine:
             if req.max_tokens == 0:  # the prompt is scored: nothing is sampled
                 req.finish("length")
                 self.scheduler.finish(req)
+                self._sequence_done(req)
                 outputs.append(req.output())
                 continue
             k = req.params.logprobs
@@ -235,6 +254,7 @@ class Engine:
                 req.num_computed_tokens += step < s.limit - 1  # the loop computed the token it sampled
             if req.status is Status.FINISHED:
                 self.scheduler.finish(req)
+                self._sequence_done(req)
             outputs.append(req.output())
         for out in outputs:
             seqs = self._requests.get(out.request_id)
@@ -242,19 +262,28 @@ class Engine:
                 del self._requests[out.request_id]
         return outputs
 
+    def _sequence_done(self, req: Request) -> None:
+        if req.lora is not None:
+            self.loras.request_done(req.lora)
+
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False) -> list[RequestOutput] | list[list[RequestOutput]]:
-        """Run prompts to completion: one RequestOutput per prompt, or a list of n per prompt when n > 1."""
+                 *, use_tqdm: bool = False, lora_request: LoRARequest | str | Sequence | None = None
+                 ) -> list[RequestOutput] | list[list[RequestOutput]]:
+        """Run prompts to completion: one RequestOutput per prompt, or a list of n per prompt when n > 1.
+        `lora_request`, as in vLLM: one adapter for every prompt, or one (or None) per prompt."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         prompts = [prompts] if single else list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.add_request(prompt, p))
+            for prompt, p, lora in zip(prompts, params, loras):
+                ids.append(self.add_request(prompt, p, lora_request=lora))
         except ValueError:
             for rid in ids:
                 self.abort(rid)
@@ -335,6 +364,25 @@ class Engine:
     @property
     def is_sleeping(self) -> bool:
         return self.runner.k is None
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+
+    def add_lora(self, name: str, path) -> None:
+        """Register the peft adapter directory `path` as `name` (an engine with max_loras); requests name it."""
+        self._adapters().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister adapter `name`: new requests cannot name it; those in flight finish with it."""
+        self._adapters().remove(name)
+
+    def list_loras(self) -> dict[str, str]:
+        """The registered adapters' names and paths."""
+        return {name: a.path for name, a in self._adapters().adapters.items()}
+
+    def _adapters(self) -> LoRAManager:
+        if self.loras is None:
+            raise InvalidRequestError("this engine has no adapter slots: create it with max_loras > 0")
+        return self.loras
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()

@@ -58,6 +58,22 @@ class InvalidStructuredOutputError(InvalidRequestError):
     param = "response_format"
 
 
+class LoRAAdapterError(InvalidRequestError):
+    """A LoRA adapter that cannot be loaded: unreadable, of another base model, over max_lora_rank, a name in use."""
+
+    def __init__(self, message: str, *, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class UnknownLoRAAdapterError(InvalidRequestError):
+    """A request or an unload names an adapter the engine does not hold (the server's 404)."""
+
+    code = "model_not_found"
+    param = "model"
+
+
 class EngineUnavailableError(EngineError, RuntimeError):
     """The engine cannot take work now (asleep); the request itself may be fine."""
 

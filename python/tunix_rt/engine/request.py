@@ -17,7 +17,7 @@ class Status(enum.Enum):
 class Request:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, *,
                  max_tokens: int, stop_ids: frozenset[int], seed: int, detokenizer: IncrementalDetokenizer | None,
-                 extra_keys: tuple = (), matcher=None):
+                 extra_keys: tuple = (), matcher=None, lora=None):
         self.request_id = request_id
         self.index = index
         self.seq_id = f"{request_id}#{index}"  # the unit the KV manager keys blocks by
@@ -29,6 +29,8 @@ class Request:
         self.detokenizer = detokenizer
         self.extra_keys = extra_keys
         self.matcher = matcher  # llguidance.LLMatcher of a structured-output request: masks its tokens
+        self.lora = lora  # the LoRA adapter it runs with (engine/lora_manager.Adapter), None for the base model
+        self.lora_slot = -1  # the adapter's slot while admitted (-1: none)
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0  # catches up with len(all_token_ids); reset to 0 by preemption

@@ -36,6 +36,7 @@ from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.batch_invariant import use_batch_invariant_kernels
 from tunix_rt.models.decoder import Decoder, head_logits
 from tunix_rt.models.kv_cache import PagedKVCache
+from tunix_rt.models.multi_lora import MultiLoRALinear, set_adapter_ids
 from tunix_rt.ops.quant import QuantizedTensor, lane_scales
 
 log = logging.getLogger(__name__)
@@ -57,16 +58,23 @@ def _fit(n: int, sizes: tuple[int, ...]) -> int:
 _SCORE_CHUNK = 64  # prompt rows scored per pass of score_prompt's loop
 
 
-def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size, processed_logprobs):
+def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size, processed_logprobs, adapters):
     """The jitted programs with the model's structure closed over: a static graphdef argument would be
-    hashed on every call, and flat weight leaves skip pytree flattening. The sampler takes only the
+    hashed on every call, and flat weight leaves skip pytree flattening. With `adapters` (a model with LoRA
+    adapter slots) the forward and the decode loop take each token's (row's) adapter slot. The sampler takes only the
     output head's leaves (every leaf passed costs dispatch time on each step) and the sampled rows'
     hidden states, gathered by a program of their own: the sampler, whose compile is the costly one,
     then has one program per row bucket rather than one per (token bucket, row bucket) pair."""
 
-    @functools.partial(jax.jit, donate_argnums=(1, 2))
-    def forward(leaves, k, v, tokens, positions, slots, token_seq, block_tables):
+    def merged(leaves, lora_ids):
         model = use_batch_invariant_kernels(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)))
+        if adapters:
+            set_adapter_ids(model, lora_ids)
+        return model
+
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def forward(leaves, k, v, tokens, positions, slots, token_seq, block_tables, lora_ids):
+        model = merged(leaves, lora_ids)
         cache = PagedKVCache(k, v, slots, token_seq, block_tables)
         h, cache = model.hidden_states(tokens[None], positions[None], cache)
         return h[0], cache.k, cache.v
@@ -107,8 +115,8 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
 
     @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnums=(9, 10))
     def decode_loop(leaves, k, v, tokens, positions, token_seq, block_tables, limits, params, max_steps,
-                    num_top_logprobs):
-        model = use_batch_invariant_kernels(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)))
+                    num_top_logprobs, lora_ids):
+        model = merged(leaves, lora_ids)
         head = model.output_head()
         rows = tokens.shape[0]
         no_history = jnp.full((rows, 1), -1, jnp.int32)
@@ -196,7 +204,8 @@ class ModelRunner:
         head_def, head_state = nnx.split(model.output_head())
         self.head_leaves, head_treedef = jax.tree.flatten(head_state)
         self._forward, self._take_rows, self._sample, self._score_prompt, self._decode_loop = _compile_step(
-            self.graphdef, self.treedef, head_def, head_treedef, model.config, block_size, processed_logprobs)
+            self.graphdef, self.treedef, head_def, head_treedef, model.config, block_size, processed_logprobs,
+            any(isinstance(m, MultiLoRALinear) for _, m in nnx.iter_modules(model)))
         self.decode_steps = decode_steps
         cfg = model.config
         self.cache_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -244,6 +253,15 @@ class ModelRunner:
         self.leaves = [leaf for _, leaf in paths_leaves]
         self.head_leaves = jax.tree.leaves(nnx.state(nnx.merge(self.graphdef, state).output_head()))
 
+    def replace_leaves(self, updates: dict[int, jax.Array]) -> None:
+        """Swap single weight leaves (by index) for arrays of their shape and dtype: the LoRA manager's slot writes."""
+        for i, new in updates.items():
+            old = self.leaves[i]
+            if new.shape != old.shape or new.dtype != old.dtype:
+                raise ValueError(f"replace_leaves: leaf {i} is {old.dtype}{list(old.shape)}, got {new.dtype}"
+                                 f"{list(new.shape)}")
+            self.leaves[i] = new
+
     def reachable_shapes(self) -> list[tuple[int, int]]:
         """(token bucket, sequence bucket) pairs a step can land in: s sequences bring at least s tokens."""
         return [(t, b) for t in self.token_buckets for b in self.seq_buckets
@@ -265,7 +283,7 @@ class ModelRunner:
                 return len(self.compiled) - before
             self._note_compile(("forward", t_b))
             hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
-                                                   np.zeros(t_b, np.int32), pad, pad, tables)
+                                                   np.zeros(t_b, np.int32), pad, pad, tables, pad)
             for t, b_b in self.reachable_shapes():
                 if t != t_b:
                     continue
@@ -282,7 +300,7 @@ class ModelRunner:
                 self._note_compile(("decode_loop", t_b, self.decode_steps, 0))
                 _, self.k, self.v = self._decode_loop(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
                                                       np.zeros(t_b, np.int32), pad, tables, np.zeros(t_b, np.int32),
-                                                      SamplingTensors.from_rows([], t_b), self.decode_steps, 0)
+                                                      SamplingTensors.from_rows([], t_b), self.decode_steps, 0, pad)
         return len(self.compiled) - before
 
     def _note_compile(self, key: tuple) -> None:
@@ -300,6 +318,7 @@ class ModelRunner:
         positions = np.zeros(t_b, np.int32)
         slots = np.full(t_b, -1, np.int32)
         token_seq = np.full(t_b, -1, np.int32)
+        lora_ids = np.full(t_b, -1, np.int32)  # each token's adapter slot, -1 = the base model
         tables = np.zeros((table_rows, self.max_blocks_per_seq), np.int32)
         rows = np.zeros(b_b, np.int32)
         bs = self.block_size
@@ -312,14 +331,16 @@ class ModelRunner:
             positions[offset:offset + n] = pos
             slots[offset:offset + n] = blocks[pos // bs] * bs + pos % bs
             token_seq[offset:offset + n] = i
+            lora_ids[offset:offset + n] = req.lora_slot
             tables[i, :len(blocks)] = blocks
             offset += n
             rows[i] = offset - 1
         if max(s.limit for s in scheduled) > 1:
-            return self._run_decode_loop(scheduled, t_b, tokens, positions, token_seq, tables)
+            return self._run_decode_loop(scheduled, t_b, tokens, positions, token_seq, tables, lora_ids)
         params, prompt_hist, output_hist, num_top = self._sampling_inputs(scheduled, b_b)
         self._note_compile(("forward", t_b))
-        hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, tokens, positions, slots, token_seq, tables)
+        hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, tokens, positions, slots, token_seq, tables,
+                                               lora_ids)
         bitmask = self._grammar_masks(scheduled, b_b)
         bias = self._logit_biases(scheduled, b_b)
         self._note_compile(("rows", t_b, b_b))
@@ -369,14 +390,14 @@ class ModelRunner:
             values[i, :len(bias)] = list(bias.values())
         return ids, values
 
-    def _run_decode_loop(self, scheduled, t_b, tokens, positions, token_seq, tables) -> StepResult:
+    def _run_decode_loop(self, scheduled, t_b, tokens, positions, token_seq, tables, lora_ids) -> StepResult:
         """Each request's `limit` decodes of one token per row in one program (rows are the step's tokens)."""
         params, num_top = self._sampling_params(scheduled, t_b)
         limits = np.zeros(t_b, np.int32)
         limits[:len(scheduled)] = [s.limit for s in scheduled]
         self._note_compile(("decode_loop", t_b, self.decode_steps, num_top))
         out, self.k, self.v = self._decode_loop(self.leaves, self.k, self.v, tokens, positions, token_seq, tables,
-                                                limits, params, self.decode_steps, num_top)
+                                                limits, params, self.decode_steps, num_top, lora_ids)
         return self._result(out, len(scheduled), steps_axis=True)
 
     @staticmethod

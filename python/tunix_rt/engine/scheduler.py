@@ -6,7 +6,9 @@ what the budget leaves), then waiting requests in arrival order (FCFS, no skippi
 budget, blocks and the running-sequence limit allow. There are no separate prefill and decode
 phases: a step is whatever mix of both fits the budget. When the pool runs out of blocks the most
 recently admitted running request is preempted: its blocks are freed and it goes back to the front
-of the queue to be recomputed later (its prefix may still be found in the prefix cache).
+of the queue to be recomputed later (its prefix may still be found in the prefix cache). A request that
+runs with a LoRA adapter is admitted only when the adapter holds (or can be given) one of the engine's
+adapter slots; it gives its hold back when it finishes or is preempted.
 
 Multi-step decoding (vLLM's num_scheduler_steps): when nothing waits and every scheduled request is
 a plain one-token decode, the step may run `decode_steps` decodes in one device program. Each
@@ -37,8 +39,10 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, decode_steps: int = 1):
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, decode_steps: int = 1,
+                 loras=None):
         self.kv = kv
+        self.loras = loras  # engine/lora_manager.LoRAManager: admission takes an adapter slot, leaving gives it back
         self.decode_steps = decode_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -80,7 +84,13 @@ class Scheduler:
             if req.params.prompt_logprobs is not None:  # every prompt position's logits are needed: compute all
                 cached, num_cached = [], 0
             num_new = min(req.num_tokens - num_cached, budget)
+            if req.lora is not None:
+                slot = self.loras.acquire(req.lora)
+                if slot is None:  # every adapter slot serves running requests: wait for one to end
+                    break
+                req.lora_slot = slot
             if not self.kv.allocate(req.seq_id, req.all_token_ids, num_cached, num_new, cached, req.extra_keys):
+                self._leave_slot(req)
                 break
             self.waiting.popleft()
             self.kv.record_lookup(req.num_tokens, num_cached)
@@ -119,7 +129,13 @@ class Scheduler:
                 return scheduled  # room taken so far stays with its requests and serves their next steps
         return [dataclasses.replace(s, limit=limit) for s, limit in zip(scheduled, limits)]
 
+    def _leave_slot(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.loras.release(req.lora)
+            req.lora_slot = -1
+
     def _preempt(self, req: Request) -> None:
+        self._leave_slot(req)
         self.kv.free(req.seq_id)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
@@ -137,6 +153,7 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         """Drop a finished request from the running set and free its blocks at once."""
         self.running.remove(req)
+        self._leave_slot(req)
         self.kv.free(req.seq_id)
 
     def abort(self, request_id: str) -> list[Request]:
@@ -148,5 +165,6 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
+            self._leave_slot(req)
             self.kv.free(req.seq_id)
         return found

@@ -1,0 +1,164 @@
+"""The engine's LoRA adapters: registered adapters on the host, `max_loras` of them resident in the model's
+adapter slots (models/multi_lora.py), least-recently-used eviction.
+
+A request names an adapter (vLLM's LoRARequest). It takes a slot when the scheduler admits it and gives it back
+when it finishes, is aborted or preempted; a slot whose adapter no running request uses may be given to another
+adapter (its weights written into the runner's slot arrays, which keep their shapes: nothing recompiles). An
+adapter removed while requests use it stays until they end; new requests cannot name it. Each registration has
+a version of its own, which the prefix cache keys blocks by, so an adapter loaded again under the same name never
+shares blocks computed with the old weights.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tunix_rt.checkpoints.peft_adapter import read_adapter
+from tunix_rt.engine.errors import LoRAAdapterError, UnknownLoRAAdapterError
+from tunix_rt.models.multi_lora import MultiLoRALinear
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's LoRARequest: the adapter a request runs with. A name the engine does not know yet is loaded from
+    `lora_path` first."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+
+@dataclasses.dataclass(eq=False)
+class Adapter:
+    name: str
+    path: str
+    version: int
+    rank: int
+    weights: dict[str, tuple[np.ndarray, np.ndarray]]  # HF module name -> (A (in, r), B * scaling (r, out))
+    pending: int = 0  # sequences in the engine that name it
+    running: int = 0  # of which admitted (holding its slot)
+    removed: bool = False
+
+    @property
+    def cache_key(self) -> tuple:
+        return ("lora", self.name, self.version)
+
+
+class LoRAManager:
+    def __init__(self, model: nnx.Module, runner, *, slots: int, rank: int):
+        from tunix_rt.checkpoints.peft_adapter import hf_module_names
+
+        self.model, self.runner, self.max_rank = model, runner, rank
+        layers = {id(getattr(owner, attr)): name for name, (owner, attr) in hf_module_names(model).items()}
+        index = {id(leaf): i for i, leaf in enumerate(runner.leaves)}
+        # HF module name -> (runner leaf index of A, of B, host A (in, slots * rank), host B (slots * rank, out))
+        self._layers = {}
+        for _, module in nnx.iter_modules(model):
+            if isinstance(module, MultiLoRALinear):
+                a, b = module.lora_a.get_value(), module.lora_b.get_value()
+                self._layers[layers[id(module)]] = (index[id(a)], index[id(b)], np.zeros(a.shape, np.float32),
+                                                    np.zeros(b.shape, np.float32))
+        self.slots: list[Adapter | None] = [None] * slots
+        self._recent: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(slots))
+        self.adapters: dict[str, Adapter] = {}
+        self._versions = itertools.count(1)
+
+    # -- registry ---------------------------------------------------------------------------------
+
+    def add(self, name: str, path: str | os.PathLike) -> Adapter:
+        """Register the peft adapter at `path` as `name` (read and checked against the model now)."""
+        if not isinstance(name, str) or not name:
+            raise LoRAAdapterError(f"an adapter needs a non-empty name, got {name!r}")
+        if name in self.adapters:
+            raise LoRAAdapterError(f"an adapter named {name!r} is already loaded", code="lora_adapter_exists")
+        try:
+            _, modules = read_adapter(self.model, path)
+        except (OSError, ValueError) as e:
+            raise LoRAAdapterError(f"adapter {name!r}: {e}") from None
+        over = [m for m in modules if m.rank > self.max_rank]
+        if over:
+            raise LoRAAdapterError(f"adapter {name!r} has rank {over[0].rank} ({over[0].name}), over this engine's "
+                                   f"max_lora_rank {self.max_rank}")
+        adapter = Adapter(name, str(path), next(self._versions), max(m.rank for m in modules),
+                          {m.name: (m.a, m.b * np.float32(m.scaling)) for m in modules})
+        self.adapters[name] = adapter
+        return adapter
+
+    def remove(self, name: str) -> None:
+        """Unregister `name`: new requests cannot name it; the ones in flight finish with it."""
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise UnknownLoRAAdapterError(f"no adapter named {name!r} is loaded")
+        adapter.removed = True  # it lives on under no name until its requests end
+        self.adapters.pop(name)
+        self._forget_if_done(adapter)
+
+    def get(self, request: LoRARequest | str) -> Adapter:
+        """The adapter a request names, registered from its path first when the name is new."""
+        name = request if isinstance(request, str) else request.lora_name
+        adapter = self.adapters.get(name)
+        if adapter is not None:
+            return adapter
+        if isinstance(request, LoRARequest) and request.lora_path:
+            return self.add(name, request.lora_path)
+        raise UnknownLoRAAdapterError(f"no adapter named {name!r} is loaded")
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def request_added(self, adapter: Adapter, sequences: int) -> None:
+        adapter.pending += sequences
+
+    def request_done(self, adapter: Adapter) -> None:
+        adapter.pending -= 1
+        self._forget_if_done(adapter)
+
+    def acquire(self, adapter: Adapter) -> int | None:
+        """A slot holding `adapter` for one admitted sequence, loading it there if needed; None when every slot
+        holds an adapter that running sequences use."""
+        slot = next((i for i, held in enumerate(self.slots) if held is adapter), None)
+        if slot is None:
+            slot = next((i for i in self._recent if self.slots[i] is None or self.slots[i].running == 0), None)
+            if slot is None:
+                return None
+            self._write(slot, adapter)
+        self._recent.move_to_end(slot)
+        adapter.running += 1
+        return slot
+
+    def release(self, adapter: Adapter) -> None:
+        adapter.running -= 1
+
+    def resident(self) -> list[str | None]:
+        return [None if a is None else a.name for a in self.slots]
+
+    # -- slots ------------------------------------------------------------------------------------
+
+    def _write(self, slot: int, adapter: Adapter) -> None:
+        """Put `adapter` in `slot`: its columns of every layer's A and rows of B (zero where it adapts nothing)."""
+        r = self.max_rank
+        cols = slice(slot * r, (slot + 1) * r)
+        updates = {}
+        for name, (ia, ib, host_a, host_b) in self._layers.items():
+            a, b = adapter.weights.get(name, (None, None))
+            if a is None and not host_a[:, cols].any() and not host_b[cols].any():
+                continue  # nothing there before, nothing now
+            host_a[:, cols], host_b[cols] = 0.0, 0.0
+            if a is not None:
+                host_a[:, slot * r:slot * r + a.shape[1]] = a
+                host_b[slot * r:slot * r + b.shape[0]] = b
+            updates[ia], updates[ib] = jnp.asarray(host_a), jnp.asarray(host_b)
+        self.runner.replace_leaves(updates)
+        self.slots[slot] = adapter
+
+    def _forget_if_done(self, adapter: Adapter) -> None:
+        if adapter.removed and adapter.pending == 0:
+            for i, held in enumerate(self.slots):
+                if held is adapter:
+                    self.slots[i] = None  # its weights stay until another adapter takes the slot

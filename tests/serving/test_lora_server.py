@@ -1,0 +1,170 @@
+"""Many LoRA adapters served by one `tunix-rt serve`: `--lora-modules`, the request's `model` picking the adapter,
+/v1/models listing them with their parent, vLLM's runtime /v1/load_lora_adapter and /v1/unload_lora_adapter,
+concurrent requests of different adapters answering as each does alone, an unload under load losing no request.
+A tiny model with 2 adapter slots, so a third adapter waits for a slot."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import httpx2 as httpx
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+from flax import nnx
+
+from tests.models.hf_tiny import make_tiny_model_dir
+from tests.serving.conftest import running_server
+from tunix_rt.checkpoints.loader import load_model
+from tunix_rt.checkpoints.peft_adapter import save_adapter
+from tunix_rt.models.lora import LoRALinear, apply_lora
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [1, 40, 51, 62, 73, 84, 12]
+GREEDY = dict(max_tokens=10, temperature=0)
+
+
+def _adapter(base_dir, path, *, rank: int, seed: int):
+    model = load_model(base_dir).model
+    apply_lora(model, rank=rank, alpha=8.0, seed=seed)
+    rng = np.random.default_rng(seed)
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, LoRALinear):
+            module.lora_b.set_value(jnp.asarray(rng.normal(size=module.lora_b[...].shape) * 0.5, jnp.float32))
+    return save_adapter(model, path)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_serve")
+    make_tiny_model_dir(root / "base")
+    make_tiny_model_dir(root / "other", hidden_size=48)
+    paths = {f"a{i}": _adapter(root / "base", root / f"a{i}", rank=2 + 2 * i, seed=i) for i in range(3)}
+    paths["big"] = _adapter(root / "base", root / "big", rank=16, seed=7)
+    paths["other"] = _adapter(root / "other", root / "other_adapter", rank=2, seed=8)
+    args = ["--model", root / "base", "--served-model-name", "base", "--max-num-seqs", 8,
+            "--max-num-batched-tokens", 32, "--max-model-len", 64, "--max-loras", 2, "--max-lora-rank", 8,
+            "--decode-steps", 1, "--max-waiting", 16,
+            "--lora-modules", f"a0={paths['a0']}", f'{{"name": "a1", "path": "{paths["a1"]}"}}']
+    with running_server(args, str(root / "serve.log")) as (base, _):
+        yield base, paths
+
+
+def _client(base):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _complete(base, model, prompt=PROMPT, **kw):
+    return _client(base).completions.create(model=model, prompt=prompt, **{**GREEDY, **kw})
+
+
+def _post(base, path, body):
+    return httpx.post(f"{base}{path}", json=body, timeout=60)
+
+
+def _wait_idle(base):
+    deadline = time.monotonic() + 15
+    while True:
+        metrics = httpx.get(f"{base}/metrics", timeout=30).text
+        values = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith(("tunix_rt:num_requests_running", "tunix_rt:kv_cache_usage_perc"))}
+        if sum(values.values()) == 0:
+            return
+        assert time.monotonic() < deadline, values
+        time.sleep(0.1)
+
+
+def test_models_lists_the_adapters_with_their_parent(setup):
+    base, paths = setup
+    data = {m.id: m for m in _client(base).models.list().data}
+    assert set(data) >= {"base", "a0", "a1"}
+    assert data["base"].parent is None and data["a0"].parent == data["a1"].parent == "base"
+    assert data["a0"].root == str(paths["a0"])
+
+
+def test_each_adapter_answers_as_alone_when_mixed(setup):
+    """Requests of the base and of each adapter at once (more adapters than slots: one waits for a slot) answer
+    as each does alone; the reply names the adapter."""
+    base, paths = setup
+    r = _post(base, "/v1/load_lora_adapter", {"lora_name": "a2", "lora_path": str(paths["a2"])})
+    assert r.status_code == 200 and "a2" in r.text, r.text
+    names = ["base", "a0", "a1", "a2"]
+    alone = {name: _complete(base, name) for name in names}
+    assert len({r.choices[0].text for r in alone.values()}) == 4  # every adapter changes the model
+    assert all(alone[name].model == name for name in names)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        mixed = list(pool.map(lambda name: (name, _complete(base, name)), names * 2))
+    for name, reply in mixed:
+        assert reply.choices[0].text == alone[name].choices[0].text, name
+    chat = _client(base).chat.completions.create(model="a1", messages=[{"role": "user", "content": "the"}],
+                                                  **GREEDY)
+    assert chat.model == "a1"
+    _wait_idle(base)
+
+
+def test_unknown_adapter_is_404(setup):
+    base, _ = setup
+    with pytest.raises(openai.NotFoundError) as e:
+        _complete(base, "nope")
+    body = e.value.response.json()["error"]
+    assert (body["code"], body["param"]) == ("model_not_found", "model")
+    r = _post(base, "/v1/unload_lora_adapter", {"lora_name": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("name, key, message", [
+    ("a0", "a0", "already been loaded"),
+    ("big", "big", "rank 16 .* over this engine's max_lora_rank 8"),
+    ("other", "other", "do not fit .* another base"),
+    ("missing", None, "not a peft adapter directory"),
+])
+def test_bad_adapters_are_400_naming_the_reason(setup, name, key, message, tmp_path):
+    import re
+
+    base, paths = setup
+    path = str(paths[key]) if key else str(tmp_path)
+    r = _post(base, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+    assert r.status_code == 400, r.text
+    assert re.search(message, r.json()["error"]["message"]), r.json()
+    if name != "a0":
+        assert name not in {m.id for m in _client(base).models.list().data}
+
+
+def test_unloading_under_load_loses_no_request(setup):
+    """16 streams of an adapter (8 running, 8 waiting for a sequence slot) while it is unloaded: each finishes with
+    all its tokens, as alone, some of them after the unload returned; new requests naming it are 404 from then on;
+    loading it again serves it again; nothing is left held."""
+    base, paths = setup
+    assert _post(base, "/v1/load_lora_adapter", {"lora_name": "tmp", "lora_path": str(paths["a0"])}).status_code == 200
+    want = _complete(base, "tmp", max_tokens=56).choices[0].text
+    started, finished = threading.Semaphore(0), []
+
+    def stream():
+        chunks = _client(base).completions.create(model="tmp", prompt=PROMPT, stream=True, max_tokens=56,
+                                                  temperature=0)
+        started.release()
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finished.append(time.monotonic())
+        return text
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(stream) for _ in range(16)]
+        for _ in range(8):  # the first 8 are running
+            assert started.acquire(timeout=120)
+        r = _post(base, "/v1/unload_lora_adapter", {"lora_name": "tmp"})
+        unloaded = time.monotonic()
+        assert r.status_code == 200 and "removed" in r.text, r.text
+        texts = [f.result() for f in futures]
+    assert texts == [want] * 16
+    assert max(finished) > unloaded  # requests were in flight through the unload
+    with pytest.raises(openai.NotFoundError):
+        _complete(base, "tmp")
+    assert "tmp" not in {m.id for m in _client(base).models.list().data}
+    assert _post(base, "/v1/load_lora_adapter", {"lora_name": "tmp", "lora_path": str(paths["a0"])}).status_code == 200
+    assert _complete(base, "tmp", max_tokens=56).choices[0].text == want
+    assert _post(base, "/v1/unload_lora_adapter", {"lora_name": "tmp"}).status_code == 200
+    _wait_idle(base)

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 import tunix_rt
-from serving import handlers, tokenization
+from serving import handlers, responses, tokenization
 from serving import protocol as p
 from serving.errors import APIError, error_body
 from serving.errors import install as install_errors
@@ -47,6 +47,7 @@ class ServeOptions:
     dequantize: bool = False
     lora: str | None = None  # a peft LoRA adapter directory applied on the model
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) adapters served beside the base model
+    reasoning_parser: str | None = None  # tools/reasoning.py PARSERS: replies' reasoning apart from their content
     engine: EngineConfig = EngineConfig()  # the engine's limits and sizing
     compile_cache_dir: str | None = None  # a persistent XLA compilation cache (engine/compile_cache.py); None: off
 
@@ -213,6 +214,14 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
                           lambda: handlers.completion_stream(state, body, plan),
                           lambda: handlers.completion_full(state, body, plan))
 
+    @app.post("/v1/responses", response_model=p.ResponseObject, responses=errors)
+    async def responses_create(body: p.ResponsesRequest, request: Request):
+        ready()
+        check_model(body.model)
+        plan = responses.plan(state, body)
+        return await _run(request, 1, body.stream, lambda: responses.stream(state, body, plan),
+                          lambda: responses.full(state, body, plan))
+
     async def _run(request: Request, sequences: int, stream: bool, start_stream, full):
         release = handlers.admit(state, sequences)
         streaming = False
@@ -252,7 +261,8 @@ def build_state(options: ServeOptions) -> ServerState:
     name = options.served_model_name or options.model
     state = ServerState(engine=None, tokenizer=None, model_name=name, max_model_len=0,
                         tool_format=tool_format_for(None), metrics=None,
-                        capacity=options.engine.max_num_seqs + options.max_waiting, root=str(options.model))
+                        capacity=options.engine.max_num_seqs + options.max_waiting, root=str(options.model),
+                        reasoning_parser=options.reasoning_parser)
     state.metrics = ServerMetrics(lambda: None if state.engine is None else state.engine.stats(), name)
     return state
 

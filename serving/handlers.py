@@ -25,6 +25,7 @@ from tunix_rt.engine.errors import EngineUnavailableError, InvalidRequestError, 
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.structured import StructuredOutputsParams
 from tunix_rt.tools.chat import render_chat
+from tunix_rt.tools.reasoning import ReasoningDelta, ReasoningParser
 from tunix_rt.tools.tool_calls import ParsedCall, ParserOutput, ToolFormat, check_json_schema, check_tools
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -43,6 +44,7 @@ class ServerState:
     root: str = ""  # the model as given to the server (/v1/models' root)
     active: int = 0
     adapters: dict[str, str] = dataclasses.field(default_factory=dict)  # LoRA adapters served: name -> path
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: replies' <think> blocks go to `reasoning`
 
     def lora_for(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model); any other name is OpenAI's 404."""
@@ -162,7 +164,7 @@ def admit(state: ServerState, sequences: int):
     return release
 
 
-async def _first(gen: AsyncIterator[RequestOutput], param: str) -> RequestOutput:
+async def first_output(gen: AsyncIterator[RequestOutput], param: str) -> RequestOutput:
     """Start a stream: the engine admits the request before its first output, so admission errors
     (context length, vocabulary, constraint compile) surface here, before any byte is sent."""
     try:
@@ -178,27 +180,38 @@ async def _first(gen: AsyncIterator[RequestOutput], param: str) -> RequestOutput
 class _Sequence:
     """Per-choice bookkeeping while streaming: latencies, tool-call parsing, what was sent."""
 
-    def __init__(self, state: ServerState, arrival: float, parser=None, calls_only: bool = False):
+    def __init__(self, state: ServerState, arrival: float, parser=None, calls_only: bool = False,
+                 reasoning: ReasoningParser | None = None):
         self.timer = SequenceTimer(state.metrics, arrival)
         self.parser = parser
         self.calls_only = calls_only  # a forced tool choice: text outside calls is a cut-off call, not content
+        self.reasoning = reasoning  # splits the reply's reasoning from its answer before tool calls are read
         self.calls: list[ParsedCall] = []
         self.tokens_seen = 0
 
     def advance(self, out: RequestOutput) -> tuple[list[int], ParserOutput]:
+        """The new tokens, and the new text as reasoning, content and complete tool calls."""
         new_ids = out.token_ids[self.tokens_seen:]
         self.tokens_seen = len(out.token_ids)
         self.timer.tokens(len(new_ids), time.monotonic())
+        text, reasoning = out.delta_text, ""
+        if self.reasoning is not None:
+            split = self.reasoning.feed(text)
+            if out.finished:
+                tail = self.reasoning.finish()
+                split = ReasoningDelta(split.reasoning + tail.reasoning, split.content + tail.content)
+            text, reasoning = split.content, split.reasoning
         if self.parser is None:
-            parsed = ParserOutput(content=out.delta_text)
+            parsed = ParserOutput(content=text)
         else:
-            parsed = self.parser.feed(out.delta_text)
+            parsed = self.parser.feed(text)
             if out.finished:
                 tail = self.parser.finish()
                 parsed = ParserOutput(parsed.content + tail.content, parsed.calls + tail.calls)
             self.calls += parsed.calls
             if self.calls_only:
                 parsed.content = ""
+        parsed.reasoning = reasoning
         if out.finished:
             self.timer.done(out.finish_reason, time.monotonic())
         return new_ids, parsed
@@ -274,6 +287,7 @@ class ChatPlan:
     forced: bool  # required / named tool_choice: the grammar makes every token part of a call
     model: str  # the name replies carry: the base model's or the adapter's
     lora: str | None  # the LoRA adapter it runs with
+    reasoning: bool = False  # read the reply's reasoning apart (a reasoning parser, include_reasoning)
 
 
 def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
@@ -323,30 +337,43 @@ def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
     try:
         all_tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        prompt = render_chat(state.tokenizer, messages, fmt, all_tools if choice != "none" else None)
+        prompt = render_chat(state.tokenizer, messages, fmt, all_tools if choice != "none" else None,
+                             template_kwargs=template_kwargs(req.chat_template_kwargs))
     except ValueError as e:
         raise _bad(str(e), "messages") from None
     lora = state.lora_for(req.model)
     return ChatPlan(prompt, params, parse_tools=choice != "none", tools=tools, forced=forced,
-                    model=lora or state.model_name, lora=lora)
+                    model=lora or state.model_name, lora=lora, reasoning=state.reasoning_parser is not None)
 
 
-def _sequence(state: ServerState, plan: ChatPlan, arrival: float) -> _Sequence:
+def template_kwargs(given: dict | None) -> dict:
+    """The request's chat_template_kwargs (enable_thinking, ...): extra variables for the chat template, never
+    the ones the server sets."""
+    reserved = sorted(set(given or {}) & {"messages", "tools", "add_generation_prompt"})
+    if reserved:
+        raise _bad(f"chat_template_kwargs cannot set {', '.join(reserved)}", "chat_template_kwargs")
+    return dict(given or {})
+
+
+def chat_sequence(state: ServerState, plan: ChatPlan, arrival: float) -> _Sequence:
     parser = state.tool_format.parser(plan.tools) if plan.parse_tools else None
-    return _Sequence(state, arrival, parser, calls_only=plan.forced)
+    reasoning = ReasoningParser(plan.prompt) if plan.reasoning else None
+    return _Sequence(state, arrival, parser, calls_only=plan.forced, reasoning=reasoning)
 
 
 async def chat_full(state: ServerState, req: p.ChatCompletionRequest, plan: ChatPlan) -> p.ChatCompletion:
     arrival, rid = time.monotonic(), f"chatcmpl-{uuid.uuid4().hex}"
-    seqs = [_sequence(state, plan, arrival) for _ in range(plan.params.n)]
+    seqs = [chat_sequence(state, plan, arrival) for _ in range(plan.params.n)]
     final: list[RequestOutput | None] = [None] * plan.params.n
     content = [""] * plan.params.n
+    reasoning = [""] * plan.params.n
     gen = state.engine.generate(plan.prompt, plan.params, rid, lora_request=plan.lora)
     async with contextlib.aclosing(gen):
-        out = await _first(gen, "messages")
+        out = await first_output(gen, "messages")
         while out is not None:
             _, parsed = seqs[out.index].advance(out)
             content[out.index] += parsed.content
+            reasoning[out.index] += parsed.reasoning
             if out.finished:
                 final[out.index] = out
             out = await anext(gen, None)
@@ -354,8 +381,10 @@ async def chat_full(state: ServerState, req: p.ChatCompletionRequest, plan: Chat
     for i, (out, seq) in enumerate(zip(final, seqs)):
         calls = [p.ToolCall(id=c.id, function=p.FunctionCall(name=c.name, arguments=c.arguments)) for c in seq.calls]
         logprobs = _chat_logprobs(state, out, 0, len(out.token_ids)) if plan.params.logprobs is not None else None
-        choices.append(p.ChatChoice(index=i, message=p.ResponseMessage(content=content[i] or None, tool_calls=calls or None),
-                                    logprobs=logprobs, finish_reason=seq.finish_reason(out)))
+        thought = (reasoning[i] or None) if req.include_reasoning else None
+        message = p.ResponseMessage(content=content[i] or None, tool_calls=calls or None, reasoning=thought,
+                                    reasoning_content=thought)
+        choices.append(p.ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=seq.finish_reason(out)))
     completion = sum(len(o.token_ids) for o in final)
     return p.ChatCompletion(id=rid, model=plan.model, choices=choices,
                             usage=_usage(len(final[0].prompt_token_ids), completion),
@@ -367,7 +396,7 @@ async def chat_stream(state: ServerState, req: p.ChatCompletionRequest, plan: Ch
     arrival, rid = time.monotonic(), f"chatcmpl-{uuid.uuid4().hex}"
     gen = state.engine.generate(plan.prompt, plan.params, rid, lora_request=plan.lora)
     try:
-        first = await _first(gen, "messages")
+        first = await first_output(gen, "messages")
     except BaseException:
         await gen.aclose()
         raise
@@ -379,7 +408,7 @@ async def _chat_events(state, req, plan, rid, arrival, gen, out) -> AsyncIterato
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": plan.model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     usage = _usage_field(req)
-    seqs = [_sequence(state, plan, arrival) for _ in range(plan.params.n)]
+    seqs = [chat_sequence(state, plan, arrival) for _ in range(plan.params.n)]
     prompt_length = len(out.prompt_token_ids)
 
     def chunk(index, delta, finish_reason=None, logprobs=None):
@@ -398,6 +427,8 @@ async def _chat_events(state, req, plan, rid, arrival, gen, out) -> AsyncIterato
                 logprobs = None
                 if plan.params.logprobs is not None and new_ids:
                     logprobs = _chat_logprobs(state, out, start, seq.tokens_seen).model_dump()
+                if parsed.reasoning and req.include_reasoning:
+                    yield chunk(out.index, {"reasoning": parsed.reasoning, "reasoning_content": parsed.reasoning})
                 if parsed.content or logprobs:
                     yield chunk(out.index, {"content": parsed.content}, logprobs=logprobs)
                 if parsed.calls:
@@ -492,7 +523,7 @@ async def _open_all(state: ServerState, plan: CompletionPlan, rid: str):
     gens = [state.engine.generate(prompt, plan.params, f"{rid}-{k}", lora_request=plan.lora)
             for k, prompt in enumerate(plan.prompts)]
     try:
-        firsts = await asyncio.gather(*(_first(gen, "prompt") for gen in gens), return_exceptions=True)
+        firsts = await asyncio.gather(*(first_output(gen, "prompt") for gen in gens), return_exceptions=True)
         failed = [e for e in firsts if isinstance(e, BaseException)]
         if failed:
             raise next((e for e in failed if isinstance(e, APIError)), failed[0])

@@ -134,6 +134,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM: extra chat template variables (enable_thinking)
+    include_reasoning: bool = True  # vLLM: with a reasoning parser, return the reasoning
 
 
 class CompletionRequest(SamplingFields):
@@ -155,6 +157,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -167,6 +170,63 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesRequest(_Request):
+    """OpenAI's POST /v1/responses, the subset the Agents SDK sends (serving/responses.py reads the items)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None  # function tools: {"type": "function", "name", "parameters", ...}
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_output_tokens: int | None = Field(None, ge=1)
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    stream: bool = False
+    store: bool | None = None  # answered false: nothing is kept
+    previous_response_id: str | None = None  # refused: nothing is kept
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    # vLLM's sampling extras
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+
+
+class ResponseObject(BaseModel):
+    """A Responses API response (items as plain objects: message, function_call, reasoning)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, Any] | None = None
+    instructions: str | None = None
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    parallel_tool_calls: bool
+    temperature: float | None = None
+    top_p: float | None = None
+    max_output_tokens: int | None = None
+    previous_response_id: str | None = None
+    store: bool = False
+    text: dict[str, Any]
+    truncation: str = "disabled"
+    metadata: dict[str, Any]
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None
 
 
 class LoadLoRAAdapterRequest(_Request):
@@ -214,6 +274,8 @@ class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None  # None when the reply calls no tool
+    reasoning: str | None = None  # with a reasoning parser: the reply's <think> block (vLLM's field)
+    reasoning_content: str | None = None  # the same, under the name older clients read
 
 
 class PromptLogprob(BaseModel):

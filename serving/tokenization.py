@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from serving import protocol as p
 from serving.errors import APIError
+from serving.handlers import template_kwargs
 from tunix_rt.tools.chat import message_text, render_chat
 from tunix_rt.tools.tool_calls import check_tools
 
@@ -25,7 +26,8 @@ def _chat_text(state, req: p.TokenizeRequest) -> str:
         raise _bad(str(e), "tools") from None
     try:
         text = render_chat(state.tokenizer, messages, state.tool_format, tools,
-                           add_generation_prompt=req.add_generation_prompt)
+                           add_generation_prompt=req.add_generation_prompt,
+                           template_kwargs=template_kwargs(req.chat_template_kwargs))
         content = message_text(messages[-1], len(messages) - 1) if messages else ""
     except ValueError as e:
         raise _bad(str(e), "messages") from None

@@ -13,6 +13,7 @@ from tunix_rt.checkpoints.loader import DEFAULT
 from tunix_rt.engine.compile_cache import DEFAULT_DIR as DEFAULT_COMPILE_CACHE
 from tunix_rt.engine.config import EngineConfig
 from tunix_rt.ops.quant import FORMATS
+from tunix_rt.tools.reasoning import PARSERS as REASONING_PARSERS
 
 log = logging.getLogger("tunix_rt")
 
@@ -71,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
                        help="LoRA adapters (peft layout) served beside the base model, each picked by a request's "
                             "model field (NAME=PATH, or vLLM's JSON {\"name\": ..., \"path\": ...})")
+    serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="return a reply's <think> block as message.reasoning (and reasoning_content) apart from "
+                            "its content, as vLLM's reasoning parsers do")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     serve.add_argument("--compile-cache-dir", default=DEFAULT_COMPILE_CACHE,
                        help="persistent XLA compilation cache: a restart loads the engine's compiled step programs "
@@ -270,7 +274,8 @@ def _serve(args) -> int:
     serve(ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                        served_model_name=args.served_model_name, allowed_origins=tuple(args.allowed_origins),
                        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, dequantize=args.dequantize,
-                       lora=args.lora, lora_modules=modules, engine=engine, compile_cache_dir=args.compile_cache_dir))
+                       lora=args.lora, lora_modules=modules, reasoning_parser=args.reasoning_parser, engine=engine,
+                       compile_cache_dir=args.compile_cache_dir))
     return 0
 
 

@@ -90,7 +90,7 @@ def server(tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("serve") / "serve.log")
     args = ["--api-key", API_KEY, "--max-model-len", MAX_MODEL_LEN, "--max-num-seqs", MAX_NUM_SEQS,
             "--max-num-batched-tokens", "64", "--max-waiting", MAX_WAITING, "--max-body-bytes", MAX_BODY_BYTES,
-            "--allowed-origins", ORIGIN]
+            "--allowed-origins", ORIGIN, "--reasoning-parser", "qwen3"]
     # The warm-up compiles every plain step program before /health is ready; a compilation cache shared by the
     # session's servers (one per test worker) lets a second server load them.
     cache = tmp_path_factory.getbasetemp().parent / "serve_jax_cache"

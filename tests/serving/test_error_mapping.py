@@ -18,7 +18,7 @@ async def _failing(exc: Exception):
 
 def _mapped(exc: Exception, param: str = "prompt") -> APIError:
     with pytest.raises(APIError) as info:
-        asyncio.run(handlers._first(_failing(exc), param))
+        asyncio.run(handlers.first_output(_failing(exc), param))
     return info.value
 
 
@@ -39,7 +39,7 @@ def test_engine_errors_map_by_type(exc, status, param, code):
 def test_a_message_that_merely_looks_like_a_known_error_is_not_one():
     """Meaning comes from the type: an untyped error reads as what it is, whatever its text says."""
     with pytest.raises(ValueError, match="maximum context length"):
-        asyncio.run(handlers._first(_failing(ValueError("maximum context length")), "prompt"))
+        asyncio.run(handlers.first_output(_failing(ValueError("maximum context length")), "prompt"))
 
 
 def test_sampling_params_errors_name_their_field():

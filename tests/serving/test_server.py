@@ -453,6 +453,145 @@ def test_structured_outputs_choice_regex_json_and_grammar(client):
     assert r.choices[0].text in ("ab", "cd")
 
 
+# -- /v1/responses ------------------------------------------------------------------------------------------
+
+RESPONSES_WEATHER = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+
+
+def test_responses_text_as_chat_gives_it(client):
+    """responses.create with a string input, and with instructions and message items, answers what chat does."""
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0)
+    r = client.responses.create(model=MODEL, input=QUESTION[0]["content"], max_output_tokens=12, temperature=0)
+    assert r.status in ("completed", "incomplete") and r.model == MODEL and r.object == "response"
+    assert r.output_text == chat.choices[0].message.content
+    [item] = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens and r.store is False
+    if chat.choices[0].finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    system = "Answer in one word."
+    items = [{"role": "developer", "content": [{"type": "input_text", "text": system}]},
+             {"type": "message", "role": "user", "content": QUESTION[0]["content"]}]
+    with_items = client.responses.create(model=MODEL, input=items, max_output_tokens=12, temperature=0)
+    by_instructions = client.responses.create(model=MODEL, instructions=system, input=QUESTION[0]["content"],
+                                              max_output_tokens=12, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0,
+                                          messages=[{"role": "system", "content": system}, *QUESTION])
+    assert with_items.output_text == chat.choices[0].message.content
+    assert by_instructions.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_responses_function_call_round_trip(client):
+    """A required function tool gives a function_call item; sent back with its function_call_output, the model
+    answers in text. Streamed, the events give the same items, one closed before the next opens."""
+    kw = dict(model=MODEL, tools=[RESPONSES_WEATHER], max_output_tokens=TOOL_TOKENS, temperature=0,
+              parallel_tool_calls=False)
+    r = client.responses.create(input=WEATHER_Q[0]["content"], tool_choice="required", **kw)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].call_id
+    args = json.loads(calls[0].arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    events = list(client.responses.create(input=WEATHER_Q[0]["content"], tool_choice="required", stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    final = events[-1].response
+    assert [(i.type, getattr(i, "name", None), getattr(i, "arguments", None)) for i in final.output] == \
+        [(i.type, getattr(i, "name", None), getattr(i, "arguments", None)) for i in r.output]
+    opened = [e.output_index for e in events if e.type == "response.output_item.added"]
+    closed = [e.output_index for e in events if e.type == "response.output_item.done"]
+    assert opened == closed == list(range(len(final.output)))
+    follow = [{"role": "user", "content": WEATHER_Q[0]["content"]},
+              {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
+               "arguments": calls[0].arguments},
+              {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C and sunny"}]
+    answer = client.responses.create(input=follow, tool_choice="none", **kw)
+    assert answer.output_text and not [i for i in answer.output if i.type == "function_call"]
+
+
+def test_responses_stream_text_and_json_format(client):
+    kw = dict(model=MODEL, input=QUESTION[0]["content"], max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-1].response.output_text
+    done = [e for e in events if e.type == "response.output_text.done"]
+    assert done[0].text == whole.output_text and events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}
+    r = client.responses.create(**{**kw, "max_output_tokens": 40},
+                                text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
+    ({"input": [{"role": "wizard", "content": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
+    ({"input": []}, "input"),
+    ({"text": {"format": {"type": "yaml"}}}, "text"),
+    ({"tool_choice": {"type": "mcp"}}, "tool_choice"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_responses_bad_input_is_400(server, body, param):
+    r = raw_post(server, "/v1/responses", json={"model": MODEL, "input": "hi", **body})
+    assert r.status_code == 400, r.text
+    assert_envelope(r.json(), param=param)
+
+
+def test_responses_unknown_model_is_404(server):
+    r = raw_post(server, "/v1/responses", json={"model": "nope", "input": "hi"})
+    assert r.status_code == 404
+    assert_envelope(r.json(), code="model_not_found")
+
+
+# -- reasoning (the shared server runs --reasoning-parser qwen3) ----------------------------------------------
+
+
+THINKING = r"<think>[a-z]{2,8}( [a-z]{2,8}){1,3}</think>[A-Z][a-z]{2,8}( [a-z]{2,8}){1,3}\."
+
+
+def test_reasoning_goes_apart_from_the_content(client):
+    """A reply that thinks (forced here by a regex) carries its <think> block as message.reasoning and
+    reasoning_content, its answer as content; streamed, the same as reasoning deltas then content deltas; with
+    include_reasoning false the reasoning is left out; a reply that does not think is all content."""
+    kw = dict(model=MODEL, messages=QUESTION, max_tokens=48, temperature=0.8, seed=3)
+    extra = {"structured_outputs": {"regex": THINKING}}
+    whole = client.chat.completions.create(**kw, extra_body=extra).choices[0].message
+    full = re.fullmatch(r"<think>(.*)</think>(.*)", f"<think>{whole.reasoning}</think>{whole.content}")
+    assert full and re.fullmatch(THINKING, full.group(0)), whole
+    assert whole.reasoning_content == whole.reasoning and "<think>" not in whole.content
+    chunks = list(client.chat.completions.create(**kw, extra_body=extra, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed_reasoning = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
+    streamed_content = "".join(d.content or "" for d in deltas)
+    assert (streamed_reasoning, streamed_content) == (whole.reasoning, whole.content)
+    last_reasoning = max(i for i, d in enumerate(deltas) if getattr(d, "reasoning", None))
+    assert all(not d.content for d in deltas[:last_reasoning])  # reasoning first, then the answer
+    quiet = client.chat.completions.create(**kw, extra_body={**extra, "include_reasoning": False}).choices[0].message
+    assert quiet.content == whole.content and quiet.reasoning is None and quiet.reasoning_content is None
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
+    assert plain.choices[0].message.reasoning is None and plain.choices[0].message.content
+
+
+def test_chat_template_kwargs(server, client):
+    """vLLM's chat_template_kwargs reach the template (this one has no enable_thinking: the prompt is the same);
+    the variables the server sets itself are refused."""
+    kw = dict(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens and a.choices[0].message.content == b.choices[0].message.content
+    for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 2}),
+                       ("/tokenize", {"model": MODEL, "messages": QUESTION})):
+        r = raw_post(server, path, json={**body, "chat_template_kwargs": {"add_generation_prompt": False}})
+        assert r.status_code == 400, r.text
+        assert_envelope(r.json(), param="chat_template_kwargs")
+
+
 @pytest.mark.parametrize("path, structured", [
     ("/v1/completions", {"regex": "("}),
     ("/v1/completions", {"grammar": "start: nonesuch"}),

@@ -73,12 +73,13 @@ def template_messages(messages: list[dict], fmt: ToolFormat, tools: list[dict] |
 
 
 def render_chat(tokenizer, messages: list[dict], fmt: ToolFormat, tools: list[dict] | None, *,
-                add_generation_prompt: bool = True) -> str:
-    """The prompt text for `messages` (tools: OpenAI tool dicts; None: the model is not told about any)."""
+                add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
+    """The prompt text for `messages` (tools: OpenAI tool dicts; None: the model is not told about any);
+    `template_kwargs` are extra template variables (enable_thinking=False for Qwen3's template)."""
     msgs = template_messages(messages, fmt, tools)
     try:
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
-                                             tools=tools if fmt.native else None)
+                                             tools=tools if fmt.native else None, **(template_kwargs or {}))
     except ValueError:
         raise
     except Exception as e:  # the template's own checks (e.g. "roles must alternate") are bad input

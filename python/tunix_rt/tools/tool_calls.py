@@ -154,6 +154,7 @@ class _Validator:
 class ParserOutput:
     content: str = ""
     calls: list[ParsedCall] = dataclasses.field(default_factory=list)
+    reasoning: str = ""  # set by the server's reasoning parser, which reads the text before the tool parser
 
 
 class _ContentGate:

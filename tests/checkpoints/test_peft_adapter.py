@@ -41,7 +41,7 @@ def _hf_logprobs(hf, tokens=TOKENS) -> np.ndarray:
         return torch.log_softmax(hf(torch.tensor(np.asarray(tokens))).logits.float(), -1).numpy()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma2"])
 def base(request, tmp_path_factory):
     src = tmp_path_factory.mktemp(f"{request.param}_base")
     hf = make_hf_model(request.param, src)

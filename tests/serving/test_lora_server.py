@@ -168,3 +168,38 @@ def test_unloading_under_load_loses_no_request(setup):
     assert _complete(base, "tmp", max_tokens=56).choices[0].text == want
     assert _post(base, "/v1/unload_lora_adapter", {"lora_name": "tmp"}).status_code == 200
     _wait_idle(base)
+
+
+def test_serve_with_one_adapter_applied(setup, tmp_path):
+    """`serve --lora PATH` (ServeOptions.lora): the served model is the base with that adapter, as `--lora` gives
+    in-process; combined with --lora-modules it is refused."""
+    import asyncio
+
+    from serving.app import ServeOptions, build_state, load_engine
+    from tunix_rt.checkpoints.peft_adapter import load_adapter
+    from tunix_rt.cli import main
+    from tunix_rt.engine.config import EngineConfig
+    from tunix_rt.engine.engine import Engine
+    from tunix_rt.engine.params import SamplingParams
+
+    _, paths = setup
+    base_dir = paths["a0"].parent / "base"
+    options = ServeOptions(model=str(base_dir), lora=str(paths["a1"]),
+                           engine=EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32))
+    state = build_state(options)
+    load_engine(state, options)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+
+    async def served():
+        return [out async for out in state.engine.generate(PROMPT, params)][-1]
+
+    try:
+        got = asyncio.run(served())
+    finally:
+        state.engine.shutdown()
+    loaded = load_model(base_dir)
+    load_adapter(loaded.model, paths["a1"])
+    [want] = Engine(loaded.model, loaded.tokenizer, max_num_seqs=2, max_model_len=32).generate([PROMPT], params)
+    assert got.token_ids == want.token_ids
+    assert main(["serve", "--model", str(base_dir), "--lora", str(paths["a1"]), "--lora-modules",
+                 f"x={paths['a0']}"]) == 2

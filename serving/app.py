@@ -155,11 +155,18 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
         if body.lora_name == state.model_name or body.lora_name in state.adapters:
             raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name",
                            code="lora_adapter_exists")
-        try:
-            await state.engine.call(lambda engine: engine.add_lora(body.lora_name, body.lora_path))
+        engine = state.engine.engine
+
+        async def load():
+            # read and checked off the engine's thread (file reads, parsing); only registered between two steps
+            adapter = await asyncio.to_thread(engine.read_lora, body.lora_name, body.lora_path)
+            await state.engine.call(lambda e: e.register_lora(adapter))
+            state.adapters[body.lora_name] = body.lora_path
+
+        try:  # shielded: a client that leaves mid-way must not leave the server and the engine disagreeing
+            await asyncio.shield(asyncio.ensure_future(load()))
         except InvalidRequestError as e:  # LoRAAdapterError, or an engine without adapter slots
             raise APIError(400, str(e), param="lora_path", code=e.code) from None
-        state.adapters[body.lora_name] = body.lora_path
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
@@ -171,7 +178,7 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
             raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
                            code="model_not_found")
         del state.adapters[body.lora_name]  # first: no request planned from here on names it
-        await state.engine.call(lambda engine: engine.remove_lora(body.lora_name))
+        await asyncio.shield(asyncio.ensure_future(state.engine.call(lambda e: e.remove_lora(body.lora_name))))
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
     @app.get("/version")

@@ -104,7 +104,10 @@ def _logit_bias(state: ServerState, req: p.SamplingFields) -> dict[int, float] |
     vocab = state.engine.engine.model.config.vocab_size
     bias = {}
     for key, value in req.logit_bias.items():
-        token = int(key) if key.strip().lstrip("-").isdigit() else None
+        try:
+            token = int(key)
+        except ValueError:
+            token = None
         if token is None or not 0 <= token < vocab:
             raise _bad(f"logit_bias key {key!r} is not a token id of this model: keys are integer token ids in "
                        f"[0, {vocab}) (the vocabulary has {vocab} tokens)", "logit_bias")

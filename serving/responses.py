@@ -182,24 +182,22 @@ def _ending(out) -> tuple[str, str | None]:
 
 
 async def full(state: ServerState, req: p.ResponsesRequest, plan_: ChatPlan) -> dict:
+    """The whole response: the items the streamed events would carry, in the order they would."""
     rid, created, arrival = _new_id("resp"), p.now(), time.monotonic()
-    seq = chat_sequence(state, plan_, arrival)
-    content, reasoning, out = "", "", None
+    seq, items = chat_sequence(state, plan_, arrival), _Events()
     gen = state.engine.generate(plan_.prompt, plan_.params, rid, lora_request=plan_.lora)
     async with contextlib.aclosing(gen):
         out = await first_output(gen, "input")
-        while True:
-            _, parsed = seq.advance(out)
-            content, reasoning = content + parsed.content, reasoning + parsed.reasoning
+        while out is not None:
+            items.parsed(seq.advance(out)[1])
             if out.finished:
                 break
-            out = await anext(gen)
-    output = [_reasoning(_new_id("rs"), reasoning)] if reasoning else []
-    if content:
-        output.append(_message(_new_id("msg"), content))
-    output += [_function_call(call) for call in seq.calls]
+            out = await anext(gen, None)
+    if out is None or not out.finished:
+        raise RuntimeError("the engine ended the request before it finished")
+    items.close()
     status, incomplete = _ending(out)
-    return _response(req, rid, created, plan_, status, output, _usage(out), incomplete)
+    return _response(req, rid, created, plan_, status, items.output, _usage(out), incomplete)
 
 
 async def stream(state: ServerState, req: p.ResponsesRequest, plan_: ChatPlan) -> AsyncIterator[str]:
@@ -215,7 +213,8 @@ async def stream(state: ServerState, req: p.ResponsesRequest, plan_: ChatPlan) -
 
 
 class _Events:
-    """The event sequence of one streamed response: items opened and closed in order, numbered events."""
+    """The items of one response as they are generated, opened and closed in order, and the numbered events of
+    that (a whole response keeps the items and drops the events)."""
 
     def __init__(self):
         self.number = 0
@@ -271,6 +270,16 @@ class _Events:
         self.output.append(item)
         return events
 
+    def parsed(self, parsed) -> list[str]:
+        """The events of a step's parsed text: reasoning, then content, then complete tool calls."""
+        events = []
+        for kind, delta in (("reasoning", parsed.reasoning), ("message", parsed.content)):
+            if delta:
+                events += self.text(kind, delta)
+        for call in parsed.calls:
+            events += self.call(call)
+        return events
+
     def call(self, call) -> list[str]:
         events = self.close()
         index = len(self.output)
@@ -296,17 +305,13 @@ async def _events(state, req, plan_, rid, arrival, gen, out) -> AsyncIterator[st
     async with contextlib.aclosing(gen):
         try:
             while out is not None:
-                _, parsed = seq.advance(out)
-                for kind, delta in (("reasoning", parsed.reasoning), ("message", parsed.content)):
-                    if delta:
-                        for event in events.text(kind, delta):
-                            yield event
-                for call in parsed.calls:
-                    for event in events.call(call):
-                        yield event
+                for event in events.parsed(seq.advance(out)[1]):
+                    yield event
                 if out.finished:
                     break
                 out = await anext(gen, None)
+            if out is None or not out.finished:
+                raise RuntimeError("the engine ended the request before it finished")
         except Exception as e:  # noqa: BLE001 - a failed engine step ends the stream with an error event
             yield events.event("error", message=f"generation failed: {type(e).__name__}: {e}", code="server_error",
                                param=None)

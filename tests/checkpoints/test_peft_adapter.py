@@ -94,6 +94,25 @@ def test_a_peft_adapter_loads_with_peft_logprobs(base, tmp_path, rslora):
     assert np.abs(_logprobs(model) - _hf_logprobs(tuned.eval())).max() <= 1e-4, family
 
 
+def test_a_bfloat16_peft_adapter_loads(base, tmp_path):
+    """peft saves adapters in the training dtype, often bfloat16: they load as float32 values."""
+    family, hf, src = base
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False,
+                             task_type="CAUSAL_LM")
+    tuned = peft.get_peft_model(type(hf).from_pretrained(src, attn_implementation="eager").eval(), config)
+    lora_params = [param for name, param in tuned.named_parameters() if "lora_" in name]
+    with torch.no_grad():
+        for param in lora_params:
+            param.copy_(param.bfloat16().float())  # the values bf16 can hold: the reference runs in f32 on them
+    want = _hf_logprobs(tuned.eval())
+    for param in lora_params:
+        param.data = param.data.bfloat16()
+    tuned.save_pretrained(tmp_path / "bf16")
+    model = load_model(src).model
+    load_adapter(model, tmp_path / "bf16")
+    assert np.abs(_logprobs(model) - want).max() <= 1e-4, family
+
+
 def test_adapters_that_do_not_fit_are_refused(base, tmp_path):
     family, hf, src = base
     other = tmp_path / "other"
@@ -117,11 +136,18 @@ def test_adapters_that_do_not_fit_are_refused(base, tmp_path):
     config = json.loads((good / "adapter_config.json").read_text())
     for change, message in [({"use_dora": True}, "use_dora"), ({"bias": "all"}, "bias 'all'"),
                             ({"modules_to_save": ["lm_head"]}, "modules_to_save"), ({"peft_type": "IA3"}, "IA3"),
-                            ({"r": 0}, "r must be a positive number")]:
+                            ({"r": 0}, "r must be a positive number"),
+                            ({"alpha_pattern": {"(": 2}}, "not a valid regular expression"),
+                            ({"alpha_pattern": {"q_proj": "x"}}, "lora_alpha must be a positive number")]:
         (good / "adapter_config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(AdapterError, match=message):
             load_adapter(model, good)
     (good / "adapter_config.json").write_text(json.dumps(config))
+    weights = (good / "adapter_model.safetensors").read_bytes()
+    (good / "adapter_model.safetensors").write_bytes(weights[:len(weights) // 2])
+    with pytest.raises(AdapterError, match="not a readable safetensors file"):
+        load_adapter(model, good)
+    (good / "adapter_model.safetensors").write_bytes(weights)
     load_adapter(model, good)
     with pytest.raises(AdapterError, match="already has a LoRA adapter"):
         load_adapter(model, good)

@@ -174,6 +174,12 @@ def test_bad_adapters_are_refused_by_reason(setup, tmp_path):
     with pytest.raises(UnknownLoRAAdapterError):
         engine.remove_lora("nope")
     assert not {"big", "other", "nothing"} & set(engine.list_loras())
+    with_lora = nnx.clone(base)
+    load_adapter(with_lora, paths[0])
+    with pytest.raises(ValueError, match="a model with LoRA layers cannot take adapter slots"):
+        Engine(with_lora, None, max_loras=2, **SIZES)
+    with pytest.raises(RuntimeError, match="update_weights on an engine with adapter slots"):
+        engine.update_weights(base)
     plain = Engine(base, None, **SIZES)
     with pytest.raises(InvalidRequestError, match="max_loras > 0"):
         plain.add_request([1, 2, 3], GREEDY, lora_request="a0")

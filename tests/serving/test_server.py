@@ -832,7 +832,7 @@ def test_invalid_parameter_is_400(client, kwargs, param):
     assert err["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("key", ["-1", "49152", "1e3", "abc"])
+@pytest.mark.parametrize("key", ["-1", "49152", "1e3", "abc", "--5", "\u00b2"])
 def test_logit_bias_key_outside_the_vocabulary_is_400(client, key):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=FOX, max_tokens=4, logit_bias={key: 5})

@@ -286,13 +286,13 @@ def test_lora_run_writes_its_adapter_in_peft_layout(lora_run, tiny, capsys):
 
 
 def test_training_starts_from_an_adapter(lora_run, root, tiny, sft_data, capsys):
-    """--lora PATH: the run trains that adapter on (its rank and alpha are the run's); at learning rate 0 the
-    result is the adapter's model. A --lora-rank that differs is a one-line error; so is a missing adapter."""
+    """--lora PATH: the run trains that adapter on (its rank and alpha are the run's); at a learning rate of 1e-12
+    the result is the adapter's model. A --lora-rank that differs is a one-line error; so is a missing adapter."""
     out, trainer = lora_run
     again = root / "from_adapter"
     with recording_trainers() as trainers:
         assert cli("sft", "--model", tiny, "--data", sft_data, "--output", again, "--steps", "1", "--lora",
-                   out / "adapter", "learning_rate=0", *COMMON) == 0
+                   out / "adapter", "learning_rate=1e-12", *COMMON) == 0
     saved = yaml.safe_load((again / "config.yaml").read_text())
     assert (saved["lora_rank"], saved["lora_alpha"], saved["lora"]) == (4, 8.0, str(out / "adapter"))
     np.testing.assert_allclose(logits(trainers[0].model()), logits(trainer.model()), atol=1e-5)

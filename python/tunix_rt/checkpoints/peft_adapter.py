@@ -121,9 +121,24 @@ def read_adapter_config(path: str | os.PathLike) -> dict:
 def _pattern_value(patterns: dict, module: str, default):
     """peft's rank_pattern / alpha_pattern: the first key that matches the end of the module's name."""
     for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        try:
+            matched = re.match(rf"(.*\.)?({key})$", module)
+        except re.error as e:
+            raise AdapterError(f"{CONFIG}: pattern {key!r} is not a valid regular expression: {e}") from None
+        if matched:
             return value
     return default
+
+
+def _load_tensors(path: Path) -> dict[str, np.ndarray]:
+    """The adapter's tensors as float32 (peft saves them in the training dtype, often bfloat16)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="flax") as f:
+            return {key: np.asarray(f.get_tensor(key).astype(jnp.float32)) for key in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise AdapterError(f"{path} is not a readable safetensors file: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,13 +161,11 @@ def read_adapter(model: Decoder, path: str | os.PathLike) -> tuple[dict, list[Ad
     """The adapter at `path` (its config and one AdaptedModule per adapted projection), checked against `model`:
     a tensor naming a module the model lacks, or of another shape (an adapter of another base), is an
     AdapterError naming it."""
-    from safetensors.numpy import load_file
-
     path = Path(path)
     config = read_adapter_config(path)
     names = hf_module_names(model)
     pairs: dict[str, dict[str, np.ndarray]] = {}
-    for key, value in load_file(str(path / WEIGHTS)).items():
+    for key, value in _load_tensors(path / WEIGHTS).items():
         match = _TENSOR.match(key)
         if match is None:
             raise AdapterError(f"{path / WEIGHTS}: tensor {key!r} is not a LoRA A or B weight")
@@ -174,7 +187,10 @@ def read_adapter(model: Decoder, path: str | os.PathLike) -> tuple[dict, list[Ad
             raise AdapterError(f"{path}: {module}'s lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit its "
                                f"({dout}, {din}) weight (an adapter of another base model?)")
         rank = a.shape[0]
-        alpha = float(_pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"]))
+        alpha = _pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+            raise AdapterError(f"{path / CONFIG}: {module}'s lora_alpha must be a positive number, got {alpha!r}")
+        alpha = float(alpha)
         scaling = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
         modules.append(AdaptedModule(module, owner, attr, np.ascontiguousarray(a.T, np.float32),
                                      np.ascontiguousarray(b.T, np.float32), scaling))

@@ -28,13 +28,14 @@ from tunix_rt.engine.errors import (
     RequestTooLargeError,
 )
 from tunix_rt.engine.kv_cache_manager import KVCacheManager
-from tunix_rt.engine.lora_manager import LoRAManager, LoRARequest
+from tunix_rt.engine.lora_manager import Adapter, LoRAManager, LoRARequest
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.request import Request, Status
 from tunix_rt.engine.runner import ModelRunner
 from tunix_rt.engine.scheduler import Scheduler
 from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.lora import has_lora
 from tunix_rt.models.multi_lora import with_adapter_slots
 
 log = logging.getLogger(__name__)
@@ -85,14 +86,14 @@ class Engine:
                              f"got {num_kv_blocks} (raise kv_cache_memory or num_kv_blocks)")
         self.config = config
         if config.max_loras:  # the engine's copy gets adapter slots; the caller's model stays as it is
+            if has_lora(model):
+                raise ValueError("Engine: a model with LoRA layers cannot take adapter slots (max_loras): merge its "
+                                 "adapter first (merge_lora), or serve it as one of the engine's adapters")
             model = with_adapter_slots(model, slots=config.max_loras, rank=config.max_lora_rank)
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   decode_steps=config.decode_steps)  # its LoRA manager: set once the runner is
         eos = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, eos)
         self.runner = ModelRunner(model, num_blocks=num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
@@ -102,7 +103,9 @@ class Engine:
                                   processed_logprobs=config.logprobs_mode == "processed_logprobs")
         self.loras = (LoRAManager(model, self.runner, slots=config.max_loras, rank=config.max_lora_rank)
                       if config.max_loras else None)
-        self.scheduler.loras = self.loras
+        self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   decode_steps=config.decode_steps, loras=self.loras)
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
@@ -313,13 +316,13 @@ class Engine:
                 bar.close()
         return [results[rid][0] if p.n == 1 else results[rid] for rid, p in zip(ids, params)]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
-               ) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, *,
+               lora_request: LoRARequest | str | None = None) -> Iterator[RequestOutput]:
         """Yield each sequence's output as it advances (delta_text / delta_token_ids hold what is new).
 
         Closing the iterator early aborts the request.
         """
-        rid = self.add_request(prompt, params, request_id)
+        rid = self.add_request(prompt, params, request_id, lora_request=lora_request)
         remaining = (params or SamplingParams()).n
         try:
             while remaining:
@@ -346,6 +349,9 @@ class Engine:
     def update_weights(self, params: nnx.State | Decoder) -> None:
         """Swap the model's weights in place (same shapes and dtypes: nothing recompiles); the
         prefix cache is reset since cached K/V came from the old weights."""
+        if self.loras is not None:
+            raise RuntimeError("update_weights on an engine with adapter slots (max_loras) is not supported: its "
+                               "slots hold the adapters' weights; make a new engine")
         state = nnx.split(params)[1] if isinstance(params, Decoder) else params
         self.runner.update_weights(state)
         self.kv.reset_prefix_cache()
@@ -369,7 +375,15 @@ class Engine:
 
     def add_lora(self, name: str, path) -> None:
         """Register the peft adapter directory `path` as `name` (an engine with max_loras); requests name it."""
-        self._adapters().add(name, path)
+        self._adapters().register(self.read_lora(name, path))
+
+    def read_lora(self, name: str, path) -> Adapter:
+        """Read and check an adapter without registering it: the slow half of add_lora, which a server runs off
+        the engine's thread (then `register_lora`)."""
+        return self._adapters().read(name, path)
+
+    def register_lora(self, adapter: Adapter) -> None:
+        self._adapters().register(adapter)
 
     def remove_lora(self, name: str) -> None:
         """Unregister adapter `name`: new requests cannot name it; those in flight finish with it."""

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_rt.checkpoints.peft_adapter import read_adapter
+from tunix_rt.checkpoints.peft_adapter import hf_module_names, read_adapter
 from tunix_rt.engine.errors import LoRAAdapterError, UnknownLoRAAdapterError
 from tunix_rt.models.multi_lora import MultiLoRALinear
 
@@ -28,7 +28,7 @@ from tunix_rt.models.multi_lora import MultiLoRALinear
 @dataclasses.dataclass(frozen=True)
 class LoRARequest:
     """vLLM's LoRARequest: the adapter a request runs with. A name the engine does not know yet is loaded from
-    `lora_path` first."""
+    `lora_path` first. `lora_int_id` is kept for code written against vLLM; names identify adapters here."""
 
     lora_name: str
     lora_int_id: int = 0
@@ -39,8 +39,7 @@ class LoRARequest:
 class Adapter:
     name: str
     path: str
-    version: int
-    rank: int
+    version: int  # set when registered: a new one per registration
     weights: dict[str, tuple[np.ndarray, np.ndarray]]  # HF module name -> (A (in, r), B * scaling (r, out))
     pending: int = 0  # sequences in the engine that name it
     running: int = 0  # of which admitted (holding its slot)
@@ -53,8 +52,6 @@ class Adapter:
 
 class LoRAManager:
     def __init__(self, model: nnx.Module, runner, *, slots: int, rank: int):
-        from tunix_rt.checkpoints.peft_adapter import hf_module_names
-
         self.model, self.runner, self.max_rank = model, runner, rank
         layers = {id(getattr(owner, attr)): name for name, (owner, attr) in hf_module_names(model).items()}
         index = {id(leaf): i for i, leaf in enumerate(runner.leaves)}
@@ -72,24 +69,32 @@ class LoRAManager:
 
     # -- registry ---------------------------------------------------------------------------------
 
-    def add(self, name: str, path: str | os.PathLike) -> Adapter:
-        """Register the peft adapter at `path` as `name` (read and checked against the model now)."""
+    def read(self, name: str, path: str | os.PathLike) -> Adapter:
+        """The peft adapter at `path`, read and checked against the model (a file's faults, another base's
+        shapes, a rank over max_lora_rank are LoRAAdapterErrors), not yet registered. Touches no engine state, so
+        it may run off the engine's thread."""
         if not isinstance(name, str) or not name:
             raise LoRAAdapterError(f"an adapter needs a non-empty name, got {name!r}")
-        if name in self.adapters:
-            raise LoRAAdapterError(f"an adapter named {name!r} is already loaded", code="lora_adapter_exists")
         try:
             _, modules = read_adapter(self.model, path)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - unreadable files raise many kinds: each is the request's fault
             raise LoRAAdapterError(f"adapter {name!r}: {e}") from None
         over = [m for m in modules if m.rank > self.max_rank]
         if over:
             raise LoRAAdapterError(f"adapter {name!r} has rank {over[0].rank} ({over[0].name}), over this engine's "
                                    f"max_lora_rank {self.max_rank}")
-        adapter = Adapter(name, str(path), next(self._versions), max(m.rank for m in modules),
-                          {m.name: (m.a, m.b * np.float32(m.scaling)) for m in modules})
-        self.adapters[name] = adapter
+        return Adapter(name, str(path), 0, {m.name: (m.a, m.b * np.float32(m.scaling)) for m in modules})
+
+    def register(self, adapter: Adapter) -> Adapter:
+        """Make a read adapter nameable by requests (a name in use is refused)."""
+        if adapter.name in self.adapters:
+            raise LoRAAdapterError(f"an adapter named {adapter.name!r} is already loaded", code="lora_adapter_exists")
+        adapter.version = next(self._versions)
+        self.adapters[adapter.name] = adapter
         return adapter
+
+    def add(self, name: str, path: str | os.PathLike) -> Adapter:
+        return self.register(self.read(name, path))
 
     def remove(self, name: str) -> None:
         """Unregister `name`: new requests cannot name it; the ones in flight finish with it."""

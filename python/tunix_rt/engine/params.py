@@ -116,7 +116,8 @@ class RequestOutput:
     top_logprobs: list[dict[int, float]] | None = None  # per token, the top-k ids -> log p
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # with SamplingParams.prompt_logprobs: log p of each prompt token given those before it (None for the first),
-    # and with k > 0 the top k ids -> log p at each position (None for the first); raw model distribution
+    # and with k > 0 the top k ids -> log p at each position (None for the first); raw model distribution. Set on
+    # a request's first output and its last (None on the streamed ones between)
     prompt_logprobs: list[float | None] | None = None
     prompt_ranks: list[int | None] | None = None  # each prompt token's rank in its distribution (1 = the most likely)
     prompt_top_logprobs: list[dict[int, float] | None] | None = None

@@ -49,6 +49,7 @@ class Request:
         self.text = ""
         self._sent_tokens = 0
         self._sent_text = 0
+        self._sent_prompt = False
 
     @property
     def num_tokens(self) -> int:
@@ -100,14 +101,17 @@ class Request:
         """The request as it stands, with what changed since the last output() as deltas."""
         delta_ids = self.output_token_ids[self._sent_tokens:]
         delta_text = self.text[self._sent_text:]
-        self._sent_tokens, self._sent_text = len(self.output_token_ids), len(self.text)
+        # prompt log-probs (complete by the first output, which comes once the prompt is computed) ride on the
+        # first output and the last only: a copy on every streamed token would cost the prompt's length each time
+        with_prompt = self.prompt_logprobs is not None and (not self._sent_prompt or self.finish_reason is not None)
+        self._sent_tokens, self._sent_text, self._sent_prompt = len(self.output_token_ids), len(self.text), True
         return RequestOutput(
             request_id=self.request_id, index=self.index, prompt_token_ids=self.prompt_token_ids,
             token_ids=list(self.output_token_ids), text=self.text, finish_reason=self.finish_reason,
             stop_reason=self.stop_reason, logprobs=None if self.logprobs is None else list(self.logprobs),
             top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
             num_cached_tokens=self.num_cached_tokens or 0,
-            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
-            prompt_ranks=None if self.prompt_ranks is None else list(self.prompt_ranks),
-            prompt_top_logprobs=None if self.prompt_top_logprobs is None else list(self.prompt_top_logprobs),
+            prompt_logprobs=list(self.prompt_logprobs) if with_prompt else None,
+            prompt_ranks=list(self.prompt_ranks) if with_prompt else None,
+            prompt_top_logprobs=list(self.prompt_top_logprobs) if with_prompt and self.prompt_top_logprobs else None,
             delta_text=delta_text, delta_token_ids=delta_ids)

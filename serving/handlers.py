@@ -394,15 +394,20 @@ async def chat_full(state: ServerState, req: p.ChatCompletionRequest, plan: Chat
                             prompt_logprobs=prompt_logprobs_field(state, final[0], req.prompt_logprobs))
 
 
-async def chat_stream(state: ServerState, req: p.ChatCompletionRequest, plan: ChatPlan) -> AsyncIterator[str]:
-    """Starts the engine request before returning, so prompt errors are still plain 400 responses."""
-    arrival, rid = time.monotonic(), f"chatcmpl-{uuid.uuid4().hex}"
+async def started(state: ServerState, plan: ChatPlan, rid: str, param: str):
+    """A chat plan's engine stream and its first output: a stream starts its engine request before returning,
+    so prompt errors are still plain 400 responses (`param` names the field at fault)."""
     gen = state.engine.generate(plan.prompt, plan.params, rid, lora_request=plan.lora)
     try:
-        first = await first_output(gen, "messages")
+        return gen, await first_output(gen, param)
     except BaseException:
         await gen.aclose()
         raise
+
+
+async def chat_stream(state: ServerState, req: p.ChatCompletionRequest, plan: ChatPlan) -> AsyncIterator[str]:
+    arrival, rid = time.monotonic(), f"chatcmpl-{uuid.uuid4().hex}"
+    gen, first = await started(state, plan, rid, "messages")
     return _chat_events(state, req, plan, rid, arrival, gen, first)
 
 

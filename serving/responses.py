@@ -23,7 +23,7 @@ import pydantic
 
 from serving import protocol as p
 from serving.errors import APIError
-from serving.handlers import ChatPlan, ServerState, chat_sequence, first_output, plan_chat
+from serving.handlers import ChatPlan, ServerState, chat_sequence, first_output, plan_chat, started
 
 _SAMPLING_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -201,14 +201,8 @@ async def full(state: ServerState, req: p.ResponsesRequest, plan_: ChatPlan) -> 
 
 
 async def stream(state: ServerState, req: p.ResponsesRequest, plan_: ChatPlan) -> AsyncIterator[str]:
-    """Starts the engine request before returning, so prompt errors are still plain 400 responses."""
     rid, arrival = _new_id("resp"), time.monotonic()
-    gen = state.engine.generate(plan_.prompt, plan_.params, rid, lora_request=plan_.lora)
-    try:
-        first = await first_output(gen, "input")
-    except BaseException:
-        await gen.aclose()
-        raise
+    gen, first = await started(state, plan_, rid, "input")
     return _events(state, req, plan_, rid, arrival, gen, first)
 
 

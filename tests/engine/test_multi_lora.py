@@ -12,14 +12,15 @@ import pytest
 from flax import nnx
 
 from tests.engine.idle import assert_idle
-from tunix_rt.checkpoints.peft_adapter import load_adapter, save_adapter
+from tests.lora_adapters import random_adapter
+from tunix_rt.checkpoints.peft_adapter import load_adapter
 from tunix_rt.engine.engine import Engine
 from tunix_rt.engine.errors import InvalidRequestError, LoRAAdapterError, UnknownLoRAAdapterError
 from tunix_rt.engine.lora_manager import LoRARequest
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.models.config import FULL, ModelConfig, RopeConfig
 from tunix_rt.models.decoder import Decoder
-from tunix_rt.models.lora import LoRALinear, apply_lora
+from tunix_rt.models.lora import ALL_TARGETS
 from tunix_rt.models.multi_lora import MultiLoRALinear, set_adapter_ids, with_adapter_slots
 
 pytestmark = pytest.mark.slow
@@ -34,14 +35,8 @@ def _config(**kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
-def _adapter(base: Decoder, path, *, rank: int, seed: int, targets=None):
-    model = nnx.clone(base)
-    apply_lora(model, rank=rank, alpha=8.0, seed=seed, **({} if targets is None else {"targets": targets}))
-    rng = np.random.default_rng(seed)
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, LoRALinear):
-            module.lora_b.set_value(jnp.asarray(rng.normal(size=module.lora_b[...].shape) * 0.5, jnp.float32))
-    return save_adapter(model, path)
+def _adapter(base: Decoder, path, *, rank: int, seed: int, targets=ALL_TARGETS):
+    return random_adapter(nnx.clone(base), path, rank=rank, seed=seed, targets=targets)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +44,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     base = Decoder(_config(), rngs=nnx.Rngs(0))
     paths = [_adapter(base, root / f"a{i}", rank=(2, 4, 8, 3)[i], seed=i,
-                      targets=None if i != 3 else ("q_proj", "down_proj")) for i in range(4)]
+                      targets=ALL_TARGETS if i != 3 else ("q_proj", "down_proj")) for i in range(4)]
     engine = Engine(base, None, max_loras=2, max_lora_rank=8, **SIZES)
     for i, path in enumerate(paths):
         engine.add_lora(f"a{i}", path)

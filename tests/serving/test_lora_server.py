@@ -10,17 +10,13 @@ import threading
 import time
 
 import httpx2 as httpx
-import jax.numpy as jnp
-import numpy as np
 import openai
 import pytest
-from flax import nnx
 
+from tests.lora_adapters import random_adapter
 from tests.models.hf_tiny import make_tiny_model_dir
 from tests.serving.conftest import running_server
 from tunix_rt.checkpoints.loader import load_model
-from tunix_rt.checkpoints.peft_adapter import save_adapter
-from tunix_rt.models.lora import LoRALinear, apply_lora
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +25,7 @@ GREEDY = dict(max_tokens=10, temperature=0)
 
 
 def _adapter(base_dir, path, *, rank: int, seed: int):
-    model = load_model(base_dir).model
-    apply_lora(model, rank=rank, alpha=8.0, seed=seed)
-    rng = np.random.default_rng(seed)
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, LoRALinear):
-            module.lora_b.set_value(jnp.asarray(rng.normal(size=module.lora_b[...].shape) * 0.5, jnp.float32))
-    return save_adapter(model, path)
+    return random_adapter(load_model(base_dir).model, path, rank=rank, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +37,7 @@ def setup(tmp_path_factory):
     paths["big"] = _adapter(root / "base", root / "big", rank=16, seed=7)
     paths["other"] = _adapter(root / "other", root / "other_adapter", rank=2, seed=8)
     args = ["--model", root / "base", "--served-model-name", "base", "--max-num-seqs", 8,
-            "--max-num-batched-tokens", 32, "--max-model-len", 64, "--max-loras", 2, "--max-lora-rank", 8,
+            "--max-num-batched-tokens", 32, "--max-model-len", 256, "--max-loras", 2, "--max-lora-rank", 8,
             "--decode-steps", 1, "--max-waiting", 16,
             "--lora-modules", f"a0={paths['a0']}", f'{{"name": "a1", "path": "{paths["a1"]}"}}']
     with running_server(args, str(root / "serve.log")) as (base, _):
@@ -64,6 +54,13 @@ def _complete(base, model, prompt=PROMPT, **kw):
 
 def _post(base, path, body):
     return httpx.post(f"{base}{path}", json=body, timeout=60)
+
+
+def _in_engine(base) -> float:
+    """Sequences running or waiting in the server's engine (/metrics)."""
+    metrics = httpx.get(f"{base}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith(("tunix_rt:num_requests_running", "tunix_rt:num_requests_waiting")))
 
 
 def _wait_idle(base):
@@ -135,16 +132,16 @@ def test_bad_adapters_are_400_naming_the_reason(setup, name, key, message, tmp_p
 
 
 def test_unloading_under_load_loses_no_request(setup):
-    """16 streams of an adapter (8 running, 8 waiting for a sequence slot) while it is unloaded: each finishes with
+    """16 streams of an adapter (8 running, 8 queued in the engine) while it is unloaded: each finishes with
     all its tokens, as alone, some of them after the unload returned; new requests naming it are 404 from then on;
     loading it again serves it again; nothing is left held."""
     base, paths = setup
     assert _post(base, "/v1/load_lora_adapter", {"lora_name": "tmp", "lora_path": str(paths["a0"])}).status_code == 200
-    want = _complete(base, "tmp", max_tokens=56).choices[0].text
+    want = _complete(base, "tmp", max_tokens=200).choices[0].text
     started, finished = threading.Semaphore(0), []
 
     def stream():
-        chunks = _client(base).completions.create(model="tmp", prompt=PROMPT, stream=True, max_tokens=56,
+        chunks = _client(base).completions.create(model="tmp", prompt=PROMPT, stream=True, max_tokens=200,
                                                   temperature=0)
         started.release()
         text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -155,6 +152,10 @@ def test_unloading_under_load_loses_no_request(setup):
         futures = [pool.submit(stream) for _ in range(16)]
         for _ in range(8):  # the first 8 are running
             assert started.acquire(timeout=120)
+        deadline = time.monotonic() + 60
+        while _in_engine(base) < 16:  # and the other 8 wait in the engine's queue
+            assert time.monotonic() < deadline and not any(f.done() for f in futures)
+            time.sleep(0.01)
         r = _post(base, "/v1/unload_lora_adapter", {"lora_name": "tmp"})
         unloaded = time.monotonic()
         assert r.status_code == 200 and "removed" in r.text, r.text
@@ -165,7 +166,7 @@ def test_unloading_under_load_loses_no_request(setup):
         _complete(base, "tmp")
     assert "tmp" not in {m.id for m in _client(base).models.list().data}
     assert _post(base, "/v1/load_lora_adapter", {"lora_name": "tmp", "lora_path": str(paths["a0"])}).status_code == 200
-    assert _complete(base, "tmp", max_tokens=56).choices[0].text == want
+    assert _complete(base, "tmp", max_tokens=200).choices[0].text == want
     assert _post(base, "/v1/unload_lora_adapter", {"lora_name": "tmp"}).status_code == 200
     _wait_idle(base)
 

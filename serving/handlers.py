@@ -370,9 +370,8 @@ async def chat_full(state: ServerState, req: p.ChatCompletionRequest, plan: Chat
     final: list[RequestOutput | None] = [None] * plan.params.n
     content = [""] * plan.params.n
     reasoning = [""] * plan.params.n
-    gen = state.engine.generate(plan.prompt, plan.params, rid, lora_request=plan.lora)
+    gen, out = await started(state, plan, rid, "messages")
     async with contextlib.aclosing(gen):
-        out = await first_output(gen, "messages")
         while out is not None:
             _, parsed = seqs[out.index].advance(out)
             content[out.index] += parsed.content
@@ -395,8 +394,8 @@ async def chat_full(state: ServerState, req: p.ChatCompletionRequest, plan: Chat
 
 
 async def started(state: ServerState, plan: ChatPlan, rid: str, param: str):
-    """A chat plan's engine stream and its first output: a stream starts its engine request before returning,
-    so prompt errors are still plain 400 responses (`param` names the field at fault)."""
+    """A chat plan's engine stream and its first output, the stream closed if admission fails: admission errors
+    are plain 400s (`param` names the field at fault), and a stream raises them before it sends a byte."""
     gen = state.engine.generate(plan.prompt, plan.params, rid, lora_request=plan.lora)
     try:
         return gen, await first_output(gen, param)

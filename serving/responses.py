@@ -23,7 +23,7 @@ import pydantic
 
 from serving import protocol as p
 from serving.errors import APIError
-from serving.handlers import ChatPlan, ServerState, chat_sequence, first_output, plan_chat, started
+from serving.handlers import ChatPlan, ServerState, chat_sequence, plan_chat, started
 
 _SAMPLING_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -185,9 +185,8 @@ async def full(state: ServerState, req: p.ResponsesRequest, plan_: ChatPlan) -> 
     """The whole response: the items the streamed events would carry, in the order they would."""
     rid, created, arrival = _new_id("resp"), p.now(), time.monotonic()
     seq, items = chat_sequence(state, plan_, arrival), _Events()
-    gen = state.engine.generate(plan_.prompt, plan_.params, rid, lora_request=plan_.lora)
+    gen, out = await started(state, plan_, rid, "input")
     async with contextlib.aclosing(gen):
-        out = await first_output(gen, "input")
         while out is not None:
             items.parsed(seq.advance(out)[1])
             if out.finished:

@@ -375,7 +375,7 @@ class Engine:
 
     def add_lora(self, name: str, path) -> None:
         """Register the peft adapter directory `path` as `name` (an engine with max_loras); requests name it."""
-        self._adapters().register(self.read_lora(name, path))
+        self._adapters().add(name, path)
 
     def read_lora(self, name: str, path) -> Adapter:
         """Read and check an adapter without registering it: the slow half of add_lora, which a server runs off

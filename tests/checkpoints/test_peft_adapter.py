@@ -5,12 +5,14 @@ and alphas per module, rsLoRA) loaded by us gives peft's. Adapters that do not f
 from __future__ import annotations
 
 import json
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from tests.models.hf_tiny import make_hf_model, write_tiny_tokenizer
 from tunix_rt.checkpoints.loader import load_model
@@ -138,11 +140,36 @@ def test_adapters_that_do_not_fit_are_refused(base, tmp_path):
                             ({"modules_to_save": ["lm_head"]}, "modules_to_save"), ({"peft_type": "IA3"}, "IA3"),
                             ({"r": 0}, "r must be a positive number"),
                             ({"alpha_pattern": {"(": 2}}, "not a valid regular expression"),
-                            ({"alpha_pattern": {"q_proj": "x"}}, "lora_alpha must be a positive number")]:
+                            ({"alpha_pattern": {"q_proj": "x"}}, r"alpha_pattern\['q_proj'\] must be a positive"),
+                            ({"lora_alpha": float("nan")}, "NaN is not a number JSON allows"),
+                            ({"lora_alpha": float("inf")}, "Infinity is not a number JSON allows"),
+                            ({"lora_alpha": 1e9}, "lora_alpha must be a positive number up to 10000"),
+                            ({"rank_pattern": {"q_proj": 4}}, "q_proj's lora_A has rank 2, but its config says r = 4"),
+                            ({"alpha_pattern": {"x" * 2000: 2}}, "longer than 1024 characters"),
+                            ({"lora_tricks": True, "zzz": 1}, "unknown key.*'lora_tricks', 'zzz'"),
+                            ({"layer_replication": [[0, 1]]}, "layer_replication"),
+                            ({"use_dora": False, "lora_bias": True}, "lora_bias")]:
         (good / "adapter_config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(AdapterError, match=message):
             load_adapter(model, good)
+    # a pattern that backtracks for ever is stopped at its time limit, with the interpreter free meanwhile
+    (good / "adapter_config.json").write_text(json.dumps(
+        {**config, "alpha_pattern": {r"(?:(?:[a-z_.0-9]|\w|.)+?){e<=2}(?:X|Y)": 2}}))
+    start = time.monotonic()
+    with pytest.raises(AdapterError, match="takes more than 1 s to match"):
+        load_adapter(model, good)
+    assert time.monotonic() - start < 5
     (good / "adapter_config.json").write_text(json.dumps(config))
+    weights = load_file(good / "adapter_model.safetensors")
+    key = next(k for k in weights if "lora_B" in k)
+    for value, message in [(np.nan, "lora_B has non-finite values"), (np.inf, "lora_B has non-finite values"),
+                           (1e6, r"lora_B has values beyond ±10000")]:
+        bad = dict(weights)
+        bad[key] = np.full_like(weights[key], value)
+        save_file(bad, good / "adapter_model.safetensors")
+        with pytest.raises(AdapterError, match=message):
+            load_adapter(model, good)
+    save_file(weights, good / "adapter_model.safetensors")
     weights = (good / "adapter_model.safetensors").read_bytes()
     (good / "adapter_model.safetensors").write_bytes(weights[:len(weights) // 2])
     with pytest.raises(AdapterError, match="not a readable safetensors file"):

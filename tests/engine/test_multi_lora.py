@@ -85,6 +85,11 @@ def test_slot_rows_are_their_adapters_and_base_rows_the_base():
     layer.lora_a.set_value(jnp.asarray(a).at[:, 8:].set(7.0))  # slot 2's weights change
     again = np.asarray(layer(x))[0]
     np.testing.assert_array_equal(again[[0, 1, 2, 4, 5]], out[[0, 1, 2, 4, 5]])
+    layer.lora_a.set_value(jnp.asarray(a).at[:, 8:].set(1e30))  # ... to values whose products overflow
+    layer.lora_b.set_value(jnp.asarray(b).at[8:].set(1e30))
+    again = np.asarray(layer(x))[0]
+    np.testing.assert_array_equal(again[[0, 1, 2, 4, 5]], out[[0, 1, 2, 4, 5]])
+    assert not np.isfinite(again[3]).all()
 
 
 def test_mixed_adapters_equal_each_alone_and_a_plain_lora_engine(setup):
@@ -181,3 +186,46 @@ def test_bad_adapters_are_refused_by_reason(setup, tmp_path):
     with pytest.raises(InvalidRequestError, match="no adapter slots"):
         plain.add_lora("a0", paths[0])
     assert_idle(engine)
+
+
+def test_an_adapter_whose_numbers_overflow_harms_no_other_request(setup):
+    """A registered adapter whose weights pass as finite but overflow to inf / NaN in the model: its requests
+    end with finish_reason 'error' and leave nothing in the prefix cache; base and other adapters' requests in
+    the same steps equal, bit for bit, those of an engine that never saw it."""
+    base, paths, _, _ = setup
+    prompts = [np.random.default_rng(20 + i).integers(0, 97, 11).tolist() for i in range(3)]
+    clean = Engine(base, None, max_loras=2, max_lora_rank=8, **SIZES)
+    clean.add_lora("a0", paths[0])
+    want = clean.generate(prompts[:2], GREEDY, lora_request=[None, "a0"])
+    engine = Engine(base, None, max_loras=2, max_lora_rank=8, **SIZES)
+    engine.add_lora("a0", paths[0])
+    bad = engine.read_lora("bad", paths[1])
+    bad.weights = {name: (a, b * np.float32(1e30)) for name, (a, b) in bad.weights.items()}
+    engine.register_lora(bad)
+    got = engine.generate(prompts + [prompts[0]], GREEDY, lora_request=[None, "a0", "bad", "bad"])
+    for w, g in zip(want, got[:2]):
+        assert (g.token_ids, g.logprobs, g.finish_reason) == (w.token_ids, w.logprobs, w.finish_reason)
+    assert [g.finish_reason for g in got[2:]] == ["error", "error"] and got[2].token_ids == []
+    again = engine.generate([prompts[2]], GREEDY, lora_request="bad")[0]
+    assert again.finish_reason == "error" and again.num_cached_tokens == 0  # its blocks were never kept
+    after = engine.generate(prompts[:2], GREEDY, lora_request=[None, "a0"])
+    assert [(o.token_ids, o.logprobs) for o in after] == [(w.token_ids, w.logprobs) for w in want]
+    assert_idle(engine)
+    nan = engine.read_lora("nan", paths[1])
+    nan.weights = {name: (a, np.full_like(b, np.nan)) for name, (a, b) in nan.weights.items()}
+    with pytest.raises(LoRAAdapterError, match="'nan' has non-finite weights"):
+        engine.register_lora(nan)
+
+
+def test_adapter_names_and_their_number_are_bounded(setup):
+    base, paths, _, _ = setup
+    engine = Engine(base, None, max_loras=1, max_lora_rank=8, max_cpu_loras=2, **SIZES)
+    for name in ["", "../up", "-x", "a" * 129, "new\nline", "nul\0", "<b>", "sp ace", 7]:
+        with pytest.raises(LoRAAdapterError, match="is not allowed"):
+            engine.add_lora(name, paths[0])
+    engine.add_lora("org/adapter-1.v2:latest", paths[0])
+    engine.add_lora("a" * 128, paths[1])
+    with pytest.raises(LoRAAdapterError, match=r"2 adapters are loaded, this engine's limit \(max_cpu_loras 2\)"):
+        engine.add_lora("third", paths[2])
+    engine.remove_lora("a" * 128)
+    engine.add_lora("third", paths[2])

@@ -14,11 +14,13 @@ import dataclasses
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import regex
 from flax import nnx
 
 from tunix_rt.checkpoints.hf_export import inverse_names
@@ -32,8 +34,30 @@ _PREFIX = "base_model.model."
 _TENSOR = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 
 
+# adapter_config.json's keys as peft's LoraConfig (0.21) writes them; any other key is refused, so an option
+# this runtime would silently ignore never changes what an adapter means.
+KNOWN_CONFIG_KEYS = frozenset("""
+alora_invocation_tokens alpha_pattern arrow_config auto_mapping base_model_name_or_path bias corda_config
+ensure_weight_tying eva_config exclude_modules fan_in_fan_out inference_mode init_lora_weights kasa_config
+layer_replication layers_pattern layers_to_transform loftq_config lora_alpha lora_bias lora_dropout lora_ga_config
+megatron_config megatron_core modules_to_save monteclora_config peft_type peft_version qalora_group_size r
+rank_pattern revision runtime_config target_modules target_parameters task_type trainable_token_indices use_bdlora
+use_dora use_qalora use_rslora velora_config""".split())
+# Options that change what the adapter computes at inference, which this runtime does not implement.
+_UNSUPPORTED_WHEN_SET = ("alora_invocation_tokens", "arrow_config", "kasa_config", "layer_replication", "lora_bias",
+                         "monteclora_config", "target_parameters", "trainable_token_indices", "use_bdlora",
+                         "use_qalora", "use_dora", "velora_config", "modules_to_save", "fan_in_fan_out")
+MAX_ABS_VALUE = 1e4  # larger adapter weights (or scalings) are refused: no trained LoRA comes near it
+MAX_PATTERNS, MAX_PATTERN_CHARS = 4096, 1024
+PATTERN_SECONDS = 1.0  # the time all of an adapter's rank/alpha patterns may take to match its modules
+
+
 class AdapterError(ValueError):
     """An adapter that does not fit the model it is loaded on, or is not a LoRA adapter we can run."""
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def hf_module_names(model: Decoder) -> dict[str, tuple[nnx.Module, str]]:
@@ -96,38 +120,68 @@ def read_adapter_config(path: str | os.PathLike) -> dict:
     if not (path / WEIGHTS).is_file():
         raise AdapterError(f"{path} has no {WEIGHTS} (adapters saved as .bin are not read; save with safetensors)")
     try:
-        config = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+        config = json.loads((path / CONFIG).read_text(encoding="utf-8"), parse_constant=_refuse_constant)
     except (OSError, ValueError) as e:
         raise AdapterError(f"{path / CONFIG} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise AdapterError(f"{path / CONFIG} must hold a JSON object")
+    unknown = sorted(set(config) - KNOWN_CONFIG_KEYS)
+    if unknown:
+        raise AdapterError(f"{path / CONFIG}: unknown key(s) {', '.join(map(repr, unknown[:10]))} (not options of "
+                           f"peft's LoraConfig)")
     unsupported = [
         (config.get("peft_type", "LORA") != "LORA", f"peft_type {config.get('peft_type')!r} (only LORA)"),
-        (bool(config.get("use_dora")), "use_dora (DoRA)"),
         (config.get("bias", "none") != "none", f"bias {config.get('bias')!r} (only 'none')"),
-        (bool(config.get("modules_to_save")), f"modules_to_save {config.get('modules_to_save')!r}"),
-        (bool(config.get("fan_in_fan_out")), "fan_in_fan_out"),
-    ]
+    ] + [(bool(config.get(key)), f"{key} {config[key]!r}"[:120]) for key in _UNSUPPORTED_WHEN_SET if key in config]
     reasons = [why for bad, why in unsupported if bad]
     if reasons:
         raise AdapterError(f"{path}: unsupported adapter option(s): {', '.join(reasons)}")
     for key in ("r", "lora_alpha"):
-        value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise AdapterError(f"{path / CONFIG}: {key} must be a positive number, got {value!r}")
+        _check_number(config.get(key), f"{path / CONFIG}: {key}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict) or len(patterns) > MAX_PATTERNS:
+            raise AdapterError(f"{path / CONFIG}: {key} must be an object of at most {MAX_PATTERNS} patterns")
+        for pattern, value in patterns.items():
+            if len(pattern) > MAX_PATTERN_CHARS:
+                raise AdapterError(f"{path / CONFIG}: a {key} key is longer than {MAX_PATTERN_CHARS} characters")
+            _check_number(value, f"{path / CONFIG}: {key}[{pattern!r}]")
     return config
 
 
-def _pattern_value(patterns: dict, module: str, default):
-    """peft's rank_pattern / alpha_pattern: the first key that matches the end of the module's name."""
-    for key, value in (patterns or {}).items():
-        try:
-            matched = re.match(rf"(.*\.)?({key})$", module)
-        except re.error as e:
-            raise AdapterError(f"{CONFIG}: pattern {key!r} is not a valid regular expression: {e}") from None
-        if matched:
-            return value
-    return default
+def _check_number(value, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_ABS_VALUE:
+        raise AdapterError(f"{what} must be a positive number up to {MAX_ABS_VALUE:g}, got {value!r}")
+
+
+class _PatternMatcher:
+    """peft's rank_pattern / alpha_pattern rule (the first key matching the end of a module's name, as
+    peft.utils.other.get_pattern_key), matched with the `regex` engine: a time limit over all of an adapter's
+    matches, and the interpreter lock released while it matches, so a catastrophic pattern ((.*)*X) costs one
+    AdapterError, not a frozen server."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.budget = PATTERN_SECONDS
+        self.compiled: dict[str, regex.Pattern] = {}
+
+    def value(self, patterns: dict, module: str, default):
+        for key, value in (patterns or {}).items():
+            if key not in self.compiled:
+                try:
+                    self.compiled[key] = regex.compile(rf"(.*\.)?({key})$")
+                except regex.error as e:
+                    raise AdapterError(f"{self.where}: pattern {key!r} is not a valid regular expression: {e}") from None
+            start = time.monotonic()
+            try:
+                matched = self.compiled[key].match(module, timeout=max(self.budget, 1e-3), concurrent=True)
+            except TimeoutError:
+                raise AdapterError(f"{self.where}: pattern {key!r} takes more than {PATTERN_SECONDS:g} s to match "
+                                   f"the module names (a pattern that backtracks without end?)") from None
+            self.budget -= time.monotonic() - start
+            if matched:
+                return value
+        return default
 
 
 def _load_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -173,6 +227,7 @@ def read_adapter(model: Decoder, path: str | os.PathLike) -> tuple[dict, list[Ad
     if not pairs:
         raise AdapterError(f"{path / WEIGHTS} holds no LoRA weights")
     modules = []
+    patterns = _PatternMatcher(str(path / CONFIG))
     for module, parts in sorted(pairs.items()):
         if module not in names:
             raise AdapterError(f"{path}: the adapter targets {module}, which this model has no adaptable projection "
@@ -187,11 +242,19 @@ def read_adapter(model: Decoder, path: str | os.PathLike) -> tuple[dict, list[Ad
             raise AdapterError(f"{path}: {module}'s lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit its "
                                f"({dout}, {din}) weight (an adapter of another base model?)")
         rank = a.shape[0]
-        alpha = _pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
-            raise AdapterError(f"{path / CONFIG}: {module}'s lora_alpha must be a positive number, got {alpha!r}")
-        alpha = float(alpha)
+        declared = patterns.value(config.get("rank_pattern"), module, config["r"])
+        if declared != rank:
+            raise AdapterError(f"{path}: {module}'s lora_A has rank {rank}, but its config says r = {declared}")
+        alpha = float(patterns.value(config.get("alpha_pattern"), module, config["lora_alpha"]))
         scaling = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
+        for part, tensor in (("lora_A", a), ("lora_B", b * np.float32(scaling))):
+            if not np.isfinite(tensor).all():
+                raise AdapterError(f"{path}: {module}'s {part} has non-finite values (NaN or inf)"
+                                   + (" once scaled by lora_alpha / r" if part == "lora_B" else ""))
+            if tensor.size and float(np.abs(tensor).max()) > MAX_ABS_VALUE:
+                raise AdapterError(f"{path}: {module}'s {part} has values beyond ±{MAX_ABS_VALUE:g} (max "
+                                   f"|{float(np.abs(tensor).max()):.3g}|"
+                                   + (" once scaled by lora_alpha / r" if part == "lora_B" else "") + ")")
         modules.append(AdaptedModule(module, owner, attr, np.ascontiguousarray(a.T, np.float32),
                                      np.ascontiguousarray(b.T, np.float32), scaling))
     return config, modules

@@ -31,6 +31,8 @@ class EngineConfig:
     decode_steps: int = _flag(8, "decode steps run as one program when a step has only decodes")
     max_loras: int = _flag(0, "LoRA adapters resident at once, each request picking its own (0: no adapters)")
     max_lora_rank: int = _flag(16, "the largest LoRA rank an adapter may have (with --max-loras)")
+    max_cpu_loras: int = _flag(32, "LoRA adapters registered at once, each a host copy of its weights (at least "
+                               "--max-loras are allowed); loading one more is refused")
     logprobs_mode: str = _flag("raw_logprobs", "log-probs reported: raw_logprobs (the model's distribution) or "
                                "processed_logprobs (the one sampled from: after penalties, temperature, top-k/p)")
 
@@ -40,7 +42,7 @@ class EngineConfig:
                 raise ValueError(f"Engine: {name} must be a positive integer, got {value!r}")
 
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "decode_steps",
-                     "max_lora_rank"):
+                     "max_lora_rank", "max_cpu_loras"):
             positive(name, getattr(self, name))
         if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ValueError(f"Engine: max_loras must be an integer >= 0, got {self.max_loras!r}")

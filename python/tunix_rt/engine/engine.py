@@ -101,8 +101,8 @@ class Engine:
                                   grammars=self.grammars, token_buckets=config.token_buckets,
                                   decode_steps=config.decode_steps,
                                   processed_logprobs=config.logprobs_mode == "processed_logprobs")
-        self.loras = (LoRAManager(model, self.runner, slots=config.max_loras, rank=config.max_lora_rank)
-                      if config.max_loras else None)
+        self.loras = (LoRAManager(model, self.runner, slots=config.max_loras, rank=config.max_lora_rank,
+                                  max_registered=config.max_cpu_loras) if config.max_loras else None)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    decode_steps=config.decode_steps, loras=self.loras)
@@ -236,9 +236,18 @@ class Engine:
             scheduled[i].request.record_prompt_logprobs(prompt.positions, prompt.logprobs, prompt.ranks,
                                                         prompt.top_ids, prompt.top_logprobs)
         for i, s in enumerate(scheduled):
+            req = s.request
+            if result.nonfinite[i]:  # its K/V and logits are void: share nothing of it, end it as an error
+                log.warning("request %s produced non-finite values (adapter %s); it ends with finish_reason "
+                            "'error'", req.request_id, req.lora.name if req.lora is not None else None)
+                self.kv.uncache(req.seq_id)
+                req.finish("error")
+                self.scheduler.finish(req)
+                self._sequence_done(req)
+                outputs.append(req.output())
+                continue
             if not s.completes:
                 continue  # a prefill chunk: its logits are not a next token yet
-            req = s.request
             if req.max_tokens == 0:  # the prompt is scored: nothing is sampled
                 req.finish("length")
                 self.scheduler.finish(req)

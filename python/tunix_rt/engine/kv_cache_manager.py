@@ -166,6 +166,13 @@ class KVCacheManager:
                 hashes.append(h)
         return True
 
+    def uncache(self, seq_id: str) -> None:
+        """Take a request's blocks out of the prefix cache and stop caching its later ones: its K/V holds
+        values no other request may reuse (a step of it produced NaN or inf)."""
+        for block in self.blocks.get(seq_id, []):
+            self.pool._forget(block)
+        self.hashes[seq_id] = None
+
     def free(self, seq_id: str) -> None:
         blocks = self.blocks.pop(seq_id, [])
         self.hashes.pop(seq_id, None)

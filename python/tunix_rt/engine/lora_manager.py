@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import itertools
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -50,9 +51,22 @@ class Adapter:
         return ("lora", self.name, self.version)
 
 
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:/-]{0,127}")
+
+
+def check_adapter_name(name) -> None:
+    """An adapter's name is what clients send as `model` and what logs and metrics print: one rule for all of
+    them, a safe character set (letters, digits, _ . : / -, not starting with . - / :) of 1 to 128 characters."""
+    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+        shown = repr(name[:40]) + ("..." if len(name) > 40 else "") if isinstance(name, str) else repr(name)
+        raise LoRAAdapterError(f"adapter name {shown} is not allowed: use 1 to 128 letters, digits and _ . : / - "
+                               f"(not starting with . - / :)")
+
+
 class LoRAManager:
-    def __init__(self, model: nnx.Module, runner, *, slots: int, rank: int):
+    def __init__(self, model: nnx.Module, runner, *, slots: int, rank: int, max_registered: int):
         self.model, self.runner, self.max_rank = model, runner, rank
+        self.max_registered = max(max_registered, slots)
         layers = {id(getattr(owner, attr)): name for name, (owner, attr) in hf_module_names(model).items()}
         index = {id(leaf): i for i, leaf in enumerate(runner.leaves)}
         # HF module name -> (runner leaf index of A, of B, host A (in, slots * rank), host B (slots * rank, out))
@@ -73,8 +87,7 @@ class LoRAManager:
         """The peft adapter at `path`, read and checked against the model (a file's faults, another base's
         shapes, a rank over max_lora_rank are LoRAAdapterErrors), not yet registered. Touches no engine state, so
         it may run off the engine's thread."""
-        if not isinstance(name, str) or not name:
-            raise LoRAAdapterError(f"an adapter needs a non-empty name, got {name!r}")
+        check_adapter_name(name)
         try:
             _, modules = read_adapter(self.model, path)
         except Exception as e:  # noqa: BLE001 - unreadable files raise many kinds: each is the request's fault
@@ -89,6 +102,12 @@ class LoRAManager:
         """Make a read adapter nameable by requests (a name in use is refused)."""
         if adapter.name in self.adapters:
             raise LoRAAdapterError(f"an adapter named {adapter.name!r} is already loaded", code="lora_adapter_exists")
+        if not all(np.isfinite(w).all() for pair in adapter.weights.values() for w in pair):
+            # the slots hold finite values only: a row's product then never sees another slot's (0 x inf = NaN)
+            raise LoRAAdapterError(f"adapter {adapter.name!r} has non-finite weights")
+        if len(self.adapters) >= self.max_registered:
+            raise LoRAAdapterError(f"{len(self.adapters)} adapters are loaded, this engine's limit (max_cpu_loras "
+                                   f"{self.max_registered}): unload one first")
         adapter.version = next(self._versions)
         self.adapters[adapter.name] = adapter
         return adapter

@@ -110,7 +110,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (NaN/inf: results void) | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[float] | None = None  # log p of each generated token (raw model distribution; masked by a grammar)
     top_logprobs: list[dict[int, float]] | None = None  # per token, the top-k ids -> log p

@@ -91,7 +91,7 @@ class Request:
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
         if self.detokenizer is not None and self.detokenizer.stop_reason is None:
             self.text += self.detokenizer.flush()
-            if self.detokenizer.stop_reason is not None and reason != "abort":  # found in the held-back tail
+            if self.detokenizer.stop_reason is not None and reason not in ("abort", "error"):  # in the held-back tail
                 reason, stop_reason = "stop", self.detokenizer.stop_reason
         self.status = Status.FINISHED
         self.finish_reason = reason

@@ -77,7 +77,7 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
         model = merged(leaves, lora_ids)
         cache = PagedKVCache(k, v, slots, token_seq, block_tables)
         h, cache = model.hidden_states(tokens[None], positions[None], cache)
-        return h[0], cache.k, cache.v
+        return h[0], cache.k, cache.v, _nonfinite_rows(h[0], token_seq, block_tables.shape[0])
 
     @jax.jit
     def take_rows(hidden, rows):
@@ -127,7 +127,7 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
                              jnp.zeros((max_steps, rows, num_top_logprobs), jnp.float32))
 
         def one_step(i, carry):
-            k, v, tok, pos, outs = carry
+            k, v, tok, pos, outs, bad = carry
             live = i < limits
             block = block_tables[table_rows, jnp.minimum(pos // block_size, last_block)]
             cache = PagedKVCache(k, v, jnp.where(live, block * block_size + pos % block_size, -1),
@@ -137,13 +137,23 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
                                 no_history, no_history, num_top_logprobs=num_top_logprobs,
                                 processed_logprobs=processed_logprobs)
             outs = jax.tree.map(lambda buf, new: buf.at[i].set(new), outs, out)
-            return cache.k, cache.v, out.tokens, pos + live, outs
+            bad = bad | (live & ~jnp.all(jnp.isfinite(h[0]), axis=-1))
+            return cache.k, cache.v, out.tokens, pos + live, outs, bad
 
         # As many turns as the longest limit needs (at most max_steps): no turn runs for nothing.
-        k, v, _, _, outs = jax.lax.fori_loop(0, jnp.max(limits), one_step, (k, v, tokens, positions, outs))
-        return outs, k, v
+        k, v, _, _, outs, bad = jax.lax.fori_loop(0, jnp.max(limits), one_step,
+                                                  (k, v, tokens, positions, outs, jnp.zeros(rows, bool)))
+        return outs, k, v, bad
 
     return forward, take_rows, sample, score_prompt, decode_loop
+
+
+def _nonfinite_rows(hidden: jax.Array, token_seq: jax.Array, num_seqs: int) -> jax.Array:
+    """(num_seqs,) True for each sequence any of whose tokens' hidden states hold a NaN or inf this step: its
+    K/V is not fit to share (engine: such a request ends with finish_reason "error", its blocks uncached)."""
+    bad_token = ~jnp.all(jnp.isfinite(hidden), axis=-1)
+    seq = jnp.where(token_seq >= 0, token_seq, num_seqs)
+    return jnp.zeros(num_seqs, bool).at[seq].max(bad_token, mode="drop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +173,7 @@ class StepResult:
     logprobs: np.ndarray  # (steps, B)
     top_ids: np.ndarray  # (steps, B, K)
     top_logprobs: np.ndarray
+    nonfinite: np.ndarray  # (B,) True where a request's step produced a NaN or inf (its results are void)
     prompt_logprobs: dict[int, PromptLogprobs] = dataclasses.field(default_factory=dict)  # by scheduled index
 
 
@@ -282,8 +293,8 @@ class ModelRunner:
             if stop():
                 return len(self.compiled) - before
             self._note_compile(("forward", t_b))
-            hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
-                                                   np.zeros(t_b, np.int32), pad, pad, tables, pad)
+            hidden, self.k, self.v, _ = self._forward(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
+                                                      np.zeros(t_b, np.int32), pad, pad, tables, pad)
             for t, b_b in self.reachable_shapes():
                 if t != t_b:
                     continue
@@ -298,7 +309,7 @@ class ModelRunner:
                                                        hist, hist, 0, None, None))
             if self.decode_steps > 1 and t_b in decode_buckets and not stop():
                 self._note_compile(("decode_loop", t_b, self.decode_steps, 0))
-                _, self.k, self.v = self._decode_loop(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
+                _, self.k, self.v, _ = self._decode_loop(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
                                                       np.zeros(t_b, np.int32), pad, tables, np.zeros(t_b, np.int32),
                                                       SamplingTensors.from_rows([], t_b), self.decode_steps, 0, pad)
         return len(self.compiled) - before
@@ -339,8 +350,8 @@ class ModelRunner:
             return self._run_decode_loop(scheduled, t_b, tokens, positions, token_seq, tables, lora_ids)
         params, prompt_hist, output_hist, num_top = self._sampling_inputs(scheduled, b_b)
         self._note_compile(("forward", t_b))
-        hidden, self.k, self.v = self._forward(self.leaves, self.k, self.v, tokens, positions, slots, token_seq, tables,
-                                               lora_ids)
+        hidden, self.k, self.v, nonfinite = self._forward(self.leaves, self.k, self.v, tokens, positions, slots,
+                                                          token_seq, tables, lora_ids)
         bitmask = self._grammar_masks(scheduled, b_b)
         bias = self._logit_biases(scheduled, b_b)
         self._note_compile(("rows", t_b, b_b))
@@ -349,7 +360,8 @@ class ModelRunner:
         out: SamplerOutput = self._sample(self.head_leaves, self._take_rows(hidden, rows), params, prompt_hist,
                                           output_hist, num_top, bitmask, bias)
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden, t_b)
-        return dataclasses.replace(self._result(out, len(scheduled), steps_axis=False), prompt_logprobs=prompt_logprobs)
+        return dataclasses.replace(self._result(out, nonfinite, len(scheduled), steps_axis=False),
+                                   prompt_logprobs=prompt_logprobs)
 
     def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: jax.Array, t_b: int
                          ) -> dict[int, PromptLogprobs]:
@@ -396,14 +408,14 @@ class ModelRunner:
         limits = np.zeros(t_b, np.int32)
         limits[:len(scheduled)] = [s.limit for s in scheduled]
         self._note_compile(("decode_loop", t_b, self.decode_steps, num_top))
-        out, self.k, self.v = self._decode_loop(self.leaves, self.k, self.v, tokens, positions, token_seq, tables,
-                                                limits, params, self.decode_steps, num_top, lora_ids)
-        return self._result(out, len(scheduled), steps_axis=True)
+        out, self.k, self.v, nonfinite = self._decode_loop(self.leaves, self.k, self.v, tokens, positions, token_seq,
+                                                           tables, limits, params, self.decode_steps, num_top, lora_ids)
+        return self._result(out, nonfinite, len(scheduled), steps_axis=True)
 
     @staticmethod
-    def _result(out: SamplerOutput, n: int, *, steps_axis: bool) -> StepResult:
+    def _result(out: SamplerOutput, nonfinite: jax.Array, n: int, *, steps_axis: bool) -> StepResult:
         arrays = [np.asarray(a) for a in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)]
-        return StepResult(*(a[:, :n] if steps_axis else a[None, :n] for a in arrays))
+        return StepResult(*(a[:, :n] if steps_axis else a[None, :n] for a in arrays), np.asarray(nonfinite)[:n])
 
     def _grammar_masks(self, scheduled: list[ScheduledRequest], b_b: int) -> np.ndarray | None:
         """Allowed-token bitmasks when a row that samples this step has a grammar, else None."""

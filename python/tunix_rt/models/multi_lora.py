@@ -52,6 +52,7 @@ class MultiLoRALinear(nnx.Module):
             return jax.lax.optimization_barrier(dot(jnp.where(own, u, jnp.zeros_like(u)), b))
 
         d = jax.lax.cond(jnp.any(ids >= 0), delta, lambda: jnp.zeros((flat.shape[0], b.shape[1]), x.dtype))
+        d = jnp.where((ids >= 0)[:, None], d, jnp.zeros_like(d))  # a base row is the base layer, whatever B holds
         return y + d.reshape(*x.shape[:-1], -1).astype(y.dtype)
 
 

@@ -274,6 +274,26 @@ def test_zero_scale_is_the_mean_of_visible_values():
         np.testing.assert_allclose(out[t], np.broadcast_to(want, (4, d)), rtol=1e-5, atol=1e-6)
 
 
+def test_stale_nan_in_unwritten_slots_is_never_read():
+    """A reused block's slots past a sequence's last position, and every slot of blocks its table does not
+    reach, may hold a previous owner's NaN / inf: neither the kernel nor the reference lets them into a row."""
+    rng = np.random.default_rng(7)
+    case = build_case(rng, bs=4, d=8, kv=2, group=2, nseq=3, max_blocks=4, tables="disjoint", mode="decode",
+                      n_pad=1, scale=0.5)
+    want = _f32(_attn_ref_jit(*case.arrays(), **case.kw))
+    nb, bs, kv, d = case.kc.shape
+    read = np.zeros(nb * bs, bool)
+    for t in np.flatnonzero(case.ts >= 0):
+        positions = np.arange(case.tp[t] + 1)
+        read[case.bt[case.ts[t], positions // bs] * bs + positions % bs] = True
+    assert not read.all()
+    poisoned = dataclasses.replace(case, kc=np.where(read.reshape(nb, bs)[..., None, None], case.kc, np.nan),
+                                   vc=np.where(read.reshape(nb, bs)[..., None, None], case.vc, np.inf))
+    for fn in (_attn_jit, _attn_ref_jit):
+        got = _f32(fn(*poisoned.arrays(), **poisoned.kw))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def _small_cache_case():
     return build_case(np.random.default_rng(6), bs=4, d=8, kv=2, group=2, nseq=2, max_blocks=2)
 

@@ -150,6 +150,8 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, token_seq, toke
     probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     probs = jnp.where(visible[:, None, None, :], probs, 0.0)
     probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
+    # a reused block's unwritten slots (and padding's block 0) may hold anything, NaN included: 0 x NaN is NaN
+    values = jnp.where(visible[:, :, None, None], values, jnp.zeros_like(values))
     out = jnp.einsum("tkgs,tskd->tkgd", probs, values.astype(jnp.float32))
     out = jnp.where((token_seq >= 0)[:, None, None, None], out, 0.0)
     return out.reshape(t, h, d).astype(q.dtype)

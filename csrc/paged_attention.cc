@@ -25,65 +25,205 @@
 namespace tunix_rt {
 namespace {
 
-// Vector primitives over one head_dim row, per ISA tier.
-struct RowOps {
-  float (*dot)(const float* a, const float* b, int64_t n);
-  void (*axpy)(float* acc, float w, const float* v, int64_t n);  // acc += w * v
-  void (*scale)(float* acc, float c, int64_t n);                 // acc *= c
-};
+// One block's keys folded into a (token, kv head) item's online softmax: the scores of the `g` query heads
+// (q: g x d) against the block's n keys (rows k + j * stride), the running max m and sum l of each head,
+// and the accumulators acc (g x d) += softmax weight x value row (v + j * stride). `scores` is g x n
+// scratch. One function per ISA tier; each computes an item the same way whatever else the step holds.
+using BlockFn = void (*)(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t g,
+                         int64_t d, float scale, float softcap, float* m, float* l, float* acc, float* scores);
 
-float DotScalar(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = 0;
-  for (int j = 0; j < 8; ++j) s += acc[j];
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-void AxpyScalar(float* acc, float w, const float* v, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += w * v[i];
-}
-void ScaleScalar(float* acc, float c, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] *= c;
+float Softcapped(float s, float softcap) { return softcap > 0 ? std::tanh(s / softcap) * softcap : s; }
+
+// The new running max of head gi and the factor its earlier terms are rescaled by (exp(-inf) = 0 at first).
+float NewMax(const float* sg, int64_t n, float* m, float* corr) {
+  float bm = *m;
+  for (int64_t j = 0; j < n; ++j) bm = std::max(bm, sg[j]);
+  *corr = std::exp(*m - bm);
+  *m = bm;
+  return bm;
 }
 
-#ifdef TUNIX_RT_X86
-AVX2_FN float DotAvx2(const float* a, const float* b, int64_t n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+void BlockScalar(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t g, int64_t d,
+                 float scale, float softcap, float* m, float* l, float* acc, float* scores) {
+  for (int64_t gi = 0; gi < g; ++gi) {
+    float* sg = scores + gi * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* qg = q + gi * d;
+      const float* kr = k + j * stride;
+      float part[8] = {0};
+      int64_t i = 0;
+      for (; i + 8 <= d; i += 8)
+        for (int u = 0; u < 8; ++u) part[u] += qg[i + u] * kr[i + u];
+      float dot = 0;
+      for (int u = 0; u < 8; ++u) dot += part[u];
+      for (; i < d; ++i) dot += qg[i] * kr[i];
+      sg[j] = Softcapped(dot * scale, softcap);
+    }
+    float corr;
+    const float bm = NewMax(sg, n, m + gi, &corr);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      sg[j] = std::exp(sg[j] - bm);
+      sum += sg[j];
+    }
+    l[gi] = l[gi] * corr + sum;
+    if (corr != 1.0f)
+      for (int64_t i = 0; i < d; ++i) acc[gi * d + i] *= corr;
   }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  float out = HSum8(_mm256_add_ps(acc0, acc1));
-  for (; i < n; ++i) out += a[i] * b[i];
-  return out;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const float w = scores[gi * n + j];
+      for (int64_t i = 0; i < d; ++i) acc[gi * d + i] += w * v[j * stride + i];
+    }
 }
-AVX2_FN void AxpyAvx2(float* acc, float w, const float* v, int64_t n) {
-  const __m256 wv = _mm256_set1_ps(w);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
-  for (; i < n; ++i) acc[i] += w * v[i];
+
+#ifdef TUNIX_RT_X86
+// exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial on x - n ln2, scaled by 2^n; about
+// 1 ulp from std::exp, and 0 below -87 where expf leaves the normal range.
+AVX2_FN inline __m256 ExpNonPositiveAvx2(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lowest);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
-AVX2_FN void ScaleAvx2(float* acc, float c, int64_t n) {
-  const __m256 cv = _mm256_set1_ps(c);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(acc + i, _mm256_mul_ps(cv, _mm256_loadu_ps(acc + i)));
-  for (; i < n; ++i) acc[i] *= c;
+
+AVX2_FN void BlockAvx2(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t g, int64_t d,
+                       float scale, float softcap, float* m, float* l, float* acc, float* scores) {
+  const int64_t d8 = d - d % 8;
+  for (int64_t gi = 0; gi < g; ++gi) {
+    const float* qg = q + gi * d;
+    float* sg = scores + gi * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kr = k + j * stride;
+      __m256 a0 = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d8; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), a0);
+      float dot = HSum8(a0);
+      for (int64_t i = d8; i < d; ++i) dot += qg[i] * kr[i];
+      sg[j] = Softcapped(dot * scale, softcap);
+    }
+    float corr;
+    const __m256 bm = _mm256_set1_ps(NewMax(sg, n, m + gi, &corr));
+    __m256 total = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 e = ExpNonPositiveAvx2(_mm256_sub_ps(_mm256_loadu_ps(sg + j), bm));
+      _mm256_storeu_ps(sg + j, e);
+      total = _mm256_add_ps(total, e);
+    }
+    if (j < n) {
+      float tail[8] = {0};
+      std::memcpy(tail, sg + j, (n - j) * sizeof(float));
+      const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n - j)), lanes));
+      const __m256 e = _mm256_and_ps(live, ExpNonPositiveAvx2(_mm256_sub_ps(_mm256_loadu_ps(tail), bm)));
+      _mm256_storeu_ps(tail, e);
+      std::memcpy(sg + j, tail, (n - j) * sizeof(float));
+      total = _mm256_add_ps(total, e);
+    }
+    l[gi] = l[gi] * corr + HSum8(total);
+    if (corr != 1.0f) {
+      const __m256 c = _mm256_set1_ps(corr);
+      float* ag = acc + gi * d;
+      for (int64_t i = 0; i < d8; i += 8) _mm256_storeu_ps(ag + i, _mm256_mul_ps(c, _mm256_loadu_ps(ag + i)));
+      for (int64_t i = d8; i < d; ++i) ag[i] *= corr;
+    }
+  }
+  for (int64_t gi = 0; gi < g; ++gi) {  // each 8 columns of a head's accumulator stay in a register over the keys
+    const float* w = scores + gi * n;
+    float* ag = acc + gi * d;
+    for (int64_t i = 0; i < d8; i += 8) {
+      __m256 a0 = _mm256_loadu_ps(ag + i);
+      for (int64_t j = 0; j < n; ++j)
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(v + j * stride + i), a0);
+      _mm256_storeu_ps(ag + i, a0);
+    }
+    for (int64_t i = d8; i < d; ++i)
+      for (int64_t j = 0; j < n; ++j) ag[i] += w[j] * v[j * stride + i];
+  }
+}
+
+// As ExpNonPositiveAvx2, 16 lanes, with AVX-512's scalef for 2^n (which underflows to 0 by itself).
+AVX512_FN inline __m512 ExpNonPositiveAvx512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+AVX512_FN void BlockAvx512(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t g,
+                           int64_t d, float scale, float softcap, float* m, float* l, float* acc, float* scores) {
+  const int64_t d16 = d - d % 16;
+  const __mmask16 dtail = static_cast<__mmask16>((1u << (d % 16)) - 1);
+  for (int64_t gi = 0; gi < g; ++gi) {
+    const float* qg = q + gi * d;
+    float* sg = scores + gi * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kr = k + j * stride;
+      __m512 a0 = _mm512_setzero_ps();
+      for (int64_t i = 0; i < d16; i += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), _mm512_loadu_ps(kr + i), a0);
+      if (dtail)
+        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(dtail, qg + d16), _mm512_maskz_loadu_ps(dtail, kr + d16), a0);
+      sg[j] = Softcapped(_mm512_reduce_add_ps(a0) * scale, softcap);
+    }
+    float corr;
+    const __m512 bm = _mm512_set1_ps(NewMax(sg, n, m + gi, &corr));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 live = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(
+          live, ExpNonPositiveAvx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + j), bm)));
+      _mm512_mask_storeu_ps(sg + j, live, e);
+      total = _mm512_add_ps(total, e);
+    }
+    l[gi] = l[gi] * corr + _mm512_reduce_add_ps(total);
+    if (corr != 1.0f) {
+      const __m512 c = _mm512_set1_ps(corr);
+      float* ag = acc + gi * d;
+      for (int64_t i = 0; i < d16; i += 16) _mm512_storeu_ps(ag + i, _mm512_mul_ps(c, _mm512_loadu_ps(ag + i)));
+      if (dtail) _mm512_mask_storeu_ps(ag + d16, dtail, _mm512_mul_ps(c, _mm512_maskz_loadu_ps(dtail, ag + d16)));
+    }
+  }
+  for (int64_t gi = 0; gi < g; ++gi) {  // each 16 columns of a head's accumulator stay in a register over the keys
+    const float* w = scores + gi * n;
+    float* ag = acc + gi * d;
+    for (int64_t i = 0; i < d; i += 16) {
+      const __mmask16 cols = i < d16 ? static_cast<__mmask16>(0xFFFF) : dtail;
+      __m512 a0 = _mm512_maskz_loadu_ps(cols, ag + i);
+      for (int64_t j = 0; j < n; ++j)
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_maskz_loadu_ps(cols, v + j * stride + i), a0);
+      _mm512_mask_storeu_ps(ag + i, cols, a0);
+    }
+  }
 }
 #endif
 
-const RowOps& SelectRowOps() {
-  static const RowOps scalar{DotScalar, AxpyScalar, ScaleScalar};
+BlockFn SelectBlockFn() {
 #ifdef TUNIX_RT_X86
-  static const RowOps avx2{DotAvx2, AxpyAvx2, ScaleAvx2};
-  if (isa_level() >= IsaLevel::kAvx2) return avx2;
+  if (isa_level() >= IsaLevel::kAvx512) return BlockAvx512;
+  if (isa_level() >= IsaLevel::kAvx2) return BlockAvx2;
 #endif
-  return scalar;
+  return BlockScalar;
 }
 
 std::string DimsString(ffi::Span<const int64_t> dims) {
@@ -165,21 +305,20 @@ struct AttnArgs {
 
 // One (token, kv head) item: the `group` query heads sharing that kv head, online softmax over
 // the visible blocks.
-ffi::Error AttendItem(const AttnArgs& a, const RowOps& ops, int64_t t, int64_t h, std::vector<float>& buf) {
+ffi::Error AttendItem(const AttnArgs& a, BlockFn block_fn, int64_t t, int64_t h, std::vector<float>& buf) {
   const int64_t d = a.c.head_dim, g = a.group, bs = a.c.block_size;
-  buf.resize(g * d * 2 + g * bs + 2 * g + 2 * d);
+  buf.resize(g * d * 2 + g * bs + 2 * g + 2 * bs * d);
   float* qscratch = buf.data();
   float* acc = qscratch + g * d;
   float* scores = acc + g * d;
   float* m = scores + g * bs;
   float* l = m + g;
   float* kscratch = l + g;
-  float* vscratch = kscratch + d;
+  float* vscratch = kscratch + bs * d;
   const int64_t qrow = (t * a.heads + h * g) * d;
   const int32_t s = a.seq[t];
-  if (s == -1) {
-    for (int64_t i = 0; i < g * d; ++i) acc[i] = 0.0f;
-  } else {
+  std::fill(acc, acc + g * d, 0.0f);
+  if (s != -1) {
     if (s < -1 || s >= a.seqs)
       return InvalidArgument("token_seq[" + std::to_string(t) + "] = " + std::to_string(s) + " is outside [-1, " +
                              std::to_string(a.seqs) + ")");
@@ -189,7 +328,6 @@ ffi::Error AttendItem(const AttnArgs& a, const RowOps& ops, int64_t t, int64_t h
                              std::to_string(a.max_blocks * bs) + ") (block_tables width x block size)");
     // The group's query heads are row t * kv_heads + h of q viewed as (T * kv_heads, group * head_dim).
     const float* q = RowAsF32(a.q, a.q_bf16, t * a.c.kv_heads + h, g * d, qscratch);
-    std::fill(acc, acc + g * d, 0.0f);
     std::fill(m, m + g, -std::numeric_limits<float>::infinity());
     std::fill(l, l + g, 0.0f);
     const int64_t start = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
@@ -202,34 +340,22 @@ ffi::Error AttendItem(const AttnArgs& a, const RowOps& ops, int64_t t, int64_t h
       const int64_t lo = std::max<int64_t>(start, b * bs) - b * bs;
       const int64_t hi = std::min<int64_t>(p, b * bs + bs - 1) - b * bs;  // inclusive
       const int64_t n = hi - lo + 1;
-      for (int64_t j = 0; j < n; ++j) {
-        const float* krow = RowAsF32(a.kc, a.cache_bf16, (block * bs + lo + j) * a.c.kv_heads + h, d, kscratch);
-        for (int64_t gi = 0; gi < g; ++gi) {
-          float sc = ops.dot(q + gi * d, krow, d) * a.scale;
-          if (a.softcap > 0) sc = std::tanh(sc / a.softcap) * a.softcap;
-          scores[gi * bs + j] = sc;
-        }
-      }
-      for (int64_t gi = 0; gi < g; ++gi) {
-        float* sg = scores + gi * bs;
-        float bm = m[gi];
-        for (int64_t j = 0; j < n; ++j) bm = std::max(bm, sg[j]);
-        const float corr = std::exp(m[gi] - bm);  // exp(-inf) = 0 on the first block
-        float sum = 0.0f;
+      const int64_t first = (block * bs + lo) * a.c.kv_heads + h;  // the first key's row
+      if (a.cache_bf16) {                                          // the block's rows as f32, d apart
         for (int64_t j = 0; j < n; ++j) {
-          sg[j] = std::exp(sg[j] - bm);
-          sum += sg[j];
+          RowAsF32(a.kc, true, first + j * a.c.kv_heads, d, kscratch + j * d);
+          RowAsF32(a.vc, true, first + j * a.c.kv_heads, d, vscratch + j * d);
         }
-        l[gi] = l[gi] * corr + sum;
-        m[gi] = bm;
-        if (corr != 1.0f) ops.scale(acc + gi * d, corr, d);
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vrow = RowAsF32(a.vc, a.cache_bf16, (block * bs + lo + j) * a.c.kv_heads + h, d, vscratch);
-        for (int64_t gi = 0; gi < g; ++gi) ops.axpy(acc + gi * d, scores[gi * bs + j], vrow, d);
+        block_fn(q, kscratch, vscratch, d, n, g, d, a.scale, a.softcap, m, l, acc, scores);
+      } else {
+        block_fn(q, static_cast<const float*>(a.kc) + first * d, static_cast<const float*>(a.vc) + first * d,
+                 a.c.kv_heads * d, n, g, d, a.scale, a.softcap, m, l, acc, scores);
       }
     }
-    for (int64_t gi = 0; gi < g; ++gi) ops.scale(acc + gi * d, 1.0f / l[gi], d);  // l >= 1: pos itself is visible
+    for (int64_t gi = 0; gi < g; ++gi) {  // l >= 1: pos itself is visible
+      const float inv = 1.0f / l[gi];
+      for (int64_t i = 0; i < d; ++i) acc[gi * d + i] *= inv;
+    }
   }
   if (a.q_bf16) {
     uint16_t* o = static_cast<uint16_t*>(a.out) + qrow;
@@ -283,11 +409,11 @@ ffi::Future PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
     }
   const int64_t items = a.tokens * a.c.kv_heads;
   const int64_t chunks = work < (1 << 16) ? 1 : NumChunks(pool, items, 1);
-  const RowOps& ops = SelectRowOps();
-  return ParallelFor(pool, items, chunks, [a, &ops](int64_t, int64_t begin, int64_t end) {
+  const BlockFn block_fn = SelectBlockFn();
+  return ParallelFor(pool, items, chunks, [a, block_fn](int64_t, int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t i = begin; i < end; ++i)
-      if (auto err = AttendItem(a, ops, i / a.c.kv_heads, i % a.c.kv_heads, buf); !err.success()) return err;
+      if (auto err = AttendItem(a, block_fn, i / a.c.kv_heads, i % a.c.kv_heads, buf); !err.success()) return err;
     return ffi::Error::Success();
   });
 }

@@ -40,6 +40,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    metrics_without_auth: bool = False  # /metrics answers without the API key (a scraper that cannot send one)
     served_model_name: str | None = None
     allowed_origins: tuple[str, ...] = ()
     max_waiting: int = 256  # sequences queued beyond max_num_seqs before 429
@@ -48,7 +49,7 @@ class ServeOptions:
     lora: str | None = None  # a peft LoRA adapter directory applied on the model
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) adapters served beside the base model
     reasoning_parser: str | None = None  # tools/reasoning.py PARSERS: replies' reasoning apart from their content
-    engine: EngineConfig = EngineConfig()  # the engine's limits and sizing
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig.serving)  # the engine's limits and sizing
     compile_cache_dir: str | None = None  # a persistent XLA compilation cache (engine/compile_cache.py); None: off
 
 
@@ -79,15 +80,18 @@ class _BodyLimit:
         await self.app(scope, limited, send)
 
 
-class _ApiKey:
-    """401 on /v1 and /metrics unless `Authorization: Bearer <key>` matches; /health stays open."""
+OPEN_PATHS = frozenset({"/health"})  # the only paths --api-key leaves open (plus /metrics when asked)
 
-    def __init__(self, app, api_key: str):
-        self.app, self.key = app, api_key.encode()
+
+class _ApiKey:
+    """401 unless `Authorization: Bearer <key>` matches, on every path but `open_paths`: an allowlist,
+    so a route added later is guarded by default."""
+
+    def __init__(self, app, api_key: str, open_paths: frozenset[str] = OPEN_PATHS):
+        self.app, self.key, self.open = app, api_key.encode(), open_paths
 
     async def __call__(self, scope, receive, send):
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1") or path == "/metrics"):
+        if scope["type"] == "http" and scope.get("path", "") not in self.open:
             auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
@@ -246,7 +250,8 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
                 release()
 
     if options.api_key is not None:
-        app.add_middleware(_ApiKey, api_key=options.api_key)
+        open_paths = OPEN_PATHS | ({"/metrics"} if options.metrics_without_auth else set())
+        app.add_middleware(_ApiKey, api_key=options.api_key, open_paths=frozenset(open_paths))
     if options.allowed_origins:  # added last, so it runs first: preflights need no key
         app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins), allow_credentials=True,
                            allow_methods=["*"], allow_headers=["*"])
@@ -323,8 +328,10 @@ def serve(options: ServeOptions) -> None:
     log.info("compilation cache: %s", cache or "off")
     state = build_state(options)
     app = _BodyLimit(create_app(state, options), options.max_body_bytes)
+    # SIGTERM ends the server within about a second whatever runs: in-flight requests get half a second, then
+    # the engine stops after its current step (long prompts advance in short steps: long_prefill_token_threshold).
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=0.5))
     failure: list[BaseException] = []
     stopping = threading.Event()
 

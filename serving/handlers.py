@@ -29,7 +29,7 @@ from tunix_rt.tools.reasoning import ReasoningDelta, ReasoningParser
 from tunix_rt.tools.tool_calls import ParsedCall, ParserOutput, ToolFormat, check_json_schema, check_tools
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty")
+                    "repetition_penalty", "min_tokens")
 
 
 @dataclasses.dataclass
@@ -98,20 +98,26 @@ def requested_structure(state: ServerState, req: p.SamplingFields) -> Structured
 
 
 def _logit_bias(state: ServerState, req: p.SamplingFields) -> dict[int, float] | None:
-    """OpenAI's logit_bias (JSON keys are strings) as token id -> bias, every key a token of the vocabulary."""
+    """OpenAI's logit_bias (JSON keys are strings) as token id -> bias, every key a token of the vocabulary; a 400
+    names every bad key (as vLLM's does), so a client fixes them in one go."""
     if not req.logit_bias:
         return None
     vocab = state.engine.engine.model.config.vocab_size
-    bias = {}
+    bias, bad = {}, []
     for key, value in req.logit_bias.items():
         try:
             token = int(key)
         except ValueError:
             token = None
         if token is None or not 0 <= token < vocab:
-            raise _bad(f"logit_bias key {key!r} is not a token id of this model: keys are integer token ids in "
-                       f"[0, {vocab}) (the vocabulary has {vocab} tokens)", "logit_bias")
-        bias[token] = value
+            bad.append(key)
+        else:
+            bias[token] = value
+    if bad:
+        keys = ", ".join(map(repr, bad[:20])) + (f" and {len(bad) - 20} more" if len(bad) > 20 else "")
+        what = f"key {keys} is not a token id" if len(bad) == 1 else f"keys {keys} are not token ids"
+        raise _bad(f"logit_bias {what} of this model: keys are integer token ids in [0, {vocab}) (the vocabulary "
+                   f"has {vocab} tokens)", "logit_bias")
     return bias
 
 

@@ -57,6 +57,7 @@ class SamplingFields(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int | None = Field(None, ge=0)  # vLLM: tokens generated before a stop may end the reply
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False

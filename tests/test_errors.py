@@ -149,6 +149,52 @@ def test_serve_port_out_of_range(port, capsys):
     assert f"--port must be in 1..65535, got {port}" in capsys.readouterr().err
 
 
+def _never_loads(monkeypatch):
+    """Fail the test if a command gets as far as loading a model (or starting the server that loads one)."""
+    import serving.app
+    import tunix_rt.train.run
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model loader was called: the option should have been refused first")
+
+    monkeypatch.setattr(tunix_rt.train.run, "load_model", loaded)
+    monkeypatch.setattr(serving.app, "serve", loaded)
+
+
+@pytest.mark.parametrize("command, option, message", [
+    ("grpo", "max_completion_length=1000000000", "max_prompt_length + max_completion_length must be at most 1048576"),
+    ("grpo", "learning_rate=inf", "learning_rate must be a finite positive number, got inf"),
+    ("sft", "max_length=2000000", "max_length must be at most 1048576, got 2000000"),
+    ("sft", "learning_rate=nan", "learning_rate must be a finite positive number, got nan"),
+    ("sft", "adam_beta2=1", "adam_beta2 must be in [0, 1), got 1.0"),
+    ("distill", "max_new_tokens=1048577", "max_new_tokens must be at most 1048576"),
+])
+def test_train_options_are_range_checked_before_loading(monkeypatch, tmp_path, capsys, command, option, message):
+    from tunix_rt.cli import main
+
+    _never_loads(monkeypatch)
+    extra = ["--teacher", "default"] if command == "distill" else []
+    out = tmp_path / "run"
+    assert main([command, "--data", str(tmp_path / "rows.jsonl"), "--output", str(out), *extra, option]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()  # refused before the run directory was made
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-model-len", "1000000000"], "--max-model-len must be at most 1048576, got 1000000000"),
+    (["--max-num-seqs", "10000000"], "--max-num-seqs must be at most 65536"),
+    (["--max-loras", "100000"], "--max-loras must be at most 1024"),
+    (["--max-model-len", "0"], "max_model_len must be a positive integer"),
+    (["--max-body-bytes", "0"], "--max-body-bytes must be positive"),
+])
+def test_serve_options_are_range_checked_before_loading(monkeypatch, capsys, flags, message):
+    from tunix_rt.cli import main
+
+    _never_loads(monkeypatch)
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_default_model_missing_names_the_install_command(monkeypatch):
     import importlib.metadata
 

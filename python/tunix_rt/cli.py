@@ -64,7 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_arg(serve, lora_flag=True)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics with "
+                            "--metrics-without-auth)")
+    serve.add_argument("--metrics-without-auth", action="store_true",
+                       help="leave /metrics open when --api-key is given (for a scraper that sends no key)")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     serve.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins to allow (default: none)")
     serve.add_argument("--max-waiting", type=int, default=256,
@@ -86,8 +90,8 @@ def _parser() -> argparse.ArgumentParser:
             serve.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
                                help=field.metadata["flag"])
         else:
-            serve.add_argument(flag, type=str if field.type in (str, "str") else int, default=field.default,
-                               help=field.metadata["flag"])
+            serve.add_argument(flag, type=str if field.type in (str, "str") else int,
+                               default=field.metadata.get("serve", field.default), help=field.metadata["flag"])
 
     for name, what in (("sft", "supervised fine-tuning (full, LoRA, QLoRA)"),
                        ("dpo", "preference optimisation: DPO, IPO, hinge, robust, ORPO, SimPO"),
@@ -257,11 +261,22 @@ def _lora_modules(specs: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(modules)
 
 
+# Upper bounds of serve's sizing flags, far above any use (EngineConfig checks only that they are positive): a typo
+# such as --max-model-len 1000000000 is refused at once, not after the model has loaded.
+_SERVE_LIMITS = {"max_model_len": 1 << 20, "max_num_batched_tokens": 1 << 20, "max_num_seqs": 1 << 16,
+                 "block_size": 1 << 12, "decode_steps": 1 << 12, "max_loras": 1 << 10, "max_lora_rank": 1 << 12,
+                 "max_waiting": 1 << 20}
+
+
 def _serve(args) -> int:
     from serving.app import ServeOptions, serve
 
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    for name, limit in _SERVE_LIMITS.items():
+        value = getattr(args, name)
+        if value is not None and value > limit:
+            raise ValueError(f"--{name.replace('_', '-')} must be at most {limit}, got {value}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
     if args.max_waiting < 0:
@@ -272,6 +287,7 @@ def _serve(args) -> int:
         raise ValueError("--lora and --lora-modules cannot be combined: serve the adapter as one of --lora-modules")
     logging.getLogger("tunix_rt").setLevel(logging.INFO)  # a server logs its loading and compiles
     serve(ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+                       metrics_without_auth=args.metrics_without_auth,
                        served_model_name=args.served_model_name, allowed_origins=tuple(args.allowed_origins),
                        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, dequantize=args.dequantize,
                        lora=args.lora, lora_modules=modules, reasoning_parser=args.reasoning_parser, engine=engine,

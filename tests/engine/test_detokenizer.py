@@ -247,6 +247,18 @@ def test_nothing_after_the_stop_is_streamed(sentencepiece):
     assert det.flush() == ""
 
 
+def test_stops_are_not_searched_before_min_tokens(sentencepiece):
+    """add(find_stops=False), as for a request short of its min_tokens: the text passes whole, and a stop string
+    completed by later text that is searched still ends it."""
+    ids = sentencepiece.encode("the end. the end. the end", add_special_tokens=False)
+    det = IncrementalDetokenizer(sentencepiece, [], stop=["end"])
+    half = len(ids) // 2
+    streamed = "".join(det.add([i], find_stops=False) for i in ids[:half])
+    assert det.stop_reason is None and streamed == det.text and "end" in streamed
+    streamed += "".join(det.add([i]) for i in ids[half:])
+    assert det.stop_reason == "end" and det.text == streamed == "the end. the "  # cut where the second one starts
+
+
 def test_possible_stop_start_is_held_then_released(sentencepiece):
     """"STOP" at the end could still become "STOP!": it is held back from add() (but is in `text`), and flush()
     releases it when the sequence ends without the match."""

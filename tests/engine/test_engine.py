@@ -179,6 +179,41 @@ def test_greedy_matches_reference_with_chunked_prefill(llama):
     assert_idle(engine)
 
 
+def test_a_long_prefill_gives_way_to_a_short_request(llama):
+    """long_prefill_token_threshold: a 60-token prompt advances at most 6 tokens a step and sits out the steps
+    in which a short request that came after it has work (at most LONG_PREFILL_MAX_WAITS in a row), so the short
+    one finishes long before the long one; both equal the reference, as without the threshold."""
+    from tunix_rt.engine.scheduler import LONG_PREFILL_MAX_WAITS
+
+    model, _ = llama
+    engine = _engine(model, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4,
+                     num_kv_blocks=64, long_prefill_token_threshold=6)
+    long_prompt, short_prompt = _prompts(40, [60, 3])
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    done = {}
+    with _scheduled(engine, row=lambda s: (s.request.request_id, s.num_new, s.limit)) as log:
+        long_id = engine.add_request(long_prompt, params)
+        engine.step()
+        short_id = engine.add_request(short_prompt, params)
+        steps = 1
+        while engine.has_unfinished_requests():
+            steps += 1
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (steps, out.token_ids)
+    assert [done[long_id][1], done[short_id][1]] == _reference(model, [long_prompt, short_prompt], 4)
+    assert all(n <= 6 for step in log for rid, n, _ in step if rid == long_id)
+    short_steps = [i for i, step in enumerate(log) if any(rid == short_id for rid, _, _ in step)]
+    assert done[short_id][0] <= 1 + len(short_steps) <= 1 + 4  # its prefill, then decodes, one step each or looped
+    assert not any(rid == long_id for i in short_steps[1:] for rid, _, _ in log[i])  # sat out its decodes
+    waits = 0
+    for step in log[1:]:
+        waits = 0 if any(rid == long_id for rid, _, _ in step) else waits + 1
+        assert waits <= LONG_PREFILL_MAX_WAITS
+    assert done[short_id][0] < done[long_id][0]
+    assert_idle(engine)
+
+
 def test_greedy_matches_reference_under_preemption(llama):
     model, engine = llama
     prompts = _prompts(2, [30, 40, 35, 38, 31, 40, 33, 36])  # ~15 blocks each at the end: the pool holds 4
@@ -445,14 +480,17 @@ def test_warmup_compiles_every_plain_program(llama):
     assert engine.warmup(stop=lambda: asked.append(1) or len(asked) > 1) == 1  # stopped after its first compile
     compiled = 1 + engine.warmup()
     # two forwards (4 and 16 tokens), the row gathers of the reachable shapes, one sampler per row bucket,
-    # and the decode loop of the one decode bucket (4 rows)
+    # the decode loop of the one decode bucket (4 rows) and the prompt scorer with and without top k
     shapes = engine.runner.reachable_shapes()
-    assert compiled == 2 + len(shapes) + len({b for _, b in shapes}) + 1 == engine.stats().num_compiles
+    assert compiled == 2 + len(shapes) + len({b for _, b in shapes}) + 1 + 2 == engine.stats().num_compiles
     assert engine.stats().kv_cache_usage == 0
     prompts = _prompts(7, [1, 3, 9, 20])
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
     with _backend_compiles() as events:
         outs = engine.generate(prompts, params)
+        for k in (0, 3):
+            [scored] = engine.generate([prompts[3]], SamplingParams(max_tokens=0, prompt_logprobs=k))
+            assert len(scored.prompt_logprobs) == 20
     assert not events and engine.stats().num_compiles == compiled
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params)]
     assert engine.warmup() == 0
@@ -903,6 +941,26 @@ def test_stop_token_ids_and_max_tokens(llama, monkeypatch):
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
     [both] = engine.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[stop], **GREEDY))
     assert both.token_ids == free.token_ids[:cut] and both.finish_reason == "stop"
+    assert_idle(engine)
+
+
+def test_min_tokens_holds_back_every_stop(llama, monkeypatch):
+    """vLLM's min_tokens: no stop id (nor EOS) can be sampled and nothing stops the request before it has that
+    many tokens; afterwards stops apply as usual."""
+    model, engine = llama
+    [prompt] = _prompts(17, [9])
+    [free] = engine.generate(prompt, SamplingParams(max_tokens=10, **GREEDY))
+    first = free.token_ids[0]
+    [stopped] = engine.generate(prompt, SamplingParams(max_tokens=10, stop_token_ids=[first], **GREEDY))
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    monkeypatch.setattr(engine, "eos_token_ids", frozenset({first}))
+    for min_tokens in (1, 4, 10):
+        [out] = engine.generate(prompt, SamplingParams(max_tokens=10, min_tokens=min_tokens, **GREEDY))
+        assert len(out.token_ids) >= min_tokens and first not in out.token_ids[:min_tokens]
+        if first in out.token_ids:  # a stop after min_tokens still stops
+            assert out.token_ids[-1] == first and out.finish_reason == "stop"
+    with pytest.raises(InvalidSamplingParamError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)
     assert_idle(engine)
 
 

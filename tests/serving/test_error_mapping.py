@@ -49,3 +49,23 @@ def test_sampling_params_errors_name_their_field():
     with pytest.raises(APIError) as info:
         handlers.sampling_params(None, req, max_tokens=4, logprobs=None, structured=None)
     assert (info.value.status, info.value.param) == (400, "stop")
+
+
+def test_logit_bias_error_names_every_bad_key():
+    """As vLLM's does: a client learns all its bad keys from one 400, not one per try."""
+    from types import SimpleNamespace
+
+    from serving import protocol as p
+
+    config = SimpleNamespace(vocab_size=100)
+    state = SimpleNamespace(engine=SimpleNamespace(engine=SimpleNamespace(model=SimpleNamespace(config=config))))
+    req = p.CompletionRequest(prompt="x", logit_bias={"5": 1.0, "-1": 2.0, "abc": 3.0, "100": 4.0, "99": -1.0})
+    with pytest.raises(APIError) as info:
+        handlers._logit_bias(state, req)
+    err = info.value
+    assert (err.status, err.param) == (400, "logit_bias")
+    for key in ("-1", "abc", "100"):
+        assert repr(key) in err.message, err.message
+    assert "'5'" not in err.message and "'99'" not in err.message
+    good = p.CompletionRequest(prompt="x", logit_bias={"5": 1.0, "99": -1.0})
+    assert handlers._logit_bias(state, good) == {5: 1.0, 99: -1.0}

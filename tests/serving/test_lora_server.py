@@ -131,6 +131,73 @@ def test_bad_adapters_are_400_naming_the_reason(setup, name, key, message, tmp_p
         assert name not in {m.id for m in _client(base).models.list().data}
 
 
+def _poisoned(path, tmp_path, *, config=None, tensors=None):
+    """A copy of adapter `path` with its config updated by `config` and its B weights set by `tensors`."""
+    import json
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    out = tmp_path / "poisoned"
+    shutil.copytree(path, out)
+    if config:
+        cfg = json.loads((out / "adapter_config.json").read_text())
+        (out / "adapter_config.json").write_text(json.dumps({**cfg, **config}))
+    if tensors is not None:
+        weights = load_file(out / "adapter_model.safetensors")
+        save_file({k: np.full_like(v, tensors) if "lora_B" in k else v for k, v in weights.items()},
+                  out / "adapter_model.safetensors")
+    return str(out)
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("nan", dict(tensors=float("nan")), "non-finite values"),
+    ("inf", dict(tensors=float("inf")), "non-finite values"),
+    ("huge", dict(tensors=1e8), "values beyond"),
+    ("nan_alpha", dict(config={"lora_alpha": float("nan")}), "NaN is not a number JSON allows"),
+    ("unknown_key", dict(config={"lora_magic": 1}), "unknown key"),
+    ("backtracking", dict(config={"alpha_pattern": {r"(?:(?:[a-z_.0-9]|\w|.)+?){e<=2}(?:X|Y)": 2}}),
+     "takes more than 1 s"),
+    ("../escape", {}, "adapter name '../escape' is not allowed"),
+    ("x" * 200, {}, "is not allowed"),
+])
+def test_hostile_adapters_are_refused_and_harm_nobody(setup, name, change, message, tmp_path):
+    """The hardening issue's cases: adapters with NaN/inf or absurd weights, NaN in the config, an unknown key,
+    an alpha_pattern that backtracks without end, a name outside the rule: each a 400 naming the fault, /health
+    answering meanwhile; the base model's and a good adapter's replies stay the same bit for bit."""
+    import re
+
+    base, paths = setup
+    before = [_complete(base, model, logprobs=0) for model in ("base", "a0")]
+    health = []
+    stop = threading.Event()
+
+    def probe():
+        while not stop.is_set():
+            t = time.monotonic()
+            assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+            health.append(time.monotonic() - t)
+            time.sleep(0.05)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        r = _post(base, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": _poisoned(paths["a1"], tmp_path,
+                                                                                             **change)})
+    finally:
+        stop.set()
+        prober.join()
+    assert r.status_code == 400, r.text
+    assert re.search(message, r.json()["error"]["message"]), r.json()
+    assert health and max(health) < 1.0
+    assert name not in {m.id for m in _client(base).models.list().data}
+    after = [_complete(base, model, logprobs=0) for model in ("base", "a0")]
+    for b, a in zip(before, after):
+        assert (a.choices[0].text, a.choices[0].logprobs.token_logprobs) == \
+            (b.choices[0].text, b.choices[0].logprobs.token_logprobs)
+
+
 def test_unloading_under_load_loses_no_request(setup):
     """16 streams of an adapter (8 running, 8 queued in the engine) while it is unloaded: each finishes with
     all its tokens, as alone, some of them after the unload returned; new requests naming it are 404 from then on;

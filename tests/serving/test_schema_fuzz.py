@@ -22,7 +22,7 @@ _CAPS = {"n": 2, "max_tokens": 3, "max_completion_tokens": 3, "best_of": 2}
 
 @pytest.fixture(scope="module")
 def api_schema(server):
-    return schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
+    return schemathesis.openapi.from_url(f"{server.base_url}/openapi.json", headers=server.headers())
 
 
 def _cap(body):

@@ -185,7 +185,7 @@ def test_models_lists_default_with_max_model_len(client):
 
 
 def test_version(server):
-    r = httpx.get(_url(server, "/version"), timeout=30)
+    r = httpx.get(_url(server, "/version"), headers=server.headers(), timeout=30)
     assert r.status_code == 200 and r.json() == {"version": tunix_rt.__version__}
 
 
@@ -858,6 +858,23 @@ def test_logit_bias_bans_and_forces_tokens(server, client):
     chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0,
                                           logit_bias={"42": 100})
     assert chat.choices[0].message.content == text42 * 2
+
+
+def test_min_tokens_holds_back_the_stop(server, client):
+    """vLLM's min_tokens: a stop token id that would end the reply at once waits until the reply has that many
+    tokens; min_tokens over max_tokens is a 400 naming it."""
+    plain = client.completions.create(model=MODEL, prompt=FOX_IDS, max_tokens=1, temperature=0, logprobs=0)
+    first = plain.choices[0].logprobs.tokens[0]
+    [stop_id] = raw_post(server, "/tokenize", json={"prompt": first, "add_special_tokens": False}).json()["tokens"]
+    stopped = client.completions.create(model=MODEL, prompt=FOX_IDS, max_tokens=6, temperature=0,
+                                        extra_body={"stop_token_ids": [stop_id]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    held = client.completions.create(model=MODEL, prompt=FOX_IDS, max_tokens=6, temperature=0, logprobs=0,
+                                     extra_body={"stop_token_ids": [stop_id], "min_tokens": 4})
+    assert held.usage.completion_tokens >= 4 and first not in held.choices[0].logprobs.tokens[:4]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=FOX_IDS, max_tokens=2, extra_body={"min_tokens": 3})
+    assert "min_tokens" in api_error(e, 400, param="min_tokens")["message"]
 
 
 def test_echo_with_logprobs_scores_the_prompt(client):

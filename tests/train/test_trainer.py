@@ -280,6 +280,50 @@ def test_first_step_failure_claims_no_checkpoint(tmp_path):
     assert "saved at step 0" not in str(failure.value) and "nothing was saved" in str(failure.value)
 
 
+def infinite_learning_rate_after(monkeypatch, good_updates: int) -> None:
+    """Trainers made from here on update at learning_rate 1e-2, then inf: a step whose loss is finite leaves
+    non-finite params (as learning_rate=inf did from the first update)."""
+    from tunix_rt.train import trainer as trainer_module
+
+    def make(cfg, total_steps):
+        schedule = lambda count: jnp.where(count < good_updates, cfg.lr, jnp.inf)
+        return optax.adamw(schedule, weight_decay=cfg.weight_decay), schedule
+
+    monkeypatch.setattr(trainer_module, "make_optimizer", make)
+
+
+def all_finite(tree) -> bool:
+    return all(np.isfinite(x).all() for x in host_tree(tree).values() if np.issubdtype(x.dtype, np.inexact))
+
+
+def test_non_finite_update_is_never_called_good(monkeypatch, tmp_path):
+    """Step 4's loss is finite but its update is not: step 5 stops and points at step 3, the last finite state."""
+    infinite_learning_rate_after(monkeypatch, 3)
+    with pytest.raises(TrainingError) as failure:
+        W.train(tmp_path, ITEMS)  # save_steps=3
+    message = str(failure.value)
+    assert message.startswith("step 5:") and "not finite either" in message, message
+    assert "last good state is the checkpoint at step 3" in message, message
+    assert latest_checkpoint(tmp_path) == 3
+    trainer = Trainer(W.config(tmp_path), W.new_model(), SFTObjective(ITEMS, max_length=W.SEQ, pad_id=0))
+    checkpoints = Checkpointer(tmp_path / "checkpoints", max_to_keep=2)
+    try:
+        state, _ = checkpoints.restore(3, trainer.state())
+    finally:
+        checkpoints.close()
+    assert all_finite(state["params"]) and all_finite(state["opt_state"])
+
+
+def test_non_finite_state_is_not_saved_at_a_save_step(monkeypatch, tmp_path):
+    infinite_learning_rate_after(monkeypatch, 0)  # learning_rate=inf from the first update
+    with pytest.raises(TrainingError) as failure:
+        W.train(tmp_path, ITEMS, save_steps=1)
+    message = str(failure.value)
+    assert message.startswith("step 1:") and "non-finite parameters" in message, message
+    assert "no good state was saved" in message, message
+    assert latest_checkpoint(tmp_path) is None
+
+
 # --- 4. bf16 compute ------------------------------------------------------------------------------------------
 
 

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names (its *_logits modes are not offered)
 
 
-def _flag(default, help: str):
-    return dataclasses.field(default=default, metadata={"flag": help})
+def _flag(default, help: str, **serve_default):
+    """A field that is also a `tunix-rt serve` flag; `serve=` gives the flag a default of its own where a
+    shared server wants another trade-off than an embedded engine (fairness over throughput)."""
+    return dataclasses.field(default=default, metadata={"flag": help, **serve_default})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,6 +35,10 @@ class EngineConfig:
     max_lora_rank: int = _flag(16, "the largest LoRA rank an adapter may have (with --max-loras)")
     max_cpu_loras: int = _flag(32, "LoRA adapters registered at once, each a host copy of its weights (at least "
                                "--max-loras are allowed); loading one more is refused")
+    long_prefill_token_threshold: int = _flag(
+        0, "a prompt with more tokens than this left to compute advances at most this many per step and gives way "
+        "to other requests' steps (0: off; the server's default keeps one client's long prompt from stalling "
+        "the others)", serve=64)
     logprobs_mode: str = _flag("raw_logprobs", "log-probs reported: raw_logprobs (the model's distribution) or "
                                "processed_logprobs (the one sampled from: after penalties, temperature, top-k/p)")
 
@@ -46,6 +52,10 @@ class EngineConfig:
             positive(name, getattr(self, name))
         if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ValueError(f"Engine: max_loras must be an integer >= 0, got {self.max_loras!r}")
+        if isinstance(self.long_prefill_token_threshold, bool) or not isinstance(self.long_prefill_token_threshold,
+                                                                                 int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"Engine: long_prefill_token_threshold must be an integer >= 0, got "
+                             f"{self.long_prefill_token_threshold!r}")
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 positive(name, getattr(self, name))
@@ -61,6 +71,12 @@ class EngineConfig:
                 raise ValueError(f"Engine: token_buckets must be positive integers, the largest equal to "
                                  f"max_num_batched_tokens ({self.max_num_batched_tokens}), got {self.token_buckets!r}")
             object.__setattr__(self, "token_buckets", tuple(sorted(set(buckets))))
+
+    @classmethod
+    def serving(cls, **overrides) -> EngineConfig:
+        """The config `tunix-rt serve` starts from: each field's serve default where it has one."""
+        return cls(**{**{f.name: f.metadata["serve"] for f in dataclasses.fields(cls) if "serve" in f.metadata},
+                      **overrides})
 
     @classmethod
     def flags(cls) -> list[dataclasses.Field]:

@@ -94,18 +94,19 @@ class IncrementalDetokenizer:
         """The stop string that ended the text, or None while none has matched."""
         return self._stop_reason
 
-    def add(self, token_ids: Sequence[int]) -> str:
+    def add(self, token_ids: Sequence[int], *, find_stops: bool = True) -> str:
         """Append generated ids; return the newly *emittable* text (may be '').
 
         Text is held back while it ends in an incomplete UTF-8 character or could be the start of a stop string.
-        Once a stop string matched, the sequence is over and this returns ''.
+        Once a stop string matched, the sequence is over and this returns ''. With find_stops=False (a request
+        short of its min_tokens) the new text is not searched for stop strings and nothing is held back for them.
         """
         if self._stop_reason is not None:
             return ""
         if self._flushed:
             raise RuntimeError("add() after flush(): the sequence already ended")
         self._ids.extend(int(i) for i in token_ids)
-        return self._append(self._new_text(final=False))
+        return self._append(self._new_text(final=False), find_stops)
 
     def flush(self) -> str:
         """At the end of the sequence (no stop matched): the text held back so far.
@@ -140,15 +141,17 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._ids)
         return new_text
 
-    def _append(self, new_text: str) -> str:
+    def _append(self, new_text: str, find_stops: bool = True) -> str:
         """Add decoded text, look for stop strings in it, and return what can be emitted now."""
         if not new_text:
             return ""
-        if not self._stop:
+        if not self._stop or not find_stops:  # emitted whole, with whatever was held back before it
+            out = self.text[self._emitted:] + new_text if self._emitted < self._length else new_text
             self._chunks.append(new_text)
             self._length += len(new_text)
             self._emitted = self._length
-            return new_text
+            self._tail = (self._tail + new_text)[-self._overlap:] if self._overlap else ""
+            return out
         # Only the new text and the overlap before it are searched: linear over a long generation.
         region = self._tail + new_text
         base = self._length - len(self._tail)  # where region starts in text

@@ -105,7 +105,8 @@ class Engine:
                                   max_registered=config.max_cpu_loras) if config.max_loras else None)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   decode_steps=config.decode_steps, loras=self.loras)
+                                   decode_steps=config.decode_steps, loras=self.loras,
+                                   long_prefill_token_threshold=config.long_prefill_token_threshold)
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()

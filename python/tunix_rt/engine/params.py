@@ -27,6 +27,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     max_tokens: int | None = 16  # None = up to the context window; 0 = score the prompt only (no token sampled)
+    min_tokens: int = 0  # tokens generated before end-of-sequence, stop_token_ids or a stop string may end it
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
@@ -68,6 +69,9 @@ class SamplingParams:
             fail("seed", "must be an integer or None")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
             fail("max_tokens", "must be a non-negative integer (0 = score the prompt only) or None")
+        if not is_int(self.min_tokens) or self.min_tokens < 0 or (
+                self.max_tokens is not None and is_int(self.max_tokens) and self.min_tokens > self.max_tokens):
+            fail("min_tokens", "must be an integer >= 0 and at most max_tokens")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

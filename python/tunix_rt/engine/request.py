@@ -31,6 +31,7 @@ class Request:
         self.matcher = matcher  # llguidance.LLMatcher of a structured-output request: masks its tokens
         self.lora = lora  # the LoRA adapter it runs with (engine/lora_manager.Adapter), None for the base model
         self.lora_slot = -1  # the adapter's slot while admitted (-1: none)
+        self.long_prefill_waits = 0  # steps in a row this long prefill gave to others (scheduler)
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0  # catches up with len(all_token_ids); reset to 0 by preemption
@@ -64,20 +65,26 @@ class Request:
         if self.top_logprobs is not None:
             self.top_logprobs.append(top or {})
         n = len(self.output_token_ids)
+        may_stop = n >= self.params.min_tokens  # before min_tokens no stop applies (vLLM's rule)
         if self.matcher is not None:
             self.matcher.consume_token(token)
         if self.detokenizer is not None:
-            self.text += self.detokenizer.add([token])
+            self.text += self.detokenizer.add([token], find_stops=may_stop)
             if self.detokenizer.stop_reason is not None:
                 self.finish("stop", self.detokenizer.stop_reason)
                 self.text = self.detokenizer.text
                 return
-        if token in self.stop_ids:
+        if token in self.stop_ids and may_stop:
             self.finish("stop", token)
         elif self.matcher is not None and (self.matcher.is_stopped() or self.matcher.is_error()):
             self.finish("stop")  # the grammar is complete: nothing but end-of-sequence may follow
         elif n >= self.max_tokens:
             self.finish("length")
+
+    @property
+    def banned_stop_ids(self) -> frozenset[int]:
+        """The ids the next token may not be: its stop ids while the output is shorter than min_tokens."""
+        return self.stop_ids if len(self.output_token_ids) < self.params.min_tokens else frozenset()
 
     def record_prompt_logprobs(self, positions, logprobs, ranks, top_ids, top_logprobs) -> None:
         """Log-probs of prompt tokens at `positions` (each given the tokens before it), from a prefill chunk."""

@@ -93,25 +93,18 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
         return sample_tokens(logits, params, prompt_tokens, output_tokens, num_top_logprobs=num_top_logprobs,
                              bitmask=bitmask, logit_bias=logit_bias, processed_logprobs=processed_logprobs)
 
-    @functools.partial(jax.jit, static_argnums=4)
-    def score_prompt(head_leaves, hidden, rows, targets, num_top_logprobs):
-        """log p(targets[i] | the tokens up to hidden row rows[i]) and the top k, in chunks of at most
-        _SCORE_CHUNK rows (a whole step's logits would be max_num_batched_tokens x vocab floats at once)."""
-        head = output_head(head_leaves)
-        chunk = min(len(rows), _SCORE_CHUNK)
-
-        def score(args):
-            rows, targets = args
-            logprobs = log_softmax(head_logits(config, head, hidden[rows]))
-            token = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
-            rank = 1 + jnp.sum(logprobs > token[:, None], axis=-1, dtype=jnp.int32)
-            if not num_top_logprobs:
-                return token, rank, jnp.zeros((chunk, 0), jnp.int32), jnp.zeros((chunk, 0), jnp.float32)
-            top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)
-            return token, rank, top_ids.astype(jnp.int32), top_logprobs
-
-        out = jax.lax.map(score, (rows.reshape(-1, chunk), targets.reshape(-1, chunk)))
-        return tuple(a.reshape(len(rows), *a.shape[2:]) for a in out)
+    @functools.partial(jax.jit, static_argnums=3)
+    def score_prompt(head_leaves, hidden_rows, targets, num_top_logprobs):
+        """log p(targets[i] | the tokens up to hidden row i) and the top k, for one chunk of _SCORE_CHUNK rows:
+        one program whatever the step's size (a whole step's logits would be tokens x vocab floats at once)."""
+        logprobs = log_softmax(head_logits(config, output_head(head_leaves), hidden_rows))
+        token = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+        rank = 1 + jnp.sum(logprobs > token[:, None], axis=-1, dtype=jnp.int32)
+        if not num_top_logprobs:
+            rows = hidden_rows.shape[0]
+            return token, rank, jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0), jnp.float32)
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)
+        return token, rank, top_ids.astype(jnp.int32), top_logprobs
 
     @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnums=(9, 10))
     def decode_loop(leaves, k, v, tokens, positions, token_seq, block_tables, limits, params, max_steps,
@@ -229,8 +222,6 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.token_buckets = buckets(1, max_num_batched_tokens) if token_buckets is None else tuple(token_buckets)
         self.seq_buckets = buckets(1, max_num_seqs)
-        # prompt rows scored in a step: powers of two, then multiples of _SCORE_CHUNK (score_prompt's chunks)
-        self.score_buckets = buckets(1, -(-max_num_batched_tokens // _SCORE_CHUNK) * _SCORE_CHUNK)
         self.k: tuple[jax.Array, ...] | None = None
         self.v: tuple[jax.Array, ...] | None = None
         self.compiled: set[tuple] = set()
@@ -312,6 +303,12 @@ class ModelRunner:
                 _, self.k, self.v, _ = self._decode_loop(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
                                                       np.zeros(t_b, np.int32), pad, tables, np.zeros(t_b, np.int32),
                                                       SamplingTensors.from_rows([], t_b), self.decode_steps, 0, pad)
+        for num_top in (0, min(MAX_LOGPROBS, self.vocab_size)):  # prompt log-probs: the target alone, or with top k
+            if stop():
+                break
+            self._note_compile(("score_prompt", num_top))
+            rows = np.zeros((_SCORE_CHUNK, hidden.shape[-1]), hidden.dtype)
+            jax.block_until_ready(self._score_prompt(self.head_leaves, rows, np.zeros(_SCORE_CHUNK, np.int32), num_top))
         return len(self.compiled) - before
 
     def _note_compile(self, key: tuple) -> None:
@@ -359,12 +356,11 @@ class ModelRunner:
                             0 if bias is None else bias[0].shape[1]))
         out: SamplerOutput = self._sample(self.head_leaves, self._take_rows(hidden, rows), params, prompt_hist,
                                           output_hist, num_top, bitmask, bias)
-        prompt_logprobs = self._prompt_logprobs(scheduled, hidden, t_b)
+        prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
         return dataclasses.replace(self._result(out, nonfinite, len(scheduled), steps_axis=False),
                                    prompt_logprobs=prompt_logprobs)
 
-    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: jax.Array, t_b: int
-                         ) -> dict[int, PromptLogprobs]:
+    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: jax.Array) -> dict[int, PromptLogprobs]:
         """Score the prompt tokens this step's rows predict, for the requests that ask (prompt_logprobs):
         the row at prompt position p predicts token p + 1."""
         wanted, rows, targets, offset = [], [], [], 0
@@ -379,19 +375,26 @@ class ModelRunner:
             offset += s.num_new
         if not wanted:
             return {}
-        r_b = _fit(len(rows), self.score_buckets)
         num_top = min(MAX_LOGPROBS, self.vocab_size) if any(
             scheduled[i].request.params.prompt_logprobs for i, _, _ in wanted) else 0
-        padded = lambda values: np.pad(np.asarray(values, np.int32), (0, r_b - len(values)))
-        self._note_compile(("score_prompt", t_b, r_b, num_top))
-        out = [np.asarray(a) for a in self._score_prompt(self.head_leaves, hidden, padded(rows), padded(targets),
-                                                          num_top)]
+        # The scored rows, gathered on the host (the forward's output is there on CPU), go through one
+        # program of _SCORE_CHUNK rows per chunk: compiled at warm-up, whatever the step's size.
+        rows, targets = np.asarray(rows, np.int64), np.asarray(targets, np.int32)
+        hidden = np.asarray(hidden)
+        pad = -len(rows) % _SCORE_CHUNK
+        rows, targets = np.pad(rows, (0, pad)), np.pad(targets, (0, pad))
+        self._note_compile(("score_prompt", num_top))
+        chunks = [self._score_prompt(self.head_leaves, hidden[rows[c:c + _SCORE_CHUNK]], targets[c:c + _SCORE_CHUNK],
+                                     num_top) for c in range(0, len(rows), _SCORE_CHUNK)]
+        out = [np.concatenate([np.asarray(chunk[k]) for chunk in chunks]) for k in range(4)]
         return {i: PromptLogprobs(positions, *(a[at:at + len(positions)] for a in out))
                 for i, positions, at in wanted}
 
     def _logit_biases(self, scheduled: list[ScheduledRequest], b_b: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """The rows' logit_bias as (ids, values) padded to (b_b, M) with M a power of two (at least 8), or None."""
-        biases = [s.request.params.logit_bias or {} for s in scheduled]
+        """The rows' logit_bias as (ids, values) padded to (b_b, M) with M a power of two (at least 8), or None;
+        a row short of its min_tokens gets -inf on its stop ids."""
+        biases = [{**(s.request.params.logit_bias or {}), **dict.fromkeys(s.request.banned_stop_ids, -np.inf)}
+                  for s in scheduled]
         most = max(map(len, biases))
         if not most:
             return None

@@ -10,6 +10,13 @@ of the queue to be recomputed later (its prefix may still be found in the prefix
 runs with a LoRA adapter is admitted only when the adapter holds (or can be given) one of the engine's
 adapter slots; it gives its hold back when it finishes or is preempted.
 
+Long prefills (vLLM's long_prefill_token_threshold, when set): a prompt with more than that many tokens left
+to compute takes at most that many per step, and a running one sits out the steps in which other requests
+have work, up to LONG_PREFILL_MAX_WAITS in a row. A short request that arrives behind a long prompt then
+waits for one short step rather than the whole prompt: a multi-tenant server's latency for one client does
+not depend on another client's prompt length. Results do not change: a request's numbers never depend on
+how its prompt was chunked.
+
 Multi-step decoding (vLLM's num_scheduler_steps): when nothing waits and every scheduled request is
 a plain one-token decode, the step may run `decode_steps` decodes in one device program. Each
 request then gets KV room for the tokens it may still sample (its `limit`); the host sees the
@@ -38,10 +45,14 @@ class ScheduledRequest:
         return self.start + self.num_new == self.request.num_tokens
 
 
+LONG_PREFILL_MAX_WAITS = 4  # steps a running long prefill sits out in a row before it takes one anyway
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, decode_steps: int = 1,
-                 loras=None):
+                 loras=None, long_prefill_token_threshold: int = 0):
         self.kv = kv
+        self.long_prefill = long_prefill_token_threshold  # 0: off
         self.loras = loras  # engine/lora_manager.LoRAManager: admission takes an adapter slot, leaving gives it back
         self.decode_steps = decode_steps
         self.max_num_seqs = max_num_seqs
@@ -61,8 +72,13 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted = False
         i = 0
+        deferred: list[Request] = []  # long prefills that give this step to the others if they have work
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self._is_long_prefill(req, req.num_computed_tokens):
+                deferred.append(req)
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req.seq_id, req.all_token_ids, req.num_computed_tokens, num_new,
                                        extra=req.extra_keys):
@@ -83,7 +99,7 @@ class Scheduler:
             cached, num_cached = self.kv.computed_blocks(req.all_token_ids, req.extra_keys)
             if req.params.prompt_logprobs is not None:  # every prompt position's logits are needed: compute all
                 cached, num_cached = [], 0
-            num_new = min(req.num_tokens - num_cached, budget)
+            num_new = min(req.num_tokens - num_cached, budget, self._chunk_cap(req, num_cached))
             if req.lora is not None:
                 slot = self.loras.acquire(req.lora)
                 if slot is None:  # every adapter slot serves running requests: wait for one to end
@@ -101,24 +117,41 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, num_cached, num_new))
             budget -= num_new
+        for req in deferred:  # sit out while others work, but never more than LONG_PREFILL_MAX_WAITS steps in a row
+            if budget > 0 and not preempted and req.status is Status.RUNNING and (
+                    not scheduled or req.long_prefill_waits >= LONG_PREFILL_MAX_WAITS):
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget, self.long_prefill)
+                if self.kv.allocate(req.seq_id, req.all_token_ids, req.num_computed_tokens, num_new,
+                                    extra=req.extra_keys):
+                    scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+                    budget -= num_new
+                    req.long_prefill_waits = 0
+                    continue
+            req.long_prefill_waits += 1
         if not preempted and not self.waiting:
             scheduled = self._multi_step(scheduled)
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new
         return scheduled
 
+    def _is_long_prefill(self, req: Request, num_computed: int) -> bool:
+        return 0 < self.long_prefill < len(req.prompt_token_ids) - num_computed
+
+    def _chunk_cap(self, req: Request, num_computed: int) -> int:
+        return self.long_prefill if self._is_long_prefill(req, num_computed) else req.num_tokens
+
     def _multi_step(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """Give a pure decode step `decode_steps` tokens per request where the KV pool has room.
 
         Requests nearer their max_tokens get a smaller limit (the loop turns as often as the largest
-        limit asks). Penalties, logit biases and grammars need the host between tokens, so a step with any
-        stays single. Blocks taken here and left unused (a stop came first) go back with the request's other
-        blocks.
+        limit asks). Penalties, logit biases (min_tokens' ban on stop ids too) and grammars need the host
+        between tokens, so a step with any stays single. Blocks taken here and left unused (a stop came first)
+        go back with the request's other blocks.
         """
         steps = self.decode_steps
         if steps < 2 or not scheduled or not all(s.num_new == 1 and s.completes and s.request.matcher is None
                                 and not s.request.params.uses_penalties and not s.request.params.logit_bias
-                                for s in scheduled):
+                                and not s.request.banned_stop_ids for s in scheduled):
             return scheduled
         limits = [max(1, min(steps, s.request.max_tokens - len(s.request.output_token_ids))) for s in scheduled]
         if max(limits) < 2:

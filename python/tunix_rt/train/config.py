@@ -22,6 +22,9 @@ from tunix_rt.ops.bf16_matmul import default_kernel
 from tunix_rt.train.losses import PreferenceConfig
 
 SCHEDULES = ("linear", "cosine", "constant")
+# The most tokens a length option may ask for (2^20, past any model's context): a typo such as
+# max_completion_length=1000000000 is refused with the config, not after the model has loaded.
+MAX_TOKENS = 1 << 20
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
@@ -82,20 +85,28 @@ class TrainConfig:
         for name in ("steps", "eval_steps"):
             if getattr(self, name) is not None:
                 _positive(self, name)
+        _at_most(self, "max_length", MAX_TOKENS)
         if self.lr_scheduler_type not in SCHEDULES:
             raise ValueError(f"lr_scheduler_type must be one of {', '.join(SCHEDULES)}, got {self.lr_scheduler_type!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
         if self.export_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"export_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.export_dtype!r}")
-        if self.learning_rate is not None and not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be positive, got {self.learning_rate}")
+        if self.learning_rate is not None and not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise ValueError(f"learning_rate must be a finite positive number, got {self.learning_rate}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.warmup_steps < 0 or self.weight_decay < 0:
-            raise ValueError("warmup_steps and weight_decay must be >= 0")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive (or null to disable clipping), got {self.max_grad_norm}")
+        if self.warmup_steps < 0 or not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"warmup_steps and weight_decay must be >= 0 (and finite), got {self.warmup_steps} and "
+                             f"{self.weight_decay}")
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a finite positive number (or null to disable clipping), got "
+                             f"{self.max_grad_norm}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not (math.isfinite(self.adam_epsilon) and self.adam_epsilon > 0):
+            raise ValueError(f"adam_epsilon must be a finite positive number, got {self.adam_epsilon}")
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -150,6 +161,12 @@ def _positive(cfg, name: str) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _at_most(cfg, name: str, limit: int) -> None:
+    value = getattr(cfg, name)
+    if value is not None and value > limit:
+        raise ValueError(f"{name} must be at most {limit}, got {value!r}")
+
+
 @dataclasses.dataclass(kw_only=True)
 class SFTConfig(TrainConfig):
     packing: bool = False
@@ -169,6 +186,9 @@ class DPOConfig(TrainConfig, PreferenceConfig):
     def __post_init__(self):
         super().__post_init__()
         self._check_preference()  # a bad loss_type, beta, ... fails here, before any model loads
+        if self.max_prompt_length is not None:
+            _positive(self, "max_prompt_length")
+            _at_most(self, "max_prompt_length", MAX_TOKENS)
 
     @property
     def lr(self) -> float:  # TRL's DPO default is 1e-6 for full fine-tuning
@@ -205,6 +225,7 @@ class DistillConfig(TrainConfig, RolloutOptions):
         super().__post_init__()
         self._check_rollout()
         _positive(self, "max_new_tokens")
+        _at_most(self, "max_new_tokens", MAX_TOKENS)
         if not self.temperature > 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
         if not 0.0 <= self.alpha <= 1.0:
@@ -347,6 +368,9 @@ class RLConfig(TrainConfig, RolloutOptions):
         self._check_rollout()
         for name in ("num_generations", "max_prompt_length", "max_completion_length", "num_iterations", "max_turns"):
             _positive(self, name)
+        if self.max_prompt_length + self.max_completion_length > MAX_TOKENS:  # what the engine holds per sequence
+            raise ValueError(f"max_prompt_length + max_completion_length must be at most {MAX_TOKENS}, got "
+                             f"{self.max_prompt_length} + {self.max_completion_length}")
         if not self.max_tool_time > 0:
             raise ValueError(f"max_tool_time must be a positive number of seconds, got {self.max_tool_time!r}")
         if self.reward_weights is not None:

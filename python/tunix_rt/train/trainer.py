@@ -135,6 +135,19 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    """Whether every float leaf of `tree` is finite, as one reduction on device (no leaf goes to the host)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def _last_good(last_saved: int | None) -> str:
+    """Where a failed run's user can resume from: the last checkpoint, verified finite when it was saved."""
+    return (f"the last good state is the checkpoint at step {last_saved}" if last_saved
+            else "no good state was saved")
+
+
 def _cast(tree, dtype, *, skip_layers: bool = False):
     """f32 leaves at `dtype`; with skip_layers, the decoder layers' stay f32 (checkpointed layers cast
     their own inside the recomputed region)."""
@@ -469,6 +482,11 @@ class Trainer:
     def state(self) -> dict:
         return {"params": self.params, "opt_state": self.opt_state, "rngs": self.rngs}
 
+    def state_is_finite(self) -> bool:
+        """Whether every float leaf of the params and optimizer state is finite: checked before a state is
+        saved or called good, since a finite loss says nothing of the update that followed it."""
+        return bool(_all_finite((self.params, self.opt_state)))
+
     def load_state(self, state: dict) -> None:
         self.params, self.opt_state, self.rngs = state["params"], state["opt_state"], state["rngs"]
         self.params_compute = self._cast_params(self.params)
@@ -540,10 +558,16 @@ class Trainer:
                     start = time.perf_counter()
                     out = self.run_step(self.step)
                     if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])):
-                        if last_saved != self.step and self.step > 0:  # keep the last good state
+                        if self.step == 0:
+                            kept = "nothing was saved (no step had succeeded)"
+                        elif last_saved == self.step:  # verified finite when it was saved
+                            kept = f"the last good state is saved at step {self.step}"
+                        elif self.state_is_finite():  # keep the last good state
                             checkpointer.save(self.step, self.state(), {"step": self.step})
-                        kept = (f"the last good state is saved at step {self.step}" if self.step > 0
-                                else "nothing was saved (no step had succeeded)")
+                            kept = f"the last good state is saved at step {self.step}"
+                        else:  # a finite loss at step N does not make N's update finite (learning_rate=inf)
+                            kept = (f"the state after step {self.step} is not finite either, so it was not saved; "
+                                    f"{_last_good(last_saved)}")
                         raise TrainingError(
                             f"step {self.step + 1}: the loss ({out['loss']}) or gradient norm ({out['grad_norm']}) is not "
                             f"finite, so training stopped; the update was skipped and {kept}. Lower learning_rate, set "
@@ -559,6 +583,11 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(loss=f"{out['loss']:.4f}")
                     if self.step % cfg.save_steps == 0 or self.step == self.steps:
+                        if not self.state_is_finite():  # never saved, so a checkpoint is always a good state
+                            raise TrainingError(
+                                f"step {self.step}: its loss was finite but its update left non-finite parameters "
+                                f"or optimizer state, so training stopped without saving it; "
+                                f"{_last_good(last_saved)}. Lower learning_rate, set max_grad_norm, or check the data.")
                         checkpointer.save(self.step, self.state(), {"step": self.step})
                         last_saved = self.step
         except KeyboardInterrupt:  # at a step boundary, or a second Ctrl-C wherever it lands

@@ -110,9 +110,13 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--long-tokens", type=int, default=2700)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--thresholds", default="", help="also run with these --long-prefill-token-threshold values "
+                                                      "(comma-separated)")
     args = ap.parse_args()
-    runs = {"tunix-rt serve (defaults)": measure([], args),
-            "peer: long-prefill policy off": measure(["--long-prefill-token-threshold", "0"], args)}
+    runs = {"tunix-rt serve (defaults)": measure([], args)}
+    for t in filter(None, args.thresholds.split(",")):
+        runs[f"--long-prefill-token-threshold {t}"] = measure(["--long-prefill-token-threshold", t], args)
+    runs["peer: long-prefill policy off"] = measure(["--long-prefill-token-threshold", "0"], args)
     print(f"\n{args.long_tokens}-token prompt with prompt_logprobs=20 beside plain 16-token completions "
           f"(medians of {args.repeats}+)")
     print(f"{'server':34s} {'idle s':>7s} {'under s':>8s} {'max s':>6s} {'ratio':>6s} {'prefill s':>9s} "

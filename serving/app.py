@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 import tunix_rt
@@ -238,7 +239,13 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
         streaming = False
         try:
             if not stream:
-                return await _unless_disconnected(request, full())
+                result = await _unless_disconnected(request, full())
+                if not isinstance(result, BaseModel):  # the client left (a Response), or a plain dict
+                    return result
+                # serialized off the event loop: a long prompt's prompt log-probs are megabytes of JSON, and
+                # /health and every other client wait while the loop works
+                body = await asyncio.to_thread(result.model_dump_json)
+                return Response(body, media_type="application/json")
             events = await _unless_disconnected(request, start_stream())  # may wait in the queue a while
             if isinstance(events, Response):  # the client left before its first token
                 return events

@@ -396,7 +396,8 @@ async def chat_full(state: ServerState, req: p.ChatCompletionRequest, plan: Chat
     completion = sum(len(o.token_ids) for o in final)
     return p.ChatCompletion(id=rid, model=plan.model, choices=choices,
                             usage=_usage(len(final[0].prompt_token_ids), completion),
-                            prompt_logprobs=prompt_logprobs_field(state, final[0], req.prompt_logprobs))
+                            prompt_logprobs=await asyncio.to_thread(prompt_logprobs_field, state, final[0],
+                                                                    req.prompt_logprobs))
 
 
 async def started(state: ServerState, plan: ChatPlan, rid: str, param: str):
@@ -598,7 +599,8 @@ async def completion_full(state: ServerState, req: p.CompletionRequest, plan: Co
                 logprobs = _joined(_echo_logprobs(state, out, req.logprobs), logprobs)
         choices.append(p.CompletionChoice(index=i, text=prefix + out.text, logprobs=logprobs,
                                           finish_reason=out.finish_reason,
-                                          prompt_logprobs=prompt_logprobs_field(state, out, req.prompt_logprobs)))
+                                          prompt_logprobs=await asyncio.to_thread(prompt_logprobs_field, state, out,
+                                                                                  req.prompt_logprobs)))
     prompt_tokens = sum(len(final[k * n].prompt_token_ids) for k in range(len(plan.prompts)))
     return p.Completion(id=rid, model=plan.model, choices=choices,
                         usage=_usage(prompt_tokens, sum(len(o.token_ids) for o in final)))

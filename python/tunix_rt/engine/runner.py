@@ -55,7 +55,7 @@ def _fit(n: int, sizes: tuple[int, ...]) -> int:
     return next(s for s in sizes if s >= n)
 
 
-_SCORE_CHUNK = 64  # prompt rows scored per pass of score_prompt's loop
+_SCORE_CHUNK = 16  # prompt rows per call of score_prompt (long prompts' chunks are short on a server)
 
 
 def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size, processed_logprobs, adapters):

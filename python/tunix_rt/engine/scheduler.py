@@ -11,8 +11,9 @@ runs with a LoRA adapter is admitted only when the adapter holds (or can be give
 adapter slots; it gives its hold back when it finishes or is preempted.
 
 Long prefills (vLLM's long_prefill_token_threshold, when set): a prompt with more than that many tokens left
-to compute takes at most that many per step, and a running one sits out the steps in which other requests
-have work, up to LONG_PREFILL_MAX_WAITS in a row. A short request that arrives behind a long prompt then
+to compute takes at most that many per step (fewer once its context passes LONG_PREFILL_CONTEXT, as its
+tokens' attention grows with it), and a running one sits out the steps in which other requests have work, up
+to LONG_PREFILL_MAX_WAITS in a row. A short request that arrives behind a long prompt then
 waits for one short step rather than the whole prompt: a multi-tenant server's latency for one client does
 not depend on another client's prompt length. Results do not change: a request's numbers never depend on
 how its prompt was chunked.
@@ -46,6 +47,7 @@ class ScheduledRequest:
 
 
 LONG_PREFILL_MAX_WAITS = 4  # steps a running long prefill sits out in a row before it takes one anyway
+LONG_PREFILL_CONTEXT = 512  # past this context a long prefill's chunk shrinks as 1 / context
 
 
 class Scheduler:
@@ -120,7 +122,7 @@ class Scheduler:
         for req in deferred:  # sit out while others work, but never more than LONG_PREFILL_MAX_WAITS steps in a row
             if budget > 0 and not preempted and req.status is Status.RUNNING and (
                     not scheduled or req.long_prefill_waits >= LONG_PREFILL_MAX_WAITS):
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget, self.long_prefill)
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap(req, req.num_computed_tokens))
                 if self.kv.allocate(req.seq_id, req.all_token_ids, req.num_computed_tokens, num_new,
                                     extra=req.extra_keys):
                     scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
@@ -138,7 +140,13 @@ class Scheduler:
         return 0 < self.long_prefill < len(req.prompt_token_ids) - num_computed
 
     def _chunk_cap(self, req: Request, num_computed: int) -> int:
-        return self.long_prefill if self._is_long_prefill(req, num_computed) else req.num_tokens
+        """A long prefill's tokens this step: the threshold T up to a context of LONG_PREFILL_CONTEXT, then fewer
+        (at least 8) as its context grows, since each of its tokens attends to the whole context: the step (and
+        what a newcomer waits for) stays about as short as T tokens at that context."""
+        if not self._is_long_prefill(req, num_computed):
+            return req.num_tokens
+        return max(min(8, self.long_prefill), self.long_prefill * LONG_PREFILL_CONTEXT // max(num_computed,
+                                                                                               LONG_PREFILL_CONTEXT))
 
     def _multi_step(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """Give a pure decode step `decode_steps` tokens per request where the KV pool has room.

@@ -321,8 +321,22 @@ def load_engine(state: ServerState, options: ServeOptions, stopping: threading.E
     log.info("compiled %d engine step programs in %.1f s", compiled, time.perf_counter() - start)
     state.tool_format = tool_format_for(engine.tokenizer.chat_template)
     state.engine = AsyncEngine(engine)  # last: /health turns 200 only once everything above is set
+    # The sampler programs of request options (top-k log-probs, logit_bias, penalties, grammars) compile now,
+    # off the engine's thread, rather than at the first request that uses one.
+    threading.Thread(target=_warm_options, args=(engine, stopping), name="tunix-rt-warm-options", daemon=True).start()
     log.info("serving %s (max_model_len %d, tool format %s%s)", state.model_name, state.max_model_len,
              state.tool_format.name, "" if state.tool_format.native else " via the server's tools prompt")
+
+
+def _warm_options(engine, stopping: threading.Event) -> None:
+    start = time.perf_counter()
+    try:
+        compiled = engine.runner.warmup_options(stopping.is_set)
+    except Exception as e:  # noqa: BLE001 - a request that needs one compiles it on first use instead
+        log.warning("compiling the request options' programs failed: %s", e)
+        return
+    log.info("compiled %d request-option programs in %.1f s, off the engine's thread", compiled,
+             time.perf_counter() - start)
 
 
 def serve(options: ServeOptions) -> None:

@@ -496,6 +496,26 @@ def test_warmup_compiles_every_plain_program(llama):
     assert engine.warmup() == 0
 
 
+def test_warmup_options_compiles_the_samplers_request_options_pick(llama):
+    """runner.warmup_options (a server runs it on another thread): afterwards top-k log-probs, logit_bias,
+    min_tokens and penalties compile nothing, and give what an engine that compiled them on first use gives."""
+    model, plain = llama
+    engine = _engine(model, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+                     num_kv_blocks=64, token_buckets=(4, 16))
+    engine.warmup()
+    compiled = engine.runner.warmup_options()
+    assert compiled == 4 * len(engine.runner.seq_buckets) and engine.runner.warmup_options() == 0
+    prompts = _prompts(8, [3, 9])
+    options = [dict(logprobs=5), dict(logit_bias={3: 5.0}), dict(min_tokens=4, stop_token_ids=[1]),
+               dict(frequency_penalty=0.5, repetition_penalty=1.2)]
+    with _backend_compiles() as events:
+        outs = [engine.generate(prompts, SamplingParams(max_tokens=6, seed=1, **kw)) for kw in options]
+    assert not events
+    for kw, got in zip(options, outs):
+        want = plain.generate(prompts, SamplingParams(max_tokens=6, seed=1, **kw))
+        assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
+
+
 def _quantized_llama() -> Decoder:
     """The tiny llama with every projection quantized to q4_0 (as GGUF weights load)."""
     model = Decoder(_llama_config(intermediate_size=64), rngs=nnx.Rngs(2))

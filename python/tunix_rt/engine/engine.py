@@ -348,7 +348,8 @@ class Engine:
         """Compile every step program plain sampling can need (each token bucket's forward, the row gather
         of each reachable shape, the sampler of each row bucket, the decode loops), so a running engine
         compiles nothing new; returns the count compiled.
-        Steps with penalties, top logprobs or a grammar have programs of their own, compiled on first use.
+        Steps with penalties, top logprobs, logit biases or a grammar have sampler programs of their own:
+        runner.warmup_options compiles those (a server does, beside its first requests), or first use does.
         `stop` ends it early, between two compiles (a server shut down while it loads)."""
         if self.is_sleeping:
             raise EngineUnavailableError("the engine is asleep: call wake_up() before warmup()")

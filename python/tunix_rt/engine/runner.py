@@ -216,6 +216,7 @@ class ModelRunner:
         self.num_layers = cfg.num_layers
         self.vocab_size = cfg.vocab_size
         self.dtype = model.dtype
+        self.hidden_size = cfg.hidden_size
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -309,6 +310,33 @@ class ModelRunner:
             self._note_compile(("score_prompt", num_top))
             rows = np.zeros((_SCORE_CHUNK, hidden.shape[-1]), hidden.dtype)
             jax.block_until_ready(self._score_prompt(self.head_leaves, rows, np.zeros(_SCORE_CHUNK, np.int32), num_top))
+        return len(self.compiled) - before
+
+    def warmup_options(self, stop: Callable[[], bool] = lambda: False) -> int:
+        """Compile the sampler programs a request's options pick, for every row bucket: top-k log-probs,
+        logit_bias (min_tokens' ban too), penalties, a grammar's bitmask (a step with any of them decodes one
+        token at a time, so no decode loop needs them). They are pure programs run on dummy rows, so this may
+        run on another thread beside the engine's steps: a server starts it once /health is up, so that no
+        request's first use compiles on the engine's thread unless it comes before this gets there. Returns how
+        many programs it compiled."""
+        before = len(self.compiled)
+        top = min(MAX_LOGPROBS, self.vocab_size)
+        for b_b in self.seq_buckets:
+            rows = np.zeros((b_b, self.hidden_size), self.dtype)
+            params = SamplingTensors.from_rows([], b_b)
+            short, full = np.full((b_b, 1), -1, np.int32), np.full((b_b, self.max_model_len), -1, np.int32)
+            mask = np.full((b_b, -(-self.vocab_size // 32)), -1, np.int32)
+            bias = (np.full((b_b, 8), -1, np.int32), np.zeros((b_b, 8), np.float32))
+            for hist, num_top, bitmask, logit_bias in ((short, top, None, None), (short, 0, None, bias),
+                                                       (full, 0, None, None), (short, 0, mask, None)):
+                key = ("sample", b_b, hist.shape[1], num_top, bitmask is not None, 0 if logit_bias is None else 8)
+                if key in self.compiled:
+                    continue
+                if stop():
+                    return len(self.compiled) - before
+                self._note_compile(key)
+                jax.block_until_ready(self._sample(self.head_leaves, rows, params, hist, hist, num_top, bitmask,
+                                                   logit_bias))
         return len(self.compiled) - before
 
     def _note_compile(self, key: tuple) -> None:

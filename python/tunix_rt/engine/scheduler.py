@@ -153,13 +153,15 @@ class Scheduler:
 
         Requests nearer their max_tokens get a smaller limit (the loop turns as often as the largest
         limit asks). Penalties, logit biases (min_tokens' ban on stop ids too) and grammars need the host
-        between tokens, so a step with any stays single. Blocks taken here and left unused (a stop came first)
+        between tokens, and top-k log-probs use the sampler a server compiles ahead (runner.warmup_options), so a
+        step with any stays single. Blocks taken here and left unused (a stop came first)
         go back with the request's other blocks.
         """
         steps = self.decode_steps
         if steps < 2 or not scheduled or not all(s.num_new == 1 and s.completes and s.request.matcher is None
                                 and not s.request.params.uses_penalties and not s.request.params.logit_bias
-                                and not s.request.banned_stop_ids for s in scheduled):
+                                and not s.request.banned_stop_ids and not s.request.params.logprobs
+                                for s in scheduled):
             return scheduled
         limits = [max(1, min(steps, s.request.max_tokens - len(s.request.output_token_ids))) for s in scheduled]
         if max(limits) < 2:

@@ -78,27 +78,6 @@ void BlockScalar(const float* q, const float* k, const float* v, int64_t stride,
 }
 
 #ifdef TUNIX_RT_X86
-// exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial on x - n ln2, scaled by 2^n; about
-// 1 ulp from std::exp, and 0 below -87 where expf leaves the normal range.
-AVX2_FN inline __m256 ExpNonPositiveAvx2(__m256 x) {
-  const __m256 lowest = _mm256_set1_ps(-87.0f);
-  const __m256 under = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lowest);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-}
-
 AVX2_FN void BlockAvx2(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t g, int64_t d,
                        float scale, float softcap, float* m, float* l, float* acc, float* scores) {
   const int64_t d8 = d - d % 8;
@@ -118,7 +97,7 @@ AVX2_FN void BlockAvx2(const float* q, const float* k, const float* v, int64_t s
     __m256 total = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-      const __m256 e = ExpNonPositiveAvx2(_mm256_sub_ps(_mm256_loadu_ps(sg + j), bm));
+      const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), bm));
       _mm256_storeu_ps(sg + j, e);
       total = _mm256_add_ps(total, e);
     }
@@ -127,7 +106,7 @@ AVX2_FN void BlockAvx2(const float* q, const float* k, const float* v, int64_t s
       std::memcpy(tail, sg + j, (n - j) * sizeof(float));
       const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
       const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n - j)), lanes));
-      const __m256 e = _mm256_and_ps(live, ExpNonPositiveAvx2(_mm256_sub_ps(_mm256_loadu_ps(tail), bm)));
+      const __m256 e = _mm256_and_ps(live, Exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), bm)));
       _mm256_storeu_ps(tail, e);
       std::memcpy(sg + j, tail, (n - j) * sizeof(float));
       total = _mm256_add_ps(total, e);
@@ -154,23 +133,6 @@ AVX2_FN void BlockAvx2(const float* q, const float* k, const float* v, int64_t s
   }
 }
 
-// As ExpNonPositiveAvx2, 16 lanes, with AVX-512's scalef for 2^n (which underflows to 0 by itself).
-AVX512_FN inline __m512 ExpNonPositiveAvx512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
-
 AVX512_FN void BlockAvx512(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t g,
                            int64_t d, float scale, float softcap, float* m, float* l, float* acc, float* scores) {
   const int64_t d16 = d - d % 16;
@@ -191,8 +153,7 @@ AVX512_FN void BlockAvx512(const float* q, const float* k, const float* v, int64
     __m512 total = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
       const __mmask16 live = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(
-          live, ExpNonPositiveAvx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + j), bm)));
+      const __m512 e = _mm512_maskz_mov_ps(live, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + j), bm)));
       _mm512_mask_storeu_ps(sg + j, live, e);
       total = _mm512_add_ps(total, e);
     }

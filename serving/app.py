@@ -321,14 +321,13 @@ def load_engine(state: ServerState, options: ServeOptions, stopping: threading.E
     log.info("compiled %d engine step programs in %.1f s", compiled, time.perf_counter() - start)
     state.tool_format = tool_format_for(engine.tokenizer.chat_template)
     state.engine = AsyncEngine(engine)  # last: /health turns 200 only once everything above is set
-    # The sampler programs of request options (top-k log-probs, logit_bias, penalties, grammars) compile now,
-    # off the engine's thread, rather than at the first request that uses one.
-    threading.Thread(target=_warm_options, args=(engine, stopping), name="tunix-rt-warm-options", daemon=True).start()
     log.info("serving %s (max_model_len %d, tool format %s%s)", state.model_name, state.max_model_len,
              state.tool_format.name, "" if state.tool_format.native else " via the server's tools prompt")
 
 
 def _warm_options(engine, stopping: threading.Event) -> None:
+    """The sampler programs of request options (top-k log-probs, logit_bias, penalties, grammars), compiled on the
+    loading thread once /health is up, off the engine's thread, rather than at the first request that uses one."""
     start = time.perf_counter()
     try:
         compiled = engine.runner.warmup_options(stopping.is_set)
@@ -359,6 +358,8 @@ def serve(options: ServeOptions) -> None:
     def load():
         try:
             load_engine(state, options, stopping)
+            if state.engine is not None:
+                _warm_options(state.engine.engine, stopping)
         except BaseException as e:  # noqa: BLE001 - reported below; the server must not keep answering 503
             log.error("loading %s failed: %s", options.model, e)
             failure.append(e)
@@ -373,7 +374,7 @@ def serve(options: ServeOptions) -> None:
         # middle of an XLA compile would abort ("terminate called ...") instead of stopping cleanly.
         stopping.set()
         if loader.is_alive():
-            log.info("waiting for the model load to stop")
+            log.info("waiting for the model load (or the request options' compile) to stop")
             loader.join()
         if state.engine is not None:
             state.engine.shutdown()

@@ -156,8 +156,13 @@ def test_adapters_that_do_not_fit_are_refused(base, tmp_path):
     (good / "adapter_config.json").write_text(json.dumps(
         {**config, "alpha_pattern": {r"(?:(?:[a-z_.0-9]|\w|.)+?){e<=2}(?:X|Y)": 2}}))
     start = time.monotonic()
-    with pytest.raises(AdapterError, match="takes more than 1 s to match"):
+    with pytest.raises(AdapterError, match="patterns take more than 1 s to match"):
         load_adapter(model, good)
+    assert time.monotonic() - start < 5
+    # the (.*)*X, which froze a server under Python's re: the regex engine answers at once (no match)
+    (good / "adapter_config.json").write_text(json.dumps({**config, "alpha_pattern": {"(.*)*X": 2}}))
+    start = time.monotonic()
+    load_adapter(load_model(src).model, good)
     assert time.monotonic() - start < 5
     (good / "adapter_config.json").write_text(json.dumps(config))
     weights = load_file(good / "adapter_model.safetensors")

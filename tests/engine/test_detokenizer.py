@@ -257,6 +257,13 @@ def test_stops_are_not_searched_before_min_tokens(sentencepiece):
     assert det.stop_reason is None and streamed == det.text and "end" in streamed
     streamed += "".join(det.add([i]) for i in ids[half:])
     assert det.stop_reason == "end" and det.text == streamed == "the end. the "  # cut where the second one starts
+    # a stop that ended inside the unsearched text is not found later through the held-over tail
+    ids = sentencepiece.encode("x\ny\nz", add_special_tokens=False)
+    det = IncrementalDetokenizer(sentencepiece, [], stop=["\n", "STOP"])
+    first = next(i for i in range(1, len(ids) + 1) if "\n" in sentencepiece.decode(ids[:i]))
+    streamed = "".join(det.add([i], find_stops=False) for i in ids[:first])
+    streamed += "".join(det.add([i]) for i in ids[first:])
+    assert det.stop_reason == "\n" and det.text == streamed == "x\ny"
 
 
 def test_possible_stop_start_is_held_then_released(sentencepiece):

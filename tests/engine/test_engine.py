@@ -214,6 +214,21 @@ def test_a_long_prefill_gives_way_to_a_short_request(llama):
     assert_idle(engine)
 
 
+def test_long_prefills_alone_in_a_full_pool_always_progress(llama):
+    """Two long prompts that cannot both fit in the pool, under long_prefill_token_threshold: no step is empty
+    (one preempts the other), and both give what they give without the threshold."""
+    model, _ = llama
+    sizes = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_kv_blocks=14)
+    prompts = _prompts(41, [50, 50])
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    want = _engine(model, **sizes).generate(prompts, params)
+    engine = _engine(model, long_prefill_token_threshold=6, **sizes)
+    got = engine.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.stats().num_preemptions > 0
+    assert_idle(engine)
+
+
 def test_greedy_matches_reference_under_preemption(llama):
     model, engine = llama
     prompts = _prompts(2, [30, 40, 35, 38, 31, 40, 33, 36])  # ~15 blocks each at the end: the pool holds 4

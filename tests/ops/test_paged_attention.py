@@ -563,13 +563,14 @@ def assert_grad_close(actual, expected, what, *, rtol=3e-5, frac=5e-6, atol=0.0)
     np.testing.assert_array_less(np.abs(a - e), rtol * np.abs(e) + frac * scale + atol + 1e-30, err_msg=what)
 
 
-def dq_rounding_floor(case, ct) -> float:
+def rounding_floor(case, ct, other) -> float:
     """dq_i = scale * sum_j p_ij (dp_ij - D_i) k_j, with dp_ij = ct_i . v_j and D_i = sum_j p_ij dp_ij, can cancel
-    to ~0 (a query that sees one key has dq = 0 exactly); both sides then return rounding noise, of size
-    eps * scale * max|dp| * max|k| (hypothesis found a dq of 5e-9 computed as 1.2e-6),
-    not relative to dq."""
+    to ~0 (a query that sees one key has dq = 0 exactly), and so can dk_j = scale * sum_i p_ij (dp_ij - D_i) q_i;
+    both sides then return rounding noise, of size eps * scale * max|dp| * max|k| for dq (max|q| for dk;
+    hypothesis found a dq of 5e-9 computed as 1.2e-6, and an all-zero dk computed as 5e-15), not relative to
+    the gradient. `other` is the operand the gradient multiplies: the keys for dq, the queries for dk."""
     dp = np.linalg.norm(_f32(ct), axis=-1).max() * np.linalg.norm(_f32(case.vc), axis=-1).max()
-    return 64 * np.finfo(np.float32).eps * case.scale * dp * np.abs(_f32(case.kc)).max()
+    return 64 * np.finfo(np.float32).eps * case.scale * dp * np.abs(_f32(other)).max()
 
 
 @pytest.mark.slow
@@ -587,7 +588,8 @@ def test_gradients_match_dense_jax(case_dtypes, seed):
     want = jax.jit(jax.grad(loss_dense, argnums=(0, 1, 2)))(q, kc, vc)
     for name, a, e in zip(("dq", "dk_cache", "dv_cache"), got, want):
         assert a.dtype == F32, name
-        assert_grad_close(a, e, name, atol=dq_rounding_floor(case, ct) if name == "dq" else 0.0)
+        floor = {"dq": rounding_floor(case, ct, case.kc), "dk_cache": rounding_floor(case, ct, case.q)}.get(name, 0.0)
+        assert_grad_close(a, e, name, atol=floor)
     # blocks no token reads get no gradient
     read = np.zeros(case.kc.shape[0] * case.kc.shape[1], bool)
     nb, bs = case.kc.shape[:2]

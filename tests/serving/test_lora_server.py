@@ -158,7 +158,7 @@ def _poisoned(path, tmp_path, *, config=None, tensors=None):
     ("nan_alpha", dict(config={"lora_alpha": float("nan")}), "NaN is not a number JSON allows"),
     ("unknown_key", dict(config={"lora_magic": 1}), "unknown key"),
     ("backtracking", dict(config={"alpha_pattern": {r"(?:(?:[a-z_.0-9]|\w|.)+?){e<=2}(?:X|Y)": 2}}),
-     "takes more than 1 s"),
+     "take more than 1 s"),
     ("../escape", {}, "adapter name '../escape' is not allowed"),
     ("x" * 200, {}, "is not allowed"),
 ])

@@ -257,6 +257,15 @@ def test_a_fifo_in_place_of_the_output_does_not_hang_the_caller(monkeypatch, tmp
     assert [p for p in tmp_path.iterdir() if p.name.startswith("tunix-rt-sandbox-")] == []
 
 
+def test_directories_the_code_locks_are_removed(monkeypatch, tmp_path):
+    """mkdir(d, 0o300) with files inside would keep a non-root caller's rmtree out: the scratch goes anyway."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    r = run_python("import os\nos.mkdir('d', 0o300)\nos.mkdir('d/e', 0o000)\nopen('d/f', 'w').write('x')\n"
+                   "print('made')")
+    assert r.stdout == "made\n", r.observation()
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("tunix-rt-sandbox-")] == []
+
+
 def test_the_parent_stays_responsive_while_hostile_code_runs():
     """A run that spins, sleeps and floods its output is a separate process: another thread of the caller
     keeps working, and the run comes back at its limit."""

@@ -174,10 +174,13 @@ class _PatternMatcher:
                     raise AdapterError(f"{self.where}: pattern {key!r} is not a valid regular expression: {e}") from None
             start = time.monotonic()
             try:
-                matched = self.compiled[key].match(module, timeout=max(self.budget, 1e-3), concurrent=True)
+                if self.budget <= 0:
+                    raise TimeoutError
+                matched = self.compiled[key].match(module, timeout=self.budget, concurrent=True)
             except TimeoutError:
-                raise AdapterError(f"{self.where}: pattern {key!r} takes more than {PATTERN_SECONDS:g} s to match "
-                                   f"the module names (a pattern that backtracks without end?)") from None
+                raise AdapterError(f"{self.where}: the rank/alpha patterns take more than {PATTERN_SECONDS:g} s to "
+                                   f"match the module names ({key!r} was matching: a pattern that backtracks "
+                                   f"without end?)") from None
             self.budget -= time.monotonic() - start
             if matched:
                 return value

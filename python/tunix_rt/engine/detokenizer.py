@@ -150,7 +150,7 @@ class IncrementalDetokenizer:
             self._chunks.append(new_text)
             self._length += len(new_text)
             self._emitted = self._length
-            self._tail = (self._tail + new_text)[-self._overlap:] if self._overlap else ""
+            self._tail = ""  # unsearched text (before min_tokens) is never where a later match starts
             return out
         # Only the new text and the overlap before it are searched: linear over a long generation.
         region = self._tail + new_text

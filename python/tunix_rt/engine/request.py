@@ -83,8 +83,10 @@ class Request:
 
     @property
     def banned_stop_ids(self) -> frozenset[int]:
-        """The ids the next token may not be: its stop ids while the output is shorter than min_tokens."""
-        return self.stop_ids if len(self.output_token_ids) < self.params.min_tokens else frozenset()
+        """The ids the next token may not be: its stop ids while the output is shorter than min_tokens (not with
+        a grammar, whose mask may allow nothing but a stop: banning it too would leave no token at all)."""
+        short = len(self.output_token_ids) < self.params.min_tokens
+        return self.stop_ids if short and self.matcher is None else frozenset()
 
     def record_prompt_logprobs(self, positions, logprobs, ranks, top_ids, top_logprobs) -> None:
         """Log-probs of prompt tokens at `positions` (each given the tokens before it), from a prefill chunk."""

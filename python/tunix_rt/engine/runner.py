@@ -272,10 +272,10 @@ class ModelRunner:
 
     def warmup(self, stop: Callable[[], bool] = lambda: False) -> int:
         """Compile the forward of every token bucket, the row gather of every reachable shape, the plain
-        sampler (no penalties, logprobs of the sampled token only, no grammar) of every row bucket, and
-        the decode loop of every bucket a decode-only step can land in, on all-padding steps that write
-        nothing; returns how many programs that compiled. It ends early, between two compiles, once
-        `stop()` is true."""
+        sampler (no penalties, logprobs of the sampled token only, no grammar) of every row bucket, the
+        decode loop of every bucket a decode-only step can land in, on all-padding steps that write
+        nothing, and the prompt scorer with and without top k; returns how many programs that compiled. It
+        ends early, between two compiles, once `stop()` is true."""
         before = len(self.compiled)
         decode_buckets = {_fit(n, self.token_buckets) for n in range(1, min(self.max_num_seqs,
                                                                              self.token_buckets[-1]) + 1)}

@@ -77,24 +77,19 @@ class Scheduler:
         deferred: list[Request] = []  # long prefills that give this step to the others if they have work
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self._is_long_prefill(req, req.num_computed_tokens):
+            if self._is_long_prefill(req, req.num_computed_tokens) and req.long_prefill_waits < LONG_PREFILL_MAX_WAITS:
                 deferred.append(req)
                 i += 1
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req.seq_id, req.all_token_ids, req.num_computed_tokens, num_new,
-                                       extra=req.extra_keys):
-                victim = self.running.pop()  # never one scheduled above: those sit before index i
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            else:
-                scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break
+            fits, preempting = self._fit_running(req, min(req.num_tokens - req.num_computed_tokens, budget,
+                                                          self._chunk_cap(req, req.num_computed_tokens)))
+            preempted |= preempting
+            if not fits:
+                break
+            scheduled.append(fits)
+            budget -= fits.num_new
+            req.long_prefill_waits = 0  # a long prefill that waited its most takes its turn here, before admissions
+            i += 1
         # Admitting while preempting would only thrash: the queue waits for the next step.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -119,22 +114,39 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, num_cached, num_new))
             budget -= num_new
-        for req in deferred:  # sit out while others work, but never more than LONG_PREFILL_MAX_WAITS steps in a row
-            if budget > 0 and not preempted and req.status is Status.RUNNING and (
-                    not scheduled or req.long_prefill_waits >= LONG_PREFILL_MAX_WAITS):
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap(req, req.num_computed_tokens))
-                if self.kv.allocate(req.seq_id, req.all_token_ids, req.num_computed_tokens, num_new,
-                                    extra=req.extra_keys):
-                    scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
-                    budget -= num_new
-                    req.long_prefill_waits = 0
+        if not scheduled:  # nobody else has work this step: the long prefills take it
+            for req in deferred:
+                if req.status is not Status.RUNNING or budget <= 0:  # preempted by the one before it
                     continue
-            req.long_prefill_waits += 1
+                fits, preempting = self._fit_running(req, min(req.num_tokens - req.num_computed_tokens, budget,
+                                                              self._chunk_cap(req, req.num_computed_tokens)))
+                preempted |= preempting
+                if not fits:
+                    break
+                scheduled.append(fits)
+                budget -= fits.num_new
+        taken = {id(s.request) for s in scheduled}
+        for req in deferred:
+            req.long_prefill_waits = 0 if id(req) in taken else req.long_prefill_waits + 1
         if not preempted and not self.waiting:
             scheduled = self._multi_step(scheduled)
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new
         return scheduled
+
+    def _fit_running(self, req: Request, num_new: int) -> tuple[ScheduledRequest | None, bool]:
+        """Room for `num_new` more tokens of running `req`, preempting the newest running requests (never one
+        scheduled before it: those sit earlier in the list) until it fits: its ScheduledRequest, or None when
+        it had to go itself; and whether anything was preempted."""
+        preempted = False
+        while not self.kv.allocate(req.seq_id, req.all_token_ids, req.num_computed_tokens, num_new,
+                                   extra=req.extra_keys):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted = True
+            if victim is req:
+                return None, True
+        return ScheduledRequest(req, req.num_computed_tokens, num_new), preempted
 
     def _is_long_prefill(self, req: Request, num_computed: int) -> bool:
         return 0 < self.long_prefill < len(req.prompt_token_ids) - num_computed
@@ -179,6 +191,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self._leave_slot(req)
+        req.long_prefill_waits = 0
         self.kv.free(req.seq_id)
         req.num_computed_tokens = 0
         req.status = Status.WAITING

@@ -127,5 +127,17 @@ def run_python(code: str, *, wall_seconds: float = 10.0, cpu_seconds: int = 5, m
             seconds = time.monotonic() - start
             return ExecutionResult(status, _read_capped(out), _read_capped(err), seconds, timed_out)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        _remove_scratch(scratch)
+
+
+def _remove_scratch(scratch: str) -> None:
+    """Remove the scratch directory whatever modes the child gave the directories it made (mkdir(d, 0o300)
+    would keep a non-root parent out); it cannot make links, so nothing here leads outside."""
+    for root, dirs, _ in os.walk(scratch):
+        for d in dirs:
+            try:
+                os.chmod(os.path.join(root, d), 0o700, follow_symlinks=False)
+            except OSError:
+                pass
+    shutil.rmtree(scratch, ignore_errors=True)
 

@@ -14,6 +14,9 @@ Everything is an allowlist:
 - privileges: no_new_privs, every capability dropped (a root caller's child holds none), rlimits on CPU,
   memory, file size, open files and cores.
 Any step that fails exits with status 125 and says which on stderr: the code never runs unconfined.
+What it does not hide: stat() and access() of paths it cannot open (Landlock does not govern them), so the
+code can tell which files and /proc/PID entries exist, with their sizes and times, though not read them; a
+PID and mount namespace would hide those too, where the machine allows unprivileged user namespaces.
 """
 
 import ctypes
@@ -116,11 +119,15 @@ class ArgCmp(ctypes.Structure):
                 ("datum_b", ctypes.c_uint64)]
 
 
-def seccomp() -> None:
+def load_libseccomp():
+    """libseccomp, loaded before Landlock hides where it lives."""
     try:
-        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+        return ctypes.CDLL("libseccomp.so.2", use_errno=True)
     except OSError:
         fail("loading libseccomp (install libseccomp2)", errno.ENOENT)
+
+
+def seccomp(lib) -> None:
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_init.argtypes = [ctypes.c_uint32]
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
@@ -169,8 +176,9 @@ def confine(scratch: str, cpu: int, memory: int, fsize: int) -> None:
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
         fail("no_new_privs")
     drop_capabilities(libc)
+    libseccomp = load_libseccomp()
     landlock(libc, scratch)
-    seccomp()
+    seccomp(libseccomp)
 
 
 def main() -> None:

@@ -50,6 +50,7 @@ def _peak_rss_gb(pid: int) -> float:
 
 def measure(serve_args: list[str], args) -> dict:
     proc, base = start(["--model", args.model, *serve_args], log_prefix="isolation-")
+    time.sleep(args.settle)  # the server compiles its request options' samplers once /health is up
     try:
         vocab = httpx.get(f"{base}/tokenizer_info", timeout=30).json().get("vocab_size", 49152)
         rng = np.random.default_rng(0)
@@ -89,7 +90,8 @@ def measure(serve_args: list[str], args) -> dict:
             sigterm = time.perf_counter() - t
         except Exception:  # noqa: BLE001 - it did not end in a minute
             sigterm = float("inf")
-        return dict(idle=idle, prefill=prefill, scored=scored, under=statistics.median(under), under_max=max(under),
+        return dict(idle=idle, prefill=prefill, scored=scored, under=statistics.median(under),
+                    under_mean=statistics.fmean(under), under_max=max(under),
                     n_under=len(under), health=max(health), sigterm=sigterm, rss=rss)
     finally:
         if proc.poll() is None:
@@ -110,6 +112,7 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--long-tokens", type=int, default=2700)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--settle", type=float, default=30.0, help="seconds to wait after /health before measuring")
     ap.add_argument("--thresholds", default="", help="also run with these --long-prefill-token-threshold values "
                                                       "(comma-separated)")
     args = ap.parse_args()
@@ -119,10 +122,11 @@ def main() -> None:
     runs["peer: long-prefill policy off"] = measure(["--long-prefill-token-threshold", "0"], args)
     print(f"\n{args.long_tokens}-token prompt with prompt_logprobs=20 beside plain 16-token completions "
           f"(medians of {args.repeats}+)")
-    print(f"{'server':34s} {'idle s':>7s} {'under s':>8s} {'max s':>6s} {'ratio':>6s} {'prefill s':>9s} "
+    print(f"{'server':34s} {'idle s':>7s} {'under s':>8s} {'mean s':>7s} {'max s':>6s} {'ratio':>6s} {'prefill s':>9s} "
           f"{'scored s':>8s} {'ratio':>6s} {'/health':>8s} {'SIGTERM':>8s} {'peak RSS':>9s}")
     for name, m in runs.items():
-        print(f"{name:34s} {m['idle']:7.3f} {m['under']:8.3f} {m['under_max']:6.2f} {m['under'] / m['idle']:5.2f}x "
+        print(f"{name:34s} {m['idle']:7.3f} {m['under']:8.3f} {m['under_mean']:7.3f} {m['under_max']:6.2f} "
+              f"{m['under'] / m['idle']:5.2f}x "
               f"{m['prefill']:9.2f} {m['scored']:8.2f} {m['scored'] / m['prefill']:5.2f}x {m['health']:7.3f}s "
               f"{m['sigterm']:7.2f}s {m['rss']:7.2f} GB")
 

@@ -243,28 +243,12 @@ class Engine:
                             "'error'", req.request_id, req.lora.name if req.lora is not None else None)
                 self.kv.uncache(req.seq_id)
                 req.finish("error")
-                self.scheduler.finish(req)
-                self._sequence_done(req)
-                outputs.append(req.output())
-                continue
-            if not s.completes:
+            elif not s.completes:
                 continue  # a prefill chunk: its logits are not a next token yet
-            if req.max_tokens == 0:  # the prompt is scored: nothing is sampled
+            elif req.max_tokens == 0:  # the prompt is scored: nothing is sampled
                 req.finish("length")
-                self.scheduler.finish(req)
-                self._sequence_done(req)
-                outputs.append(req.output())
-                continue
-            k = req.params.logprobs
-            for step in range(s.limit):  # a multi-step decode's tokens after a stop are dropped
-                top = None
-                if k:
-                    top = dict(zip(result.top_ids[step, i, :k].tolist(), result.top_logprobs[step, i, :k].tolist()))
-                req.append(int(result.tokens[step, i]), float(result.logprobs[step, i]), top)
-                self._generation_tokens += 1
-                if req.status is Status.FINISHED:
-                    break
-                req.num_computed_tokens += step < s.limit - 1  # the loop computed the token it sampled
+            else:
+                self._append_sampled(req, result, i, s.limit)
             if req.status is Status.FINISHED:
                 self.scheduler.finish(req)
                 self._sequence_done(req)
@@ -274,6 +258,19 @@ class Engine:
             if out.finished and seqs and all(s.status is Status.FINISHED for s in seqs):
                 del self._requests[out.request_id]
         return outputs
+
+    def _append_sampled(self, req: Request, result, i: int, limit: int) -> None:
+        """The tokens step result row `i` sampled for `req`; a multi-step decode's tokens after a stop are dropped."""
+        k = req.params.logprobs
+        for step in range(limit):
+            top = None
+            if k:
+                top = dict(zip(result.top_ids[step, i, :k].tolist(), result.top_logprobs[step, i, :k].tolist()))
+            req.append(int(result.tokens[step, i]), float(result.logprobs[step, i]), top)
+            self._generation_tokens += 1
+            if req.status is Status.FINISHED:
+                break
+            req.num_computed_tokens += step < limit - 1  # the loop computed the token it sampled
 
     def _sequence_done(self, req: Request) -> None:
         if req.lora is not None:

@@ -106,9 +106,8 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
         top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)
         return token, rank, top_ids.astype(jnp.int32), top_logprobs
 
-    @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnums=(9, 10))
-    def decode_loop(leaves, k, v, tokens, positions, token_seq, block_tables, limits, params, max_steps,
-                    num_top_logprobs, lora_ids):
+    @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnums=9)
+    def decode_loop(leaves, k, v, tokens, positions, token_seq, block_tables, limits, params, max_steps, lora_ids):
         model = merged(leaves, lora_ids)
         head = model.output_head()
         rows = tokens.shape[0]
@@ -116,8 +115,7 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
         table_rows = jnp.maximum(token_seq, 0)
         last_block = block_tables.shape[1] - 1
         outs = SamplerOutput(jnp.zeros((max_steps, rows), jnp.int32), jnp.zeros((max_steps, rows), jnp.float32),
-                             jnp.zeros((max_steps, rows, num_top_logprobs), jnp.int32),
-                             jnp.zeros((max_steps, rows, num_top_logprobs), jnp.float32))
+                             jnp.zeros((max_steps, rows, 0), jnp.int32), jnp.zeros((max_steps, rows, 0), jnp.float32))
 
         def one_step(i, carry):
             k, v, tok, pos, outs, bad = carry
@@ -127,7 +125,7 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
                                  jnp.where(live, token_seq, -1), block_tables)
             h, cache = model.hidden_states(tok[None], pos[None], cache)
             out = sample_tokens(head_logits(config, head, h[0]), dataclasses.replace(params, step=params.step + i),
-                                no_history, no_history, num_top_logprobs=num_top_logprobs,
+                                no_history, no_history, num_top_logprobs=0,
                                 processed_logprobs=processed_logprobs)
             outs = jax.tree.map(lambda buf, new: buf.at[i].set(new), outs, out)
             bad = bad | (live & ~jnp.all(jnp.isfinite(h[0]), axis=-1))
@@ -300,10 +298,10 @@ class ModelRunner:
                     jax.block_until_ready(self._sample(self.head_leaves, hidden_rows, SamplingTensors.from_rows([], b_b),
                                                        hist, hist, 0, None, None))
             if self.decode_steps > 1 and t_b in decode_buckets and not stop():
-                self._note_compile(("decode_loop", t_b, self.decode_steps, 0))
+                self._note_compile(("decode_loop", t_b, self.decode_steps))
                 _, self.k, self.v, _ = self._decode_loop(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
                                                       np.zeros(t_b, np.int32), pad, tables, np.zeros(t_b, np.int32),
-                                                      SamplingTensors.from_rows([], t_b), self.decode_steps, 0, pad)
+                                                      SamplingTensors.from_rows([], t_b), self.decode_steps, pad)
         for num_top in (0, min(MAX_LOGPROBS, self.vocab_size)):  # prompt log-probs: the target alone, or with top k
             if stop():
                 break
@@ -435,12 +433,12 @@ class ModelRunner:
 
     def _run_decode_loop(self, scheduled, t_b, tokens, positions, token_seq, tables, lora_ids) -> StepResult:
         """Each request's `limit` decodes of one token per row in one program (rows are the step's tokens)."""
-        params, num_top = self._sampling_params(scheduled, t_b)
+        params, _ = self._sampling_params(scheduled, t_b)  # no top-k log-probs here (Scheduler._multi_step)
         limits = np.zeros(t_b, np.int32)
         limits[:len(scheduled)] = [s.limit for s in scheduled]
-        self._note_compile(("decode_loop", t_b, self.decode_steps, num_top))
+        self._note_compile(("decode_loop", t_b, self.decode_steps))
         out, self.k, self.v, nonfinite = self._decode_loop(self.leaves, self.k, self.v, tokens, positions, token_seq,
-                                                           tables, limits, params, self.decode_steps, num_top, lora_ids)
+                                                           tables, limits, params, self.decode_steps, lora_ids)
         return self._result(out, nonfinite, len(scheduled), steps_axis=True)
 
     @staticmethod

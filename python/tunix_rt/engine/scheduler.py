@@ -81,8 +81,7 @@ class Scheduler:
                 deferred.append(req)
                 i += 1
                 continue
-            fits, preempting = self._fit_running(req, min(req.num_tokens - req.num_computed_tokens, budget,
-                                                          self._chunk_cap(req, req.num_computed_tokens)))
+            fits, preempting = self._fit_running(req, budget)
             preempted |= preempting
             if not fits:
                 break
@@ -118,8 +117,7 @@ class Scheduler:
             for req in deferred:
                 if req.status is not Status.RUNNING or budget <= 0:  # preempted by the one before it
                     continue
-                fits, preempting = self._fit_running(req, min(req.num_tokens - req.num_computed_tokens, budget,
-                                                              self._chunk_cap(req, req.num_computed_tokens)))
+                fits, preempting = self._fit_running(req, budget)
                 preempted |= preempting
                 if not fits:
                     break
@@ -134,10 +132,12 @@ class Scheduler:
             s.request.num_computed_tokens += s.num_new
         return scheduled
 
-    def _fit_running(self, req: Request, num_new: int) -> tuple[ScheduledRequest | None, bool]:
-        """Room for `num_new` more tokens of running `req`, preempting the newest running requests (never one
-        scheduled before it: those sit earlier in the list) until it fits: its ScheduledRequest, or None when
-        it had to go itself; and whether anything was preempted."""
+    def _fit_running(self, req: Request, budget: int) -> tuple[ScheduledRequest | None, bool]:
+        """Room for running `req`'s next chunk (what is left of it, within `budget` and its chunk cap),
+        preempting the newest running requests (never one scheduled before it: those sit earlier in the list)
+        until it fits: its ScheduledRequest, or None when it had to go itself; and whether anything was
+        preempted."""
+        num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap(req, req.num_computed_tokens))
         preempted = False
         while not self.kv.allocate(req.seq_id, req.all_token_ids, req.num_computed_tokens, num_new,
                                    extra=req.extra_keys):
@@ -165,9 +165,9 @@ class Scheduler:
 
         Requests nearer their max_tokens get a smaller limit (the loop turns as often as the largest
         limit asks). Penalties, logit biases (min_tokens' ban on stop ids too) and grammars need the host
-        between tokens, and top-k log-probs use the sampler a server compiles ahead (runner.warmup_options), so a
-        step with any stays single. Blocks taken here and left unused (a stop came first)
-        go back with the request's other blocks.
+        between tokens, and top-k log-probs take the sampler a server compiles ahead (runner.warmup_options)
+        rather than a decode loop of their own, so a step with any stays single. Blocks taken here and left
+        unused (a stop came first) go back with the request's other blocks.
         """
         steps = self.decode_steps
         if steps < 2 or not scheduled or not all(s.num_new == 1 and s.completes and s.request.matcher is None

@@ -32,6 +32,13 @@ def _add_model_arg(p: argparse.ArgumentParser, *, dequantize_flag: bool = True, 
                             "weights packed)")
 
 
+def _add_compile_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile-cache-dir", default=DEFAULT_COMPILE_CACHE,
+                   help="persistent XLA compilation cache: a second run loads its compiled programs instead of "
+                        f"compiling them again ('' turns it off; default {DEFAULT_COMPILE_CACHE}; "
+                        "JAX_COMPILATION_CACHE_DIR, when set, wins)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tunix-rt", description="JAX-native LLM post-training and rollout runtime")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -47,11 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--json", action="store_true")
+    _add_compile_cache_arg(gen)
 
     score = sub.add_parser("score", help="teacher-forced log-probabilities of a text")
     _add_model_arg(score, lora_flag=True)
     score.add_argument("--text", required=True)
     score.add_argument("--json", action="store_true")
+    _add_compile_cache_arg(score)
 
     quant = sub.add_parser("quantize", help="write a copy of an HF checkpoint with quantized linear weights")
     _add_model_arg(quant, dequantize_flag=False)
@@ -80,10 +89,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="return a reply's <think> block as message.reasoning (and reasoning_content) apart from "
                             "its content, as vLLM's reasoning parsers do")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
-    serve.add_argument("--compile-cache-dir", default=DEFAULT_COMPILE_CACHE,
-                       help="persistent XLA compilation cache: a restart loads the engine's compiled step programs "
-                            f"instead of compiling them again ('' turns it off; default {DEFAULT_COMPILE_CACHE}; "
-                            "JAX_COMPILATION_CACHE_DIR, when set, wins)")
+    _add_compile_cache_arg(serve)
     for field in EngineConfig.flags():  # the engine's own options, named and defaulted as EngineConfig has them
         flag = "--" + field.name.replace("_", "-")
         if field.type in (bool, "bool"):
@@ -122,6 +128,7 @@ def _parser() -> argparse.ArgumentParser:
             train.add_argument("--env", default=None,
                                help="agentic RL: module:Factory making one environment per trajectory "
                                     "(reset(row) -> messages, step(message) -> (messages, done))")
+        _add_compile_cache_arg(train)
         train.add_argument("overrides", nargs="*", metavar="key=value", help="any other option, e.g. learning_rate=1e-4")
 
     export = sub.add_parser("export", help="write a model (GGUF, quantized or HF) as an HF directory transformers loads")
@@ -364,14 +371,24 @@ def main(argv: list[str] | None = None) -> int:
     from tunix_rt.models.config import UnsupportedArchitecture
     from tunix_rt.train.errors import TrainingError
 
+    cache = None
+    if hasattr(args, "compile_cache_dir"):
+        from tunix_rt.engine.compile_cache import cache_stats, use_compile_cache
+
+        cache = use_compile_cache(args.compile_cache_dir)
+        log.info("compilation cache: %s", cache or "off")
     try:
-        return _COMMANDS[args.command](args)
+        code = _COMMANDS[args.command](args)
     except (ValueError, OSError, DefaultModelMissing, UnsupportedArchitecture, TrainingError) as e:
         print(f"tunix-rt {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C: one line (a training run's says where it can resume), no traceback
         print(f"tunix-rt {args.command}: {str(e) or 'interrupted'}", file=sys.stderr)
         return 130
+    if cache:
+        requests, hits = cache_stats()
+        log.info("compilation cache: %d of %d programs loaded, %d compiled", hits, requests, requests - hits)
+    return code
 
 
 if __name__ == "__main__":

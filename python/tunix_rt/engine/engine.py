@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 from flax import nnx
 
+from tunix_rt.engine.compile_cache import ensure_compile_cache
 from tunix_rt.engine.config import EngineConfig
 from tunix_rt.engine.detokenizer import IncrementalDetokenizer
 from tunix_rt.engine.errors import (
@@ -64,11 +65,13 @@ class Engine:
                  config: EngineConfig | None = None, *, dequantize: bool = False, **options):
         """`config` sizes the engine (engine/config.py); keyword `options` replace its fields one by one
         (`Engine(model, tok, max_num_seqs=8)`). A model path or "default" is loaded (packed weights stay
-        packed unless `dequantize`)."""
+        packed unless `dequantize`). The engine's programs go to the persistent compilation cache
+        (engine/compile_cache.py) unless the process chose otherwise (`use_compile_cache(None)` turns it off)."""
         unknown = sorted(set(options) - {f.name for f in dataclasses.fields(EngineConfig)})
         if unknown:
             raise ValueError(f"Engine: unknown option(s) {', '.join(unknown)} (EngineConfig's fields are the options)")
         config = dataclasses.replace(config or EngineConfig(), **options)
+        ensure_compile_cache()
         if not isinstance(model, Decoder):
             from tunix_rt.checkpoints.loader import load_model
 

@@ -241,12 +241,16 @@ bool HasBf16Kernels() {
 }
 
 // a (M, K) or, with transpose_a, (K, M); b (K, N) or, with transpose_b, (N, K); both bf16 (c (M, N) f32
-// or bf16) or both f32 (c f32).
-ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> c,
-                       bool transpose_a, bool transpose_b) {
-  const auto ad = a.dimensions(), bd = b.dimensions(), cd = c->dimensions();
-  if (ad.size() != 2 || bd.size() != 2 || cd.size() != 2)
-    return ReadyFuture(InvalidArgument("bf16_matmul: operands must be 2-D"));
+// or bf16) or both f32 (c f32). b may be a stack (S, ...) of such weights: its layer `layer` is read in place.
+ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::BufferR0<ffi::S32> layer,
+                       ffi::Result<ffi::AnyBuffer> c, bool transpose_a, bool transpose_b) {
+  const Stack s = b.dimensions().size() == 3 ? Stack{true, b.dimensions()[0]} : Stack{};
+  ffi::Span<const int64_t> bd;
+  const auto ad = a.dimensions(), cd = c->dimensions();
+  if (ad.size() != 2 || !LayerDims(b, s, &bd) || bd.size() != 2 || cd.size() != 2)
+    return ReadyFuture(InvalidArgument("bf16_matmul: operands must be 2-D (b may be a stack (S, ...) of them)"));
+  const int32_t at = layer.typed_data()[0];
+  if (ffi::Error e = CheckLayer("bf16_matmul", at, s); !e.success()) return ReadyFuture(e);
   const bool f32 = a.element_type() == ffi::DataType::F32;
   if ((!f32 && a.element_type() != ffi::DataType::BF16) || b.element_type() != a.element_type() ||
       !IsF32OrBf16(c->element_type()) || (f32 && c->element_type() != ffi::DataType::F32))
@@ -255,7 +259,7 @@ ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
   const int64_t n = transpose_b ? bd[0] : bd[1], kb = transpose_b ? bd[1] : bd[0];
   if (kb != k || cd[0] != m || cd[1] != n) return ReadyFuture(InvalidArgument("bf16_matmul: shapes do not agree"));
   const uint16_t* ap = static_cast<const uint16_t*>(a.untyped_data());
-  const uint16_t* bp = static_cast<const uint16_t*>(b.untyped_data());
+  const uint16_t* bp = static_cast<const uint16_t*>(LayerData(b, s, at));
   const Bf16Matrix am = transpose_a ? Bf16Matrix{ap, 1, m} : Bf16Matrix{ap, k, 1};
   const Bf16Matrix bm = transpose_b ? Bf16Matrix{bp, 1, k} : Bf16Matrix{bp, n, 1};
   const bool out_f32 = c->element_type() == ffi::DataType::F32;
@@ -265,10 +269,10 @@ ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
   const bool bf16_kernels = !f32 && HasBf16Kernels();
   std::shared_ptr<std::vector<float>> af, bf;
   const float* a32 = static_cast<const float*>(a.untyped_data());
-  const float* b32 = static_cast<const float*>(b.untyped_data());
+  const float* b32 = static_cast<const float*>(LayerData(b, s, at));
   if (!f32 && !bf16_kernels) {
     af = WidenBf16(ap, a.element_count());
-    bf = WidenBf16(bp, b.element_count());
+    bf = WidenBf16(bp, b.element_count() / s.depth);
     a32 = af->data();
     b32 = bf->data();
   }
@@ -324,6 +328,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16MatmulHandler, Bf16Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transpose_a")
                                   .Attr<bool>("transpose_b"));

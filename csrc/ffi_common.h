@@ -86,4 +86,36 @@ inline const float* AsF32(const ffi::AnyBuffer& b, std::shared_ptr<std::vector<f
 
 inline ffi::Error InvalidArgument(const std::string& msg) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg); }
 
+// Weights stacked on a leading axis of `depth` layers, read one layer in place (a scanned decoder's
+// slice of a stacked weight would be copied every iteration). Without the axis (`axis` false) the
+// buffer is a stack of one.
+struct Stack {
+  bool axis = false;
+  int64_t depth = 1;
+};
+
+// A stacked buffer's dimensions past the stack axis; false when it lacks the axis or its depth differs.
+inline bool LayerDims(const ffi::AnyBuffer& b, const Stack& s, ffi::Span<const int64_t>* out) {
+  const auto d = b.dimensions();
+  if (!s.axis) {
+    *out = d;
+    return true;
+  }
+  if (d.size() == 0 || d[0] != s.depth) return false;
+  *out = d.last(d.size() - 1);
+  return true;
+}
+
+// The layer index an op got as data: `op`'s error unless 0 <= layer < the stack's depth.
+inline ffi::Error CheckLayer(const char* op, int32_t layer, const Stack& s) {
+  if (layer >= 0 && layer < s.depth) return ffi::Error::Success();
+  return InvalidArgument(std::string(op) + ": layer = " + std::to_string(layer) + " is outside the stack's [0, " +
+                         std::to_string(s.depth) + ")");
+}
+
+// Layer `layer` (checked) of a buffer stacked `s.depth` deep.
+inline const void* LayerData(const ffi::AnyBuffer& b, const Stack& s, int32_t layer) {
+  return static_cast<const char*>(b.untyped_data()) + layer * (b.size_bytes() / s.depth);
+}
+
 }  // namespace tunix_rt

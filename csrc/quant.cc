@@ -65,9 +65,11 @@ ffi::Future Dequantize(ffi::ThreadPool pool, ffi::AnyBuffer qs, ffi::AnyBuffer s
   });
 }
 
+// x @ the weight, or with a stack of weights (qs, scales, mins and lanes on a leading axis) x @ its layer
+// `layer`, read in place.
 ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer qs, ffi::AnyBuffer scales,
-                        ffi::AnyBuffer mins, ffi::AnyBuffer lanes, ffi::Result<ffi::AnyBuffer> y, int32_t fmt,
-                        int64_t group, int32_t route) {
+                        ffi::AnyBuffer mins, ffi::AnyBuffer lanes, ffi::BufferR0<ffi::S32> layer,
+                        ffi::Result<ffi::AnyBuffer> y, int32_t fmt, int64_t group, int32_t route) {
   if (route < kInt8 || route > kExactRowInvariant)
     return ReadyFuture(InvalidArgument("quant_matmul: route must be 0 (int8), 1 (exact) or 2 (exact, row-invariant)"));
   const auto xd = x.dimensions(), yd = y->dimensions();
@@ -75,13 +77,16 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
     return ReadyFuture(InvalidArgument("quant_matmul: x must be (M, K) f32/bf16 and y (M, N) of x's dtype"));
   Layout l;
   if (ffi::Error e = MakeLayout(fmt, group, yd[1], xd[1], &l); !e.success()) return ReadyFuture(e);
-  if (ffi::Error e = CheckWeights(l, qs, scales, mins); !e.success()) return ReadyFuture(e);
-  if (ffi::Error e = CheckLanes(l, lanes); !e.success()) return ReadyFuture(e);
+  const Stack s = StackOf(qs);
+  if (ffi::Error e = CheckWeights(l, qs, scales, mins, s); !e.success()) return ReadyFuture(e);
+  if (ffi::Error e = CheckLanes(l, lanes, s); !e.success()) return ReadyFuture(e);
+  const int32_t at = layer.typed_data()[0];
+  if (ffi::Error e = CheckLayer("quant_matmul", at, s); !e.success()) return ReadyFuture(e);
   const int64_t m = xd[0];
   if (m == 0 || l.n == 0) return ReadyFuture(ffi::Error::Success());
-  const Weights w{l, static_cast<const uint8_t*>(qs.untyped_data()), scales.untyped_data(),
-                  static_cast<const uint16_t*>(mins.untyped_data()),
-                  lanes.element_count() > 0 ? lanes.untyped_data() : nullptr};
+  const Weights w{l, static_cast<const uint8_t*>(LayerData(qs, s, at)), LayerData(scales, s, at),
+                  static_cast<const uint16_t*>(LayerData(mins, s, at)),
+                  lanes.element_count() > 0 ? LayerData(lanes, s, at) : nullptr};
   if (route != kInt8) return QuantGemm(pool, w, x, *y, route == kExactRowInvariant);
 #ifdef TUNIX_RT_X86
   if (m > kGemvRows && HasVnni()) return VnniGemm(pool, w, x, *y);
@@ -120,6 +125,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulHandler, quant::QuantMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("group")

@@ -32,26 +32,27 @@ ffi::Error MakeLayout(int32_t fmt, int64_t group, int64_t n, int64_t k, Layout* 
 }
 
 ffi::Error CheckWeights(const Layout& l, const ffi::AnyBuffer& qs, const ffi::AnyBuffer& scales,
-                        const ffi::AnyBuffer& mins) {
-  const auto qd = qs.dimensions(), sd = scales.dimensions(), md = mins.dimensions();
-  if (qd.size() != 2 || qd[0] != l.n || qd[1] != l.row_bytes())
-    return InvalidArgument("quant: qs shape does not match (N, K*bits/8)");
-  if (sd.size() != 2 || sd[0] != l.n || sd[1] != l.groups())
-    return InvalidArgument("quant: scales shape does not match (N, K/group)");
+                        const ffi::AnyBuffer& mins, const Stack& s) {
+  ffi::Span<const int64_t> qd, sd, md;
+  if (!LayerDims(qs, s, &qd) || qd.size() != 2 || qd[0] != l.n || qd[1] != l.row_bytes())
+    return InvalidArgument("quant: qs shape does not match ([S,] N, K*bits/8)");
+  if (!LayerDims(scales, s, &sd) || sd.size() != 2 || sd[0] != l.n || sd[1] != l.groups())
+    return InvalidArgument("quant: scales shape does not match ([S,] N, K/group)");
   const auto want_scale = l.f->f16_scales ? ffi::DataType::F16 : ffi::DataType::F32;
   if (scales.element_type() != want_scale) return InvalidArgument("quant: scales dtype does not match the format");
-  if (md.size() != 2 || md[0] != l.n || md[1] != (l.f->has_min ? l.groups() : 0))
+  if (!LayerDims(mins, s, &md) || md.size() != 2 || md[0] != l.n || md[1] != (l.f->has_min ? l.groups() : 0))
     return InvalidArgument("quant: mins shape does not match the format");
   if (l.f->has_min && mins.element_type() != ffi::DataType::F16) return InvalidArgument("quant: mins must be float16");
   return ffi::Error::Success();
 }
 
-ffi::Error CheckLanes(const Layout& l, const ffi::AnyBuffer& lanes) {
-  const auto d = lanes.dimensions();
+ffi::Error CheckLanes(const Layout& l, const ffi::AnyBuffer& lanes, const Stack& s) {
   if (lanes.element_count() == 0) return ffi::Error::Success();
+  ffi::Span<const int64_t> d;
   const int64_t tiles = (l.n + kLaneColumns - 1) / kLaneColumns;
-  if (d.size() != 3 || d[0] != tiles || d[1] != l.groups() || d[2] != kLaneColumns * (l.f->has_min ? 2 : 1))
-    return InvalidArgument("quant: lanes shape does not match (ceil(N/16), K/group, 16 * (1 + has_min))");
+  if (!LayerDims(lanes, s, &d) || d.size() != 3 || d[0] != tiles || d[1] != l.groups() ||
+      d[2] != kLaneColumns * (l.f->has_min ? 2 : 1))
+    return InvalidArgument("quant: lanes shape does not match ([S,] ceil(N/16), K/group, 16 * (1 + has_min))");
   const auto want = l.f->f16_scales ? ffi::DataType::F16 : ffi::DataType::F32;
   if (lanes.element_type() != want) return InvalidArgument("quant: lanes dtype does not match the scales'");
   return ffi::Error::Success();

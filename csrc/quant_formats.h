@@ -55,16 +55,22 @@ struct Layout {
 
 ffi::Error MakeLayout(int32_t fmt, int64_t group, int64_t n, int64_t k, Layout* out);
 
-// Checks qs/scales/mins buffers against the layout.
+// Checks qs/scales/mins buffers against the layout, each layer of them for a stack.
 ffi::Error CheckWeights(const Layout& l, const ffi::AnyBuffer& qs, const ffi::AnyBuffer& scales,
-                        const ffi::AnyBuffer& mins);
+                        const ffi::AnyBuffer& mins, const Stack& s = {});
+
+// The stack a quant_matmul weight holds: qs of rank 3 is a stack of (N, K*bits/8) codes.
+inline Stack StackOf(const ffi::AnyBuffer& qs) {
+  const auto d = qs.dimensions();
+  return d.size() == 3 ? Stack{true, d[0]} : Stack{};
+}
 
 // The GEMV's column-lane scales (optional): for each tile of kLaneColumns columns and each group, the
 // tile's scales side by side (then, for formats with mins, its mins): (ceil(N / 16), K / group,
 // 16 * (1 + has_min)) in the scales' dtype. The engine lays them out once per weight; without them the
 // VNNI GEMV transposes each tile's scales itself, on every call.
 constexpr int64_t kLaneColumns = 16;
-ffi::Error CheckLanes(const Layout& l, const ffi::AnyBuffer& lanes);
+ffi::Error CheckLanes(const Layout& l, const ffi::AnyBuffer& lanes, const Stack& s);
 
 // Raw pointers of a quantized weight; safe to capture in async tasks.
 struct Weights {

@@ -331,7 +331,7 @@ def test_moe_gguf_quantized_experts_dequantize_as_ggml(moe_gguf):
     tokens = _tokens(5)
     positions = jnp.asarray(np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape))
     kept, flat = (load_model(out / f"{family}-q8.gguf", dequantize=d).model for d in (False, True))
-    assert isinstance(kept.layers[0].mlp.router, QuantLinear)
+    assert isinstance(kept.layers.locate(0)[0].mlp.router, QuantLinear)
     # Rounding-level differences must not flip an expert choice: the tokens keep every router's k-th and
     # (k+1)-th logits apart (a near-tie, as _tokens(4) makes in Mixtral's first layer, would turn
     # 1e-7 of f32 noise into a different expert).
@@ -441,7 +441,7 @@ def test_quantized_tensors_stay_packed_and_dequantize_identically(quantized):
     for name in quantized_names:
         got = np.asarray(dequantize(packed[name])).T  # (in, out) -> HF (out, in)
         np.testing.assert_array_equal(got.view(np.uint32), floats[name].view(np.uint32), err_msg=name)
-    assert isinstance(case.ours.model.layers[0].attn.q_proj, QuantLinear)
+    assert isinstance(case.ours.model.layers.locate(0)[0].attn.q_proj, QuantLinear)
 
 
 def test_quantized_logprobs_match_transformers_gguf_loader(quantized):

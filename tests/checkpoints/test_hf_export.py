@@ -114,8 +114,8 @@ def test_export_replaces_a_directory_only_when_told(exported, tmp_path):
 def test_unknown_variable_is_refused(exported, tmp_path):
     _, _, first, _ = exported
     model = nnx.clone(first.model)
-    model.layers[0].attn.q_proj.lora_a = nnx.Param(jnp.zeros((64, 4)))
-    with pytest.raises(ValueError, match=r"layers\.0\.attn\.q_proj\.lora_a"):
+    model.layers.locate(0)[0].attn.q_proj.lora_a = nnx.Param(jnp.zeros((64, 4)))
+    with pytest.raises(ValueError, match=r"layers\.kinds\.0\.attn\.q_proj\.lora_a"):
         export_hf(model, first.tokenizer, first.hf_config, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -150,7 +150,8 @@ def default_export(tmp_path_factory):
 
 
 def test_default_model_export_reloads(default_export):
-    from tunix_rt.ops.quant import QuantizedTensor, dequantize
+    from tunix_rt.models.quant_layers import dequantize_stacked
+    from tunix_rt.ops.quant import QuantizedTensor
 
     loaded, dst = default_export
     again = load_model(dst)
@@ -159,7 +160,7 @@ def test_default_model_export_reloads(default_export):
     for path, var in nnx.to_flat_state(nnx.state(loaded.model)):
         value = var.get_value()
         if isinstance(value, QuantizedTensor):
-            w = np.asarray(dequantize(value))
+            w = np.asarray(dequantize_stacked(value))
             if path[-1] == "table_t":
                 path, w = (*path[:-1], "embedding"), w.T
             value = w

@@ -92,7 +92,7 @@ def test_a_peft_adapter_loads_with_peft_logprobs(base, tmp_path, rslora):
     tuned.save_pretrained(tmp_path / "made_by_peft")
     model = load_model(src).model
     load_adapter(model, tmp_path / "made_by_peft")
-    assert model.layers[0].attn.k_proj.lora_a[...].shape[1] == 2
+    assert model.layers.locate(0)[0].attn.k_proj.lora_a[...].shape[-1] == 2
     assert np.abs(_logprobs(model) - _hf_logprobs(tuned.eval())).max() <= 1e-4, family
 
 

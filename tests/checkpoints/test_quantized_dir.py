@@ -47,7 +47,7 @@ def test_q4_0_checkpoint_equals_ggml_round_trip(source, tmp_path):
     assert summary["quantized"] == 2 * 7 and summary["bytes"] < summary["source_bytes"]
     assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "q4_0"
     loaded = load_model(out)
-    assert isinstance(loaded.model.layers[1].mlp.down_proj, QuantLinear)
+    assert isinstance(loaded.model.layers.locate(1)[0].mlp.down_proj, QuantLinear)
 
     def ggml_round_trip():
         for name, w in hf_dir.iter_tensors(source):
@@ -60,7 +60,7 @@ def test_q4_0_checkpoint_equals_ggml_round_trip(source, tmp_path):
     tokens = np.random.default_rng(0).integers(0, 256, (2, 24))  # 48 rows: the exact GEMM path
     np.testing.assert_allclose(_logprobs(loaded.model, tokens), _logprobs(reference, tokens), atol=1e-4)
     dequantized = load_model(out, dequantize=True).model
-    assert not isinstance(dequantized.layers[1].mlp.down_proj, QuantLinear)
+    assert not isinstance(dequantized.layers.locate(1)[0].mlp.down_proj, QuantLinear)
     np.testing.assert_allclose(_logprobs(dequantized, tokens), _logprobs(reference, tokens), atol=1e-4)
 
 
@@ -71,7 +71,7 @@ def test_int8_group64_through_the_cli(source, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "12 weights quantized to int8" in proc.stdout  # down_proj's K = 96 does not split into groups of 64
     assert "2 linear weight(s) left in float" in proc.stdout and "down_proj" in proc.stdout
-    qt = load_model(out).model.layers[0].attn.q_proj.kernel.get_value()
+    qt = load_model(out).model.layers.locate(0)[0].attn.q_proj.kernel.get_value()
     assert (qt.fmt, qt.group, qt.shape) == ("int8", 64, (64, 64))
 
 

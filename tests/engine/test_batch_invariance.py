@@ -23,7 +23,7 @@ from tunix_rt.engine.engine import Engine
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.models.config import FULL, ModelConfig, RopeConfig
 from tunix_rt.models.decoder import Decoder
-from tunix_rt.models.quant_layers import QuantEmbed, QuantLinear
+from tunix_rt.models.quant_layers import QuantEmbed, QuantLinear, quantize_stacked
 from tunix_rt.ops.quant import quantize
 
 pytestmark = pytest.mark.slow
@@ -41,11 +41,11 @@ def _model(weights: str) -> Decoder:
                       tie_word_embeddings=True)
     model = Decoder(cfg, dtype=jnp.bfloat16 if weights == "bf16" else jnp.float32, rngs=nnx.Rngs(0))
     if weights in ("q4_1", "q8_0"):
-        for layer in model.layers:
+        for layer in model.layers.kinds:
             for parent, names in ((layer.attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
                                   (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
                 for name in names:  # x5: weights big enough that int8 activations move the logits
-                    setattr(parent, name, QuantLinear(quantize(getattr(parent, name).kernel[...] * 5, weights)))
+                    setattr(parent, name, QuantLinear(quantize_stacked(getattr(parent, name).kernel[...] * 5, weights)))
         model.embed = QuantEmbed(quantize(model.embed.embedding[...].T, weights), jnp.float32)
     return model
 

@@ -37,8 +37,7 @@ from tunix_rt.engine.reference_generator import GenerationConfig
 from tunix_rt.engine.reference_generator import generate as reference_generate
 from tunix_rt.models.config import FULL, SLIDING, ModelConfig, RopeConfig
 from tunix_rt.models.decoder import Decoder
-from tunix_rt.models.quant_layers import QuantLinear
-from tunix_rt.ops.quant import quantize
+from tunix_rt.models.quant_layers import QuantLinear, quantize_stacked
 
 pytestmark = pytest.mark.slow
 
@@ -278,7 +277,7 @@ def test_bf16_greedy_matches_reference():
                      num_kv_blocks=32)
     prompts = _prompts(6, [1, 9, 24, 40])  # steps of 8 or 1 tokens only: few programs
     outs = engine.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
-    assert engine.runner.k[0].dtype == jnp.bfloat16
+    assert engine.runner.k.dtype == jnp.bfloat16
     assert [o.token_ids for o in outs] == _reference(model, prompts, 6)
     assert_idle(engine)
 
@@ -534,11 +533,11 @@ def test_warmup_options_compiles_the_samplers_request_options_pick(llama):
 def _quantized_llama() -> Decoder:
     """The tiny llama with every projection quantized to q4_0 (as GGUF weights load)."""
     model = Decoder(_llama_config(intermediate_size=64), rngs=nnx.Rngs(2))
-    for layer in model.layers:
+    for layer in model.layers.kinds:
         for parent, names in ((layer.attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
                               (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
             for name in names:
-                setattr(parent, name, QuantLinear(quantize(getattr(parent, name).kernel[...], "q4_0")))
+                setattr(parent, name, QuantLinear(quantize_stacked(getattr(parent, name).kernel[...], "q4_0")))
     return model
 
 
@@ -648,20 +647,21 @@ def test_update_weights_of_a_quantized_model():
     way the engine generates what a fresh engine on those weights does."""
     model = _quantized_llama()
     other = nnx.merge(*nnx.split(model))  # the same arrays, but for new packed up projections
-    for layer in other.layers:
-        layer.mlp.up_proj = QuantLinear(quantize(jax.random.normal(jax.random.key(5), (32, 64)), "q4_0"))
+    for layer in other.layers.kinds:
+        layer.mlp.up_proj = QuantLinear(quantize_stacked(jax.random.normal(jax.random.key(5), (2, 32, 64)), "q4_0"))
     kw = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_kv_blocks=64)
     engine = _engine(model, **kw)
     prompts = _prompts(13, [5, 17, 9])
     params = SamplingParams(max_tokens=6, **GREEDY)
     first = [o.token_ids for o in engine.generate(prompts, params)]
-    lanes = [leaf for leaf in engine.runner.leaves if leaf.ndim == 3]  # the lanes: (tiles, groups, 16)
-    assert len(lanes) == 2 * 7 and lanes[0].shape[-1] == 16
+    # the lanes, one per projection stacked over the 2 layers: (layers, tiles, groups, 16)
+    lanes = [leaf for leaf in engine.runner.leaves if leaf.ndim == 4]
+    assert len(lanes) == 7 and lanes[0].shape[0] == 2 and lanes[0].shape[-1] == 16
     engine.update_weights(model)
-    assert all(a is b for a, b in zip([leaf for leaf in engine.runner.leaves if leaf.ndim == 3], lanes))
+    assert all(a is b for a, b in zip([leaf for leaf in engine.runner.leaves if leaf.ndim == 4], lanes))
     engine.update_weights(other)
-    after = [leaf for leaf in engine.runner.leaves if leaf.ndim == 3]
-    assert sum(a is b for a, b in zip(after, lanes)) == 2 * 6  # the up projections' lanes are new
+    after = [leaf for leaf in engine.runner.leaves if leaf.ndim == 4]
+    assert sum(a is b for a, b in zip(after, lanes)) == 6  # the up projections' lanes are new
     assert [o.token_ids for o in engine.generate(prompts, params)] == [
         o.token_ids for o in _engine(other, **kw).generate(prompts, params)]
     engine.update_weights(model)

@@ -65,15 +65,15 @@ def test_slot_rows_are_their_adapters_and_base_rows_the_base():
     rng = np.random.default_rng(0)
     model = Decoder(_config(), rngs=nnx.Rngs(0))
     slots = with_adapter_slots(model, slots=3, rank=4)
-    layer = slots.layers[0].attn.q_proj
-    assert isinstance(layer, MultiLoRALinear) and not isinstance(model.layers[0].attn.q_proj, MultiLoRALinear)
+    layer = slots.layers.unstacked(0).attn.q_proj  # layer 0 alone, out of the stacks
+    assert isinstance(layer, MultiLoRALinear) and not isinstance(model.layers.locate(0)[0].attn.q_proj, MultiLoRALinear)
     a = rng.normal(size=layer.lora_a[...].shape).astype(np.float32)
     b = rng.normal(size=layer.lora_b[...].shape).astype(np.float32)
     layer.lora_a.set_value(jnp.asarray(a))
     layer.lora_b.set_value(jnp.asarray(b))
     x = jnp.asarray(rng.normal(size=(1, 6, 32)), jnp.float32)
     ids = jnp.asarray([-1, 0, 1, 2, 1, -1], jnp.int32)
-    set_adapter_ids(slots, ids)
+    set_adapter_ids(layer, ids)
     out = np.asarray(layer(x))[0]
     plain = np.asarray(layer.base(x))[0]
     for row, slot in enumerate(np.asarray(ids)):

@@ -28,7 +28,7 @@ def test_qwen_moe_layers_follow_sparse_step_and_mlp_only_layers():
                                     "moe_intermediate_size": 8, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
     assert cfg.moe_layers == (False, True, False, False)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    assert [type(layer.mlp) for layer in model.layers] == [MLP, MoEMLP, MLP, MLP]
+    assert [type(model.layers.locate(i)[0].mlp) for i in range(4)] == [MLP, MoEMLP, MLP, MLP]
     assert cfg.qkv_bias  # Qwen2's switches carry over
 
 
@@ -108,7 +108,7 @@ def test_a_token_reads_only_its_routed_experts(qwen3_moe):
     """Poisoning every expert a token is not routed to (NaN weights) leaves its output unchanged:
     the grouped matmul never touches an expert without rows."""
     cfg, _, model = qwen3_moe
-    layer = nnx.clone(model.layers[0].mlp)  # a copy to poison: the fixture's model stays clean
+    layer = model.layers.unstacked(0).mlp  # a copy to poison: the fixture's model stays clean
     x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 1, cfg.hidden_size)), jnp.float32)
     want = layer(x)
     _, ids = router_topk(layer.router(x.reshape(1, -1)), cfg.num_experts_per_tok)
@@ -124,7 +124,7 @@ def test_a_token_reads_only_its_routed_experts(qwen3_moe):
 
 def test_moe_training_gradients_reach_router_and_routed_experts_only(qwen3_moe):
     cfg, _, model = qwen3_moe
-    layer = model.layers[0].mlp
+    layer = model.layers.unstacked(0).mlp
     x = jnp.asarray(np.random.default_rng(2).standard_normal((3, cfg.hidden_size)), jnp.float32)
     graphdef, params = nnx.split(layer, nnx.Param)
 
@@ -148,7 +148,7 @@ def test_lora_on_a_moe_model_adapts_attention_and_the_shared_expert():
                                     "moe_intermediate_size": 8, "shared_expert_intermediate_size": 12,
                                     "mlp_only_layers": [0]})
     model = apply_lora(Decoder(cfg, rngs=nnx.Rngs(0)), rank=2, alpha=4.0)
-    moe_layer, dense_layer = model.layers[1].mlp, model.layers[0].mlp
+    moe_layer, dense_layer = model.layers.locate(1)[0].mlp, model.layers.locate(0)[0].mlp
     assert isinstance(moe_layer.shared_expert.up_proj, LoRALinear) and isinstance(dense_layer.up_proj, LoRALinear)
     assert not isinstance(moe_layer.router, LoRALinear)
     for _, module in nnx.iter_modules(model):  # a nonzero adapter, so merging has something to fold in

@@ -1173,7 +1173,7 @@ def test_bad_lanes():
                 mm(x, dataclasses.replace(qt, lanes=bad))
         call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((1, 20), jnp.float32))
         with pytest.raises(Exception, match="lanes"):
-            jax.block_until_ready(call(x, qt.qs, qt.scales, qt.mins, bad, fmt=np.int32(FORMATS["q4_1"].id),
+            jax.block_until_ready(call(x, qt.qs, qt.scales, qt.mins, bad, np.int32(0), fmt=np.int32(FORMATS["q4_1"].id),
                                        group=np.int64(32), route=np.int32(0)))
 
 

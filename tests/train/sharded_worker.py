@@ -137,7 +137,8 @@ def meshes(result: Path, output: Path) -> None:
             params[name] = host_params(trainer)
             diff, where = _max_diff(params[name], params["one"])
             run = {**_curve(records), "max_param_diff": diff, "max_param_diff_at": where, "mesh": dict(mesh.shape)}
-            # where layer 0's q_proj weight lives: its trained array (the kernel, or LoRA's B), Adam's first moment
+            # where the layers' q_proj weight lives (stacked over the 2 layers, models/layer_stack.py): its trained
+            # array (the kernel, or LoRA's B), Adam's first moment
             # of it and, with LoRA, the frozen base kernel; the spec the rules gave and the block each device holds
             trained = "lora_b" if lora else "kernel"
             trees = (("trained", trainer.params, trained), ("mu", trainer.opt_state, trained),
@@ -145,7 +146,7 @@ def meshes(result: Path, output: Path) -> None:
             for tree_name, tree, leaf_name in trees:
                 for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
                     p = jax.tree_util.keystr(path)
-                    if "['layers'][0]['attn']['q_proj']" in p and leaf_name in p and (tree_name != "mu" or ".mu[" in p):
+                    if "['layers']['kinds'][0]['attn']['q_proj']" in p and leaf_name in p and (tree_name != "mu" or ".mu[" in p):
                         run[f"q_proj_{tree_name}"] = {
                             "path": p, "spec": list(leaf.sharding.spec), "shape": list(leaf.shape),
                             "shard_shape": list(leaf.addressable_shards[0].data.shape)}

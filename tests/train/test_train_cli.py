@@ -238,7 +238,7 @@ def test_lora_final_is_the_merged_trainer_model(lora_run):
     out, trainer = lora_run
     model = trainer.model()
     assert has_lora(model)
-    b = model.layers[0].attn.q_proj.lora_b[...]
+    b = model.layers.locate(0)[0].attn.q_proj.lora_b[...]
     assert np.abs(np.asarray(b)).max() > 0  # the adapters trained
     final = load_model(out / "final")
     assert not has_lora(final.model)
@@ -323,7 +323,7 @@ def test_merge_lora_keeps_the_function(tiny):
     assert np.abs(adapted - base).max() > 1e-2
     merged = merge_lora(model)
     assert not has_lora(merged) and has_lora(model)  # a copy
-    assert isinstance(merged.layers[1].mlp.down_proj, nnx.Linear)
+    assert isinstance(merged.layers.locate(1)[0].mlp.down_proj, nnx.Linear)
     delta = np.abs(logits(merged) - adapted).max()
     assert delta < 1e-4, f"max |delta logits| = {delta:.2e}"
 
@@ -357,7 +357,7 @@ def test_qlora_trains_adapters_over_a_frozen_quantized_base(qlora_run, quantized
     curve = losses(out)
     assert len(curve) == 4 and curve[-1] < curve[0] - 0.5, curve
     model = trainer.model()
-    assert isinstance(model.layers[0].attn.q_proj.base, QuantLinear)
+    assert isinstance(model.layers.locate(0)[0].attn.q_proj.base, QuantLinear)
     before, after = _quant_leaves(load_model(quantized).model), _quant_leaves(model)
     assert before and len(before) == len(after)
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(before, after))
@@ -376,7 +376,7 @@ def test_merge_lora_of_a_quantized_base(quantized):
     model = apply_lora(load_model(quantized).model, rank=4, alpha=8.0)
     _nonzero_adapters(model, seed=1)
     merged = merge_lora(model)
-    assert isinstance(merged.layers[0].attn.q_proj, nnx.Linear)
+    assert isinstance(merged.layers.locate(0)[0].attn.q_proj, nnx.Linear)
     delta = np.abs(logits(merged) - logits(model)).max()
     assert delta < 1e-3, f"max |delta logits| = {delta:.2e}"
 

@@ -386,10 +386,12 @@ def test_weight_decay_skips_vectors(tmp_path):
     current = three_steps(params)
     factor = math.prod(1 - float(schedule(s)) * 0.1 for s in range(3))  # lr 0, 0.5, 1/3: 0.95 * (1 - 1/30)
     before, after = host_tree(params), host_tree(current)
-    vectors = [k for k in before if before[k].ndim == 1]
+    per_layer_ndim = {k: v.ndim - k.startswith("['layers']") for k, v in before.items()}  # layers are stacked
+    vectors = [k for k in before if per_layer_ndim[k] == 1]
     assert any("bias" in k for k in vectors) and any("scale" in k for k in vectors)
+    assert any("layers" in k for k in vectors) and any("layers" not in k for k in vectors)
     for k in before:
-        want = before[k] * factor if before[k].ndim > 1 else before[k]
+        want = before[k] * factor if per_layer_ndim[k] > 1 else before[k]
         np.testing.assert_allclose(after[k], want, rtol=1e-6, atol=0, err_msg=k)
 
 
@@ -451,16 +453,18 @@ def test_meshes_match_one_device(resumed, compile_cache, tmp_path):
             np.testing.assert_allclose(run["grad_norms"], one["grad_norms"], rtol=LOSS_RTOL, err_msg=prefix + name)
             assert run["max_param_diff"] < PARAM_ATOL, (prefix + name, run["max_param_diff"], run["max_param_diff_at"])
 
-    # the weights really are split: layer 0's q_proj kernel (64, 64) and its Adam moment over both axes, LoRA's
-    # B (4, 64) over tp with its frozen base kernel over both
+    # the weights really are split: the q_proj kernels (2 layers stacked, (2, 64, 64)) and their Adam moment over
+    # both axes but the layers', LoRA's B (2, 4, 64) over tp with its frozen base kernels over both
     assert out["fsdp4_tp2"]["mesh"] == {"fsdp": 4, "tp": 2}
     placed = lambda run, what: (out[run][f"q_proj_{what}"]["spec"], out[run][f"q_proj_{what}"]["shape"],
                                 out[run][f"q_proj_{what}"]["shard_shape"])
-    assert placed("fsdp4_tp2", "trained") == placed("fsdp4_tp2", "mu") == (["fsdp", "tp"], [64, 64], [16, 32])
-    assert placed("fsdp8", "trained") == placed("fsdp8", "mu") == (["fsdp", "tp"], [64, 64], [8, 64])
+    assert placed("fsdp4_tp2", "trained") == placed("fsdp4_tp2", "mu") == ([None, "fsdp", "tp"], [2, 64, 64],
+                                                                           [2, 16, 32])
+    assert placed("fsdp8", "trained") == placed("fsdp8", "mu") == ([None, "fsdp", "tp"], [2, 64, 64], [2, 8, 64])
     assert out["lora_fsdp4_tp2"]["q_proj_trained"]["path"].endswith("['lora_b'].value")
-    assert placed("lora_fsdp4_tp2", "trained") == placed("lora_fsdp4_tp2", "mu") == ([None, "tp"], [4, 64], [4, 32])
-    assert placed("lora_fsdp4_tp2", "frozen") == (["fsdp", "tp"], [64, 64], [16, 32])
+    assert placed("lora_fsdp4_tp2", "trained") == placed("lora_fsdp4_tp2", "mu") == ([None, None, "tp"], [2, 4, 64],
+                                                                                     [2, 4, 32])
+    assert placed("lora_fsdp4_tp2", "frozen") == ([None, "fsdp", "tp"], [2, 64, 64], [2, 16, 32])
 
     # a checkpoint written on one device resumes on fsdp=4 x tp=2 (Orbax reshards it) and goes on alike
     moved = out["resharded_resume"]

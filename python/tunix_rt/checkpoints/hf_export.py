@@ -27,7 +27,8 @@ from tunix_rt.checkpoints.tokenizer import Tokenizer
 from tunix_rt.checkpoints.weights import _layer_names, expert_names, hf_to_path
 from tunix_rt.models.config import ModelConfig
 from tunix_rt.models.decoder import Decoder
-from tunix_rt.ops.quant import QuantizedTensor, dequantize
+from tunix_rt.models.quant_layers import dequantize_stacked
+from tunix_rt.ops.quant import QuantizedTensor
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -44,18 +45,21 @@ ARCHITECTURES = {
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
-def inverse_names(cfg: ModelConfig) -> dict[tuple, list[tuple[str, bool, int | None]]]:
-    """Decoder parameter path -> [(HF tensor name, whether to transpose, expert slice or None)], for
-    every tensor `cfg` can have: one entry per path, or one per expert of a stacked expert weight."""
+def inverse_names(cfg: ModelConfig) -> dict[tuple, list[tuple[str, bool, tuple[int, ...]]]]:
+    """Decoder parameter path -> [(HF tensor name, whether to transpose, index in the parameter)], for every tensor
+    `cfg` can have: a whole parameter's index is (); a layer's tensor is its entry of the layer-stacked weight
+    (and an expert's, its expert slice too)."""
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     # expert names first: Mixtral's router is block_sparse_moe.gate, not the table's mlp.gate
     layer_rest = [*(expert_names(cfg) if any(cfg.moe_layers) else ()), *_layer_names(cfg)]
     names += [f"model.layers.{i}.{rest}" for i in range(cfg.num_layers) for rest in dict.fromkeys(layer_rest)]
-    inverse = {}
+    inverse, taken = {}, set()
     for name in names:
         target = hf_to_path(name, cfg)
-        if target is not None and not (target.expert is None and target.path in inverse):
-            inverse.setdefault(target.path, []).append((name, target.transpose, target.expert))
+        if target is None or (target.expert is None and (target.path, target.index) in taken):
+            continue
+        taken.add((target.path, target.index))
+        inverse.setdefault(target.path, []).append((name, target.transpose, target.index))
     return inverse
 
 
@@ -69,15 +73,15 @@ def hf_tensors(model: Decoder, dtype: str = "float32") -> dict[str, np.ndarray]:
         value = var.get_value()
         key = path
         if isinstance(value, QuantizedTensor):
-            value = dequantize(value)  # (K, N) = (in, out): the decoder's kernel orientation
+            value = dequantize_stacked(value)  # (..., K, N) = (..., in, out): the decoder's kernel orientation
             if path[-1] == "table_t":  # QuantEmbed keeps the embedding transposed, (hidden, vocab)
                 key, value = (*path[:-1], "embedding"), value.T
         if key not in inverse or not hasattr(value, "shape"):
             unknown.append(".".join(map(str, path)) + f" ({type(var).__name__})")
             continue
         array = np.asarray(jax.device_get(jnp.asarray(value, jnp.float32)))
-        for name, transpose, expert in inverse[key]:
-            part = array if expert is None else array[expert]
+        for name, transpose, index in inverse[key]:
+            part = array[index]
             tensors[name] = np.ascontiguousarray(part.T if transpose else part).astype(_DTYPES[dtype])
     if unknown:
         raise ValueError(f"cannot export {len(unknown)} model variable(s) with no HF tensor name: {', '.join(unknown[:8])}"

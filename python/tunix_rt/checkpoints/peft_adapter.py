@@ -60,15 +60,16 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def hf_module_names(model: Decoder) -> dict[str, tuple[nnx.Module, str]]:
-    """HF module name (model.layers.3.self_attn.q_proj) -> (owner module, attribute) of every projection a
-    LoRA adapter can target."""
+def hf_module_names(model: Decoder) -> dict[str, tuple[nnx.Module, str, int]]:
+    """HF module name (model.layers.3.self_attn.q_proj) -> (owner module, attribute, entry) of every projection a
+    LoRA adapter can target: the owner holds the projection stacked over the layers of one kind
+    (models/layer_stack.py), `entry` is the layer's place in that stack."""
     inverse = inverse_names(model.config)
     paths = {id(module): path for path, module in nnx.iter_modules(model)}
     names = {}
     for owner, attr in lora_targets(model, ALL_TARGETS):
-        [(tensor, _, _)] = inverse[(*paths[id(owner)], attr, "kernel")]
-        names[tensor.removesuffix(".weight")] = (owner, attr)
+        for tensor, _, (entry,) in inverse[(*paths[id(owner)], attr, "kernel")]:
+            names[tensor.removesuffix(".weight")] = (owner, attr, entry)
     return names
 
 
@@ -76,12 +77,12 @@ def save_adapter(model: Decoder, out_dir: str | os.PathLike, *, base_model: str 
                  ) -> Path:
     """Write `model`'s LoRA adapters as a peft adapter directory (staged beside it, renamed into place)."""
     tensors, ranks, alphas, modules = {}, {}, {}, []
-    for name, (owner, attr) in hf_module_names(model).items():
+    for name, (owner, attr, entry) in hf_module_names(model).items():
         lora = getattr(owner, attr)
         if not isinstance(lora, LoRALinear):
             continue
-        a = np.asarray(jax.device_get(lora.lora_a[...]), np.float32)  # (in, r)
-        b = np.asarray(jax.device_get(lora.lora_b[...]), np.float32)  # (r, out)
+        a = np.asarray(jax.device_get(lora.lora_a[...][entry]), np.float32)  # (in, r)
+        b = np.asarray(jax.device_get(lora.lora_b[...][entry]), np.float32)  # (r, out)
         tensors[f"{_PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(a.T)
         tensors[f"{_PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(b.T)
         ranks[name] = a.shape[1]
@@ -203,8 +204,9 @@ class AdaptedModule:
     """One projection's adapter, read and checked against the model it is for."""
 
     name: str  # the HF module name
-    owner: nnx.Module
+    owner: nnx.Module  # it and `attr` name the projection stacked over its kind's layers; `entry`, the layer's place
     attr: str
+    entry: int
     a: np.ndarray  # (in, r)
     b: np.ndarray  # (r, out)
     scaling: float
@@ -237,9 +239,9 @@ def read_adapter(model: Decoder, path: str | os.PathLike) -> tuple[dict, list[Ad
                                f"named (an adapter of another base model?)")
         if set(parts) != {"A", "B"}:
             raise AdapterError(f"{path}: {module} has lora_{next(iter(parts))} but not both lora_A and lora_B")
-        owner, attr = names[module]
+        owner, attr, entry = names[module]
         layer = getattr(owner, attr)
-        din, dout = getattr(layer, "base", layer).kernel.get_value().shape
+        din, dout = getattr(layer, "base", layer).kernel.get_value().shape[-2:]
         a, b = parts["A"], parts["B"]
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != din or b.shape[0] != dout or a.shape[0] != b.shape[1]:
             raise AdapterError(f"{path}: {module}'s lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit its "
@@ -258,7 +260,7 @@ def read_adapter(model: Decoder, path: str | os.PathLike) -> tuple[dict, list[Ad
                 raise AdapterError(f"{path}: {module}'s {part} has values beyond ±{MAX_ABS_VALUE:g} (max "
                                    f"|{float(np.abs(tensor).max()):.3g}|"
                                    + (" once scaled by lora_alpha / r" if part == "lora_B" else "") + ")")
-        modules.append(AdaptedModule(module, owner, attr, np.ascontiguousarray(a.T, np.float32),
+        modules.append(AdaptedModule(module, owner, attr, entry, np.ascontiguousarray(a.T, np.float32),
                                      np.ascontiguousarray(b.T, np.float32), scaling))
     return config, modules
 
@@ -266,18 +268,29 @@ def read_adapter(model: Decoder, path: str | os.PathLike) -> tuple[dict, list[Ad
 def load_adapter(model: Decoder, path: str | os.PathLike, *, dropout: float = 0.0, seed: int = 0) -> dict:
     """Wrap the projections `path`'s adapter targets in LoRALinear with its weights, in place (`dropout` for
     training on from it); returns the adapter's config. The model is changed only when every tensor fits
-    (read_adapter)."""
+    (read_adapter). A stacked projection takes one adapter per layer of its stack, at the largest rank its
+    layers have (smaller ranks zero-padded, exact); layers the adapter leaves out get zeros (the base layer).
+    Where a stack's layers differ in scaling (rank_pattern, alpha_pattern), each layer's B takes its own and the
+    stack's scaling is 1."""
     config, modules = read_adapter(model, path)
+    stacks: dict[tuple[int, str], list[AdaptedModule]] = {}
     for m in modules:
         if isinstance(getattr(m.owner, m.attr), LoRALinear):
             raise AdapterError(f"{m.name} already has a LoRA adapter")
+        stacks.setdefault((id(m.owner), m.attr), []).append(m)
     rngs = nnx.Rngs(params=seed, dropout=seed + 1)
-    for m in modules:
-        lora = LoRALinear(getattr(m.owner, m.attr), rank=m.rank, alpha=1.0, dropout=dropout, rngs=rngs)
-        lora.lora_a.set_value(jnp.asarray(m.a))
-        lora.lora_b.set_value(jnp.asarray(m.b))
-        lora.scaling = m.scaling
-        setattr(m.owner, m.attr, lora)
+    for parts in stacks.values():
+        owner, attr = parts[0].owner, parts[0].attr
+        lora = LoRALinear(getattr(owner, attr), rank=max(m.rank for m in parts), alpha=1.0, dropout=dropout, rngs=rngs)
+        a, b = np.zeros(lora.lora_a.shape, np.float32), np.zeros(lora.lora_b.shape, np.float32)
+        one_scaling = len({m.scaling for m in parts}) == 1
+        for m in parts:
+            a[m.entry, :, :m.rank] = m.a
+            b[m.entry, :m.rank] = m.b if one_scaling else m.b * np.float32(m.scaling)
+        lora.lora_a.set_value(jnp.asarray(a))
+        lora.lora_b.set_value(jnp.asarray(b))
+        lora.scaling = parts[0].scaling if one_scaling else 1.0
+        setattr(owner, attr, lora)
     return config
 
 

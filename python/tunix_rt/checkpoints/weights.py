@@ -11,6 +11,8 @@ transformers 5's fused `mlp.experts.gate_up_proj` fill them whole.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import re
 from collections.abc import Iterable, Iterator
 
@@ -22,8 +24,11 @@ from flax import nnx
 from tunix_rt.checkpoints.errors import CheckpointError
 from tunix_rt.models.config import ModelConfig
 from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.layer_stack import layer_places
 from tunix_rt.models.quant_layers import QuantEmbed, QuantLinear, QuantWeight
-from tunix_rt.ops.quant import QuantizedTensor
+from tunix_rt.ops.quant import QuantizedTensor, dequantize_reference
+
+log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq)$")
@@ -37,11 +42,18 @@ _MIXTRAL_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weig
 @dataclasses.dataclass(frozen=True)
 class Target:
     """Where an HF tensor goes: the decoder parameter path, whether its last two axes swap
-    ((out, in) -> (in, out)), and for a per-expert tensor the expert slice it fills."""
+    ((out, in) -> (in, out)), for a layer's tensor its entry in the stacked weight (models/layer_stack.py),
+    and for a per-expert tensor the expert slice it fills."""
 
     path: tuple
     transpose: bool
     expert: int | None = None
+    entry: int | None = None
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """Where the tensor lands in the parameter: (entry[, expert]), or () for a whole parameter."""
+        return tuple(i for i in (self.entry, self.expert) if i is not None)
 
 
 def _canonical(rest: str) -> str:
@@ -86,6 +98,11 @@ def _layer_names(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     return names
 
 
+@functools.lru_cache(maxsize=64)
+def _places(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
+    return layer_places([cfg.layer_kind(i) for i in range(cfg.num_layers)])
+
+
 def hf_to_path(name: str, cfg: ModelConfig) -> Target | None:
     """HF tensor name -> its Target; None for tensors to skip."""
     if _IGNORED.search(name):
@@ -98,14 +115,15 @@ def hf_to_path(name: str, cfg: ModelConfig) -> Target | None:
         return None if cfg.tie_word_embeddings else Target(("lm_head", "kernel"), True)
     m = _LAYER.match(name)
     if m and int(m.group(1)) < cfg.num_layers:
-        layer, rest = ("layers", int(m.group(1))), _canonical(m.group(2))
+        kind, entry = _places(cfg)[int(m.group(1))]
+        layer, rest = ("layers", "kinds", kind), _canonical(m.group(2))
         if (e := _EXPERT.match(rest)) and int(e.group(1)) < cfg.num_experts:
-            return Target((*layer, "mlp", "experts", e.group(2)), True, int(e.group(1)))
+            return Target((*layer, "mlp", "experts", e.group(2)), True, int(e.group(1)), entry)
         if s := _STACKED.match(rest):
-            return Target((*layer, "mlp", "experts", s.group(1)), True)
+            return Target((*layer, "mlp", "experts", s.group(1)), True, None, entry)
         path = _layer_names(cfg).get(rest)
         if path is not None:
-            return Target((*layer, *path), path[-1] == "kernel")
+            return Target((*layer, *path), path[-1] == "kernel", None, entry)
     raise CheckpointError(f"unexpected tensor {name!r} for a {cfg.architecture} model")
 
 
@@ -137,16 +155,29 @@ def _swap_in_quantized(model: Decoder, path: tuple, qt: QuantizedTensor, dtype) 
     setattr(owner, attr, new)
 
 
+def _stack_quantized(name: str, parts: list[QuantizedTensor]) -> QuantizedTensor | np.ndarray:
+    """One layer-stacked weight from its layers' quantized tensors: stacked as they are if they share a format,
+    else every layer dequantized (a stack holds one format; the values stay ggml's exactly)."""
+    first = parts[0]
+    if all((q.fmt, q.group, q.shape) == (first.fmt, first.group, first.shape) for q in parts):
+        return jax.tree.map(lambda *a: np.stack(a), *parts)
+    log.warning("%s: its layers mix quantization formats (%s); loading them dequantized", name,
+                ", ".join(sorted({q.fmt for q in parts})))
+    return np.stack([np.asarray(dequantize_reference(jax.tree.map(jnp.asarray, q))) for q in parts])
+
+
 def build_decoder(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray | QuantizedTensor]], *,
                   dtype=jnp.float32) -> Decoder:
     """Decoder whose parameters come from (HF name, array) pairs; every parameter must be given.
 
     A QuantizedTensor value (a GGUF weight kept quantized) replaces its layer by a QuantLinear (or
-    the embedding by a QuantEmbed); it is given in the decoder's (in, out) orientation already.
+    the embedding by a QuantEmbed); it is given in the decoder's (in, out) orientation already. A layer's
+    tensors fill their entries of the layer-stacked weights (and an expert's its slice of the experts').
     """
     model = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     expected = dict(nnx.to_flat_state(nnx.state(model)))
-    loaded, stacks = {}, {}  # stacks: expert path -> (host buffer, experts filled so far)
+    loaded = {}
+    stacks: dict[tuple, tuple[dict, str]] = {}  # path -> ({index: host array or QuantizedTensor}, a tensor's name)
     for name, array in _split_fused(tensors):
         target = hf_to_path(name, cfg)
         if target is None:
@@ -155,41 +186,44 @@ def build_decoder(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray | Qu
         if path not in expected:
             raise CheckpointError(f"tensor {name!r} has no place in a {cfg.architecture} model with this config")
         want = tuple(expected[path].get_value().shape)
+        index = target.index
         if isinstance(array, QuantizedTensor):
             if "experts" in path:
                 raise CheckpointError(f"tensor {name!r}: quantized expert weights are not supported; load the "
                                       "model dequantized")
             value_shape = array.shape if path[-1] == "kernel" else array.shape[::-1]
-            if value_shape != want:
-                raise CheckpointError(f"tensor {name!r} has shape {array.shape[::-1]}, the config implies {want[::-1]}")
-            _swap_in_quantized(model, path, jax.tree.map(jnp.asarray, array), dtype)  # to device once
-            continue
-        value = np.swapaxes(array, -1, -2) if target.transpose else array
-        if target.expert is not None:
-            if tuple(value.shape) != want[1:]:
-                raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, the config implies "
-                                      f"{want[1:][::-1]}")
-            if path in loaded:
-                raise CheckpointError(f"tensor {name!r}: the experts of {'.'.join(map(str, path))} were given already")
-            if path not in stacks:
-                stacks[path] = (np.zeros(want, np.float32), set())
-            buffer, filled = stacks[path]
-            if target.expert in filled:
-                raise CheckpointError(f"tensor {name!r} is given twice")
-            buffer[target.expert] = value
-            filled.add(target.expert)
-            if len(filled) == want[0]:  # complete: to the device in the target dtype, host copy freed
-                loaded[path] = jnp.asarray(stacks.pop(path)[0], dtype=dtype)
-            continue
-        if path in loaded or path in stacks:
+            if value_shape != want[len(index):]:
+                raise CheckpointError(f"tensor {name!r} has shape {array.shape[::-1]}, the config implies "
+                                      f"{want[len(index):][::-1]}")
+            value = array
+        else:
+            value = np.swapaxes(array, -1, -2) if target.transpose else array
+            if tuple(value.shape) != want[len(index):]:
+                part = want[len(index):]
+                shown = part[:-2] + part[-2:][::-1] if target.transpose else part
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, the config implies {shown}")
+        if path in loaded:
             raise CheckpointError(f"tensor {name!r} is given twice (or with per-expert tensors of the same weight)")
-        if tuple(value.shape) != want:
-            shown = want[:-2] + want[-2:][::-1] if target.transpose else want
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, the config implies {shown}")
-        loaded[path] = jnp.asarray(value, dtype=dtype)
-    for path, (buffer, filled) in stacks.items():  # only incomplete stacks are left
-        absent = sorted(set(range(buffer.shape[0])) - filled)
-        raise CheckpointError(f"checkpoint is missing expert(s) {absent[:8]} of {'.'.join(map(str, path))}")
+        if not index:
+            if isinstance(value, QuantizedTensor):
+                _swap_in_quantized(model, path, jax.tree.map(jnp.asarray, value), dtype)  # to device once
+            else:
+                loaded[path] = jnp.asarray(value, dtype=dtype)
+            continue
+        parts, _ = stacks.setdefault(path, ({}, name))
+        if index in parts or (target.expert is None and any(i[0] == index[0] for i in parts)):
+            raise CheckpointError(f"tensor {name!r} is given twice (or with per-expert tensors of the same weight)")
+        if target.expert is not None and (index[0],) in parts:
+            raise CheckpointError(f"tensor {name!r}: the experts of {'.'.join(map(str, path))} were given already")
+        parts[index] = value
+        if set(parts) == _expected_indices(parts, want):  # to the device in the target dtype, host copies freed
+            loaded_value = _assemble(stacks.pop(path), want, dtype)
+            if isinstance(loaded_value, QuantizedTensor):
+                _swap_in_quantized(model, path, jax.tree.map(jnp.asarray, loaded_value), dtype)
+            else:
+                loaded[path] = jnp.asarray(loaded_value, dtype=dtype)
+    for path, (parts, _) in stacks.items():  # only incomplete stacks are left
+        raise CheckpointError(f"checkpoint is missing {_absent(cfg, path, parts, expected[path].get_value().shape)}")
     graphdef, state = nnx.split(model)
     flat = list(nnx.to_flat_state(state))
     missing = [".".join(map(str, p)) for p, var in flat if p not in loaded and not isinstance(var, QuantWeight)]
@@ -197,3 +231,34 @@ def build_decoder(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray | Qu
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
     filled = [(p, var if isinstance(var, QuantWeight) else var.replace(loaded[p])) for p, var in flat]
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
+
+
+def _expected_indices(parts: dict, want: tuple) -> set[tuple]:
+    """Every index a layer-stacked weight needs: per layer, and per expert where the given tensors are per expert."""
+    per_expert = any(len(i) == 2 for i in parts)
+    layers = range(want[0])
+    return {(i, e) for i in layers for e in range(want[1])} if per_expert else {(i,) for i in layers}
+
+
+def _absent(cfg: ModelConfig, path: tuple, parts: dict, want: tuple) -> str:
+    """What a layer-stacked weight lacks, named by layer: "expert(s) [5] of layers.1.mlp.experts.up_proj"."""
+    kind, rest = path[2], ".".join(map(str, path[3:]))
+    layer_of = {entry: i for i, (k, entry) in enumerate(_places(cfg)) if k == kind}
+    absent = sorted(_expected_indices(parts, want) - set(parts))
+    layer = layer_of[absent[0][0]]
+    if len(absent[0]) == 2:
+        experts = [e for entry, e in absent if entry == absent[0][0]]
+        return f"expert(s) {experts[:8]} of layers.{layer}.{rest}"
+    return f"layers.{layer}.{rest}" + (f" (and {len(absent) - 1} more layers)" if len(absent) > 1 else "")
+
+
+def _assemble(stack: tuple[dict, str], want: tuple, dtype) -> np.ndarray | QuantizedTensor:
+    parts, name = stack
+    if any(isinstance(v, QuantizedTensor) for v in parts.values()):
+        if not all(isinstance(v, QuantizedTensor) for v in parts.values()):
+            raise CheckpointError(f"tensor {name!r}: some layers' weights are quantized, others not")
+        return _stack_quantized(name, [parts[(i,)] for i in range(want[0])])
+    buffer = np.zeros(want, np.dtype(dtype))
+    for index, value in parts.items():
+        buffer[index] = value
+    return buffer

@@ -67,15 +67,18 @@ class LoRAManager:
     def __init__(self, model: nnx.Module, runner, *, slots: int, rank: int, max_registered: int):
         self.model, self.runner, self.max_rank = model, runner, rank
         self.max_registered = max(max_registered, slots)
-        layers = {id(getattr(owner, attr)): name for name, (owner, attr) in hf_module_names(model).items()}
+        entries: dict[int, dict[int, str]] = {}  # id(stacked projection) -> {entry: HF module name}
+        for name, (owner, attr, entry) in hf_module_names(model).items():
+            entries.setdefault(id(getattr(owner, attr)), {})[entry] = name
         index = {id(leaf): i for i, leaf in enumerate(runner.leaves)}
-        # HF module name -> (runner leaf index of A, of B, host A (in, slots * rank), host B (slots * rank, out))
-        self._layers = {}
+        # One per stacked projection: (runner leaf index of A, of B, host A (layers, in, slots * rank), host B
+        # (layers, slots * rank, out), {entry: HF module name})
+        self._stacks = []
         for _, module in nnx.iter_modules(model):
             if isinstance(module, MultiLoRALinear):
                 a, b = module.lora_a.get_value(), module.lora_b.get_value()
-                self._layers[layers[id(module)]] = (index[id(a)], index[id(b)], np.zeros(a.shape, np.float32),
-                                                    np.zeros(b.shape, np.float32))
+                self._stacks.append((index[id(a)], index[id(b)], np.zeros(a.shape, np.float32),
+                                     np.zeros(b.shape, np.float32), entries[id(module)]))
         self.slots: list[Adapter | None] = [None] * slots
         self._recent: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(slots))
         self.adapters: dict[str, Adapter] = {}
@@ -169,15 +172,19 @@ class LoRAManager:
         r = self.max_rank
         cols = slice(slot * r, (slot + 1) * r)
         updates = {}
-        for name, (ia, ib, host_a, host_b) in self._layers.items():
-            a, b = adapter.weights.get(name, (None, None))
-            if a is None and not host_a[:, cols].any() and not host_b[cols].any():
-                continue  # nothing there before, nothing now
-            host_a[:, cols], host_b[cols] = 0.0, 0.0
-            if a is not None:
-                host_a[:, slot * r:slot * r + a.shape[1]] = a
-                host_b[slot * r:slot * r + b.shape[0]] = b
-            updates[ia], updates[ib] = jnp.asarray(host_a), jnp.asarray(host_b)
+        for ia, ib, host_a, host_b, names in self._stacks:
+            changed = False
+            for entry, name in names.items():
+                a, b = adapter.weights.get(name, (None, None))
+                if a is None and not host_a[entry, :, cols].any() and not host_b[entry, cols].any():
+                    continue  # nothing there before, nothing now
+                host_a[entry, :, cols], host_b[entry, cols] = 0.0, 0.0
+                if a is not None:
+                    host_a[entry, :, slot * r:slot * r + a.shape[1]] = a
+                    host_b[entry, slot * r:slot * r + b.shape[0]] = b
+                changed = True
+            if changed:
+                updates[ia], updates[ib] = jnp.asarray(host_a), jnp.asarray(host_b)
         self.runner.replace_leaves(updates)
         self.slots[slot] = adapter
 

@@ -68,6 +68,7 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
 
     def merged(leaves, lora_ids):
         model = use_batch_invariant_kernels(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)))
+        model.layers.read_in_place = True  # never differentiated: the kernels index the stacked weights
         if adapters:
             set_adapter_ids(model, lora_ids)
         return model
@@ -75,7 +76,7 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
     @functools.partial(jax.jit, donate_argnums=(1, 2))
     def forward(leaves, k, v, tokens, positions, slots, token_seq, block_tables, lora_ids):
         model = merged(leaves, lora_ids)
-        cache = PagedKVCache(k, v, slots, token_seq, block_tables)
+        cache = PagedKVCache(k, v, slots, token_seq, block_tables, config.num_layers)
         h, cache = model.hidden_states(tokens[None], positions[None], cache)
         return h[0], cache.k, cache.v, _nonfinite_rows(h[0], token_seq, block_tables.shape[0])
 
@@ -122,7 +123,7 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
             live = i < limits
             block = block_tables[table_rows, jnp.minimum(pos // block_size, last_block)]
             cache = PagedKVCache(k, v, jnp.where(live, block * block_size + pos % block_size, -1),
-                                 jnp.where(live, token_seq, -1), block_tables)
+                                 jnp.where(live, token_seq, -1), block_tables, config.num_layers)
             h, cache = model.hidden_states(tok[None], pos[None], cache)
             out = sample_tokens(head_logits(config, head, h[0]), dataclasses.replace(params, step=params.step + i),
                                 no_history, no_history, num_top_logprobs=0,
@@ -210,8 +211,7 @@ class ModelRunner:
             any(isinstance(m, MultiLoRALinear) for _, m in nnx.iter_modules(model)))
         self.decode_steps = decode_steps
         cfg = model.config
-        self.cache_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.num_layers = cfg.num_layers
+        self.cache_shape = (cfg.num_layers * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.vocab_size = cfg.vocab_size
         self.dtype = model.dtype
         self.hidden_size = cfg.hidden_size
@@ -221,8 +221,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.token_buckets = buckets(1, max_num_batched_tokens) if token_buckets is None else tuple(token_buckets)
         self.seq_buckets = buckets(1, max_num_seqs)
-        self.k: tuple[jax.Array, ...] | None = None
-        self.v: tuple[jax.Array, ...] | None = None
+        self.k: jax.Array | None = None  # every layer's pool, layer after layer (models/kv_cache.py)
+        self.v: jax.Array | None = None
         self.compiled: set[tuple] = set()
         self.grammars = grammars
         self.allocate_cache()
@@ -233,12 +233,12 @@ class ModelRunner:
         return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
     def allocate_cache(self) -> None:
-        zeros = lambda: tuple(jnp.zeros(self.cache_shape, self.dtype) for _ in range(self.num_layers))
-        self.k, self.v = zeros(), zeros()
+        self.k, self.v = jnp.zeros(self.cache_shape, self.dtype), jnp.zeros(self.cache_shape, self.dtype)
 
     def release_cache(self) -> None:
-        for buf in (*(self.k or ()), *(self.v or ())):
-            buf.delete()
+        for buf in (self.k, self.v):
+            if buf is not None:
+                buf.delete()
         self.k = self.v = None
 
     def update_weights(self, state: nnx.State) -> None:

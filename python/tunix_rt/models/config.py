@@ -121,6 +121,10 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe_layers[layer]
 
+    def layer_kind(self, layer: int) -> tuple[str, bool]:
+        """What makes a layer's program differ from another's: its attention type and whether its MLP is routed."""
+        return self.layer_types[layer], self.moe_layers[layer]
+
     def rope_for(self, layer: int) -> RopeConfig:
         return dict(self.rope)[self.layer_types[layer]]
 

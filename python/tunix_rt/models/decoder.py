@@ -13,11 +13,13 @@ from flax import nnx
 
 from tunix_rt.models.config import ModelConfig
 from tunix_rt.models.kv_cache import DenseKVCache, PagedKVCache
+from tunix_rt.models.layer_stack import LayerStack, LayerView
 from tunix_rt.models.quant_layers import QuantEmbed, QuantLinear
 from tunix_rt.models.remat import recompute_in_backward, tie
 from tunix_rt.models.rope import apply_rope, inverse_frequencies
 from tunix_rt.ops import attention, grouped_matmul, permute, rms_norm, router_topk, unpermute
 from tunix_rt.ops.fused_head import head_logprobs
+from tunix_rt.ops.matmul import invariant_dot_general, matmul
 from tunix_rt.ops.quant import dequantize
 
 _ACT = {
@@ -49,8 +51,21 @@ class Embed(nnx.Embed):
         return self.dot_general(query, embedding, (((query.ndim - 1,), (1,)), ((), ())), out_sharding=out_sharding)
 
 
+class Linear(nnx.Linear):
+    """nnx.Linear whose kernel may be a LayerView (one layer of a stacked weight, read in place): the engine's
+    row-invariant GEMM indexes the stack itself; any other product reads the layer's slice."""
+
+    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+        w = self.kernel.get_value()
+        if not (isinstance(w, LayerView) and self.dot_general is invariant_dot_general and out_sharding is None
+                and inputs.dtype == w.dtype == jnp.dtype(self.dtype or w.dtype)):
+            return super().__call__(inputs, out_sharding)
+        y = matmul(inputs, w.stack, layer=w.index)
+        return y if self.bias is None else y + self.bias[...].astype(y.dtype)
+
+
 def _linear(cfg_dtype, rngs, din, dout, bias):
-    return nnx.Linear(din, dout, use_bias=bias, dtype=cfg_dtype, param_dtype=cfg_dtype, rngs=rngs,
+    return Linear(din, dout, use_bias=bias, dtype=cfg_dtype, param_dtype=cfg_dtype, rngs=rngs,
                       kernel_init=nnx.initializers.normal(0.02))
 
 
@@ -64,13 +79,12 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
             self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
-        self.layer = layer
         self.window = cfg.window(layer)
         self.rope = cfg.rope_for(layer)
         self.shape = (h, kv, d)
         self.scale, self.softcap, self.qk_norm = cfg.query_scale, cfg.attn_logit_softcap, cfg.qk_norm
 
-    def __call__(self, x, positions, cache: DenseKVCache | PagedKVCache | None, segment_ids=None):
+    def __call__(self, x, positions, cache: DenseKVCache | PagedKVCache | None, segment_ids=None, layer=None):
         b, t, _ = x.shape
         h, kv, d = self.shape
         q = self.q_proj(x).reshape(b, t, h, d)
@@ -84,7 +98,7 @@ class Attention(nnx.Module):
         if cache is None:
             out = attention(q, k, v, positions, segment_ids, scale=self.scale, window=self.window, softcap=self.softcap)
         else:
-            cache, out = cache.attend(self.layer, q, k, v, positions, window=self.window, scale=self.scale,
+            cache, out = cache.attend(layer, q, k, v, positions, window=self.window, scale=self.scale,
                                       softcap=self.softcap)
         return self.o_proj(out.reshape(b, t, h * d)), cache
 
@@ -140,12 +154,23 @@ class MoEMLP(nnx.Module):
         weights, ids = router_topk(logits, self.top_k, renormalize=self.renormalize)
         rows, row_of, group_sizes = permute(flat, ids, self.num_experts)
         ex = self.experts
-        gate = grouped_matmul(rows, ex.gate_proj[...], group_sizes)
-        up = grouped_matmul(rows, ex.up_proj[...], group_sizes)
-        out = unpermute(grouped_matmul(self.act(gate) * up, ex.down_proj[...], group_sizes), row_of, weights)
+        gate = _experts_matmul(rows, ex.gate_proj.get_value(), group_sizes)
+        up = _experts_matmul(rows, ex.up_proj.get_value(), group_sizes)
+        out = unpermute(_experts_matmul(self.act(gate) * up, ex.down_proj.get_value(), group_sizes), row_of, weights)
         if self.shared:  # the product behind a barrier: no FMA with the add, whatever the fusion
             out = out + jax.lax.optimization_barrier(jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat))
         return out.reshape(shape)
+
+
+def _experts_matmul(rows, w, group_sizes):
+    """grouped_matmul over one layer's experts; a LayerView's stack (layers, experts, in, out) is read in place as
+    layers x experts groups, the other layers' groups empty."""
+    if not isinstance(w, LayerView):
+        return grouped_matmul(rows, w, group_sizes)
+    layers, experts = w.stack.shape[:2]
+    sizes = jax.lax.dynamic_update_slice(jnp.zeros((layers * experts,), group_sizes.dtype), group_sizes,
+                                         (w.index * experts,))
+    return grouped_matmul(rows, w.stack.reshape(layers * experts, *w.stack.shape[2:]), sizes)
 
 
 class DecoderLayer(nnx.Module):
@@ -160,8 +185,9 @@ class DecoderLayer(nnx.Module):
             self.post_attn_norm = norm()
             self.post_mlp_norm = norm()
 
-    def __call__(self, x, positions, cache, segment_ids=None):
-        attn, cache = self.attn(self.input_norm(x), positions, cache, segment_ids)
+    def __call__(self, x, positions, cache, segment_ids=None, layer=None):
+        """`layer`: the layer's index in the decoder (a traced int32 in a scanned segment), which the cache needs."""
+        attn, cache = self.attn(self.input_norm(x), positions, cache, segment_ids, layer)
         x = x + (self.post_attn_norm(attn) if self.sandwich else attn)
         mlp = self.mlp(self.pre_mlp_norm(x))
         return x + (self.post_mlp_norm(mlp) if self.sandwich else mlp), cache
@@ -181,7 +207,8 @@ class Decoder(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs,
                                embedding_init=nnx.initializers.normal(0.02))
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
+        self.layers = LayerStack([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)],
+                                 [cfg.layer_kind(i) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(dtype, rngs, cfg.hidden_size, cfg.vocab_size, False)
@@ -195,11 +222,14 @@ class Decoder(nnx.Module):
             cache = cache.begin(positions)
         if cache is not None and segment_ids is not None:
             raise ValueError("segment_ids are for training on packed rows, not for decoding with a cache")
-        for layer in self.layers:
+
+        def run(layer: DecoderLayer, carry, index):
+            x, cache = carry
             if self.remat and cache is None:
-                x = _remat_layer(layer, x, positions, segment_ids, self.dtype)
-            else:
-                x, cache = layer(x, positions, cache, segment_ids)
+                return _remat_layer(layer, x, positions, segment_ids, self.dtype), cache
+            return layer(x, positions, cache, segment_ids, index)
+
+        x, cache = self.layers((x, cache), run)
         if cache is not None:
             cache = cache.end(tokens.shape[1])
         return self.final_norm(x), cache

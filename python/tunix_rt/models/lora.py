@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_rt.models.decoder import MLP, Decoder
-from tunix_rt.models.quant_layers import QuantLinear
+from tunix_rt.models.decoder import MLP, Decoder, Linear
+from tunix_rt.models.quant_layers import QuantLinear, dequantize_stacked
 from tunix_rt.ops.matmul import matmul
-from tunix_rt.ops.quant import dequantize
+from tunix_rt.ops.quant import QuantizedTensor
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -25,10 +25,16 @@ ALL_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 
 
 def dense_kernel(base: nnx.Module) -> jax.Array:
-    """The (in, out) float kernel of an nnx.Linear or a QuantLinear (dequantized)."""
+    """The (..., in, out) float kernel of an nnx.Linear or a QuantLinear (dequantized), layer-stacked or not."""
     if isinstance(base, QuantLinear):
-        return dequantize(base.kernel.get_value())
+        return dequantize_stacked(base.kernel.get_value())
     return base.kernel[...]
+
+
+def stack_shape(base: nnx.Module) -> tuple[int, ...]:
+    """The leading (layer-stack) axes of a linear layer's kernel: () for one layer's."""
+    value = base.kernel.get_value()
+    return tuple((value.qs if isinstance(value, QuantizedTensor) else value).shape[:-2])
 
 
 class HeadParam(nnx.Param):
@@ -69,14 +75,16 @@ lora_delta.defvjp(_lora_delta_fwd, _lora_delta_bwd)
 
 
 class LoRALinear(nnx.Module):
-    """base(x) + dropout(x) @ A @ B * alpha / rank, with A (in, r) and B (r, out) zero at the start."""
+    """base(x) + dropout(x) @ A @ B * alpha / rank, with A (in, r) and B (r, out) zero at the start; over a
+    layer-stacked base, A and B are stacked alike (one adapter per layer)."""
 
     def __init__(self, base: nnx.Module, *, rank: int, alpha: float, dropout: float, rngs: nnx.Rngs):
-        din, dout = base.kernel.get_value().shape  # a float array or a QuantizedTensor, both (in, out)
+        din, dout = base.kernel.get_value().shape[-2:]  # a float array or a QuantizedTensor, both (..., in, out)
+        lead = stack_shape(base)
         self.base = base
         bound = 1.0 / math.sqrt(din)  # kaiming-uniform with a = sqrt(5), as peft initialises A
-        self.lora_a = nnx.LoRAParam(jax.random.uniform(rngs.params(), (din, rank), jnp.float32, -bound, bound))
-        self.lora_b = nnx.LoRAParam(jnp.zeros((rank, dout), jnp.float32))
+        self.lora_a = nnx.LoRAParam(jax.random.uniform(rngs.params(), (*lead, din, rank), jnp.float32, -bound, bound))
+        self.lora_b = nnx.LoRAParam(jnp.zeros((*lead, rank, dout), jnp.float32))
         self.scaling = alpha / rank
         self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
         self.invariant = False  # the engine's row-invariant products (models/batch_invariant.py)
@@ -93,12 +101,12 @@ class LoRALinear(nnx.Module):
         return y + delta.reshape(*h.shape[:-1], -1).astype(y.dtype)
 
     def merged(self) -> nnx.Linear:
-        """A plain float nnx.Linear computing the same function (dropout off)."""
+        """A plain float Linear computing the same function (dropout off), stacked as the base is."""
         kernel = dense_kernel(self.base).astype(jnp.float32) + self.scaling * (self.lora_a[...] @ self.lora_b[...])
-        din, dout = kernel.shape
+        din, dout = kernel.shape[-2:]
         bias = getattr(self.base, "bias", None)
         dtype = kernel.dtype
-        linear = nnx.Linear(din, dout, use_bias=bias is not None, dtype=dtype, param_dtype=dtype,
+        linear = Linear(din, dout, use_bias=bias is not None, dtype=dtype, param_dtype=dtype,
                             kernel_init=nnx.initializers.zeros, rngs=nnx.Rngs(0))
         linear.kernel.set_value(kernel)
         if bias is not None:
@@ -107,9 +115,10 @@ class LoRALinear(nnx.Module):
 
 
 def lora_targets(model: Decoder, names: tuple[str, ...]):
-    """(owner module, attribute) for every targeted projection of every layer. A MoE layer's routed
-    experts (stacked weights, no Linear) take no adapter; its shared expert, if any, does."""
-    for layer in model.layers:
+    """(owner module, attribute) for every targeted projection of the layers, each a stack of that projection
+    over the layers of one kind (models/layer_stack.py). A MoE layer's routed experts (stacked weights, no
+    Linear) take no adapter; its shared expert, if any, does."""
+    for layer in model.layers.kinds:
         mlp = layer.mlp if isinstance(layer.mlp, MLP) else getattr(layer.mlp, "shared_expert", None)
         for name in names:
             if name in ATTENTION_TARGETS:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tunix_rt.models.decoder import Decoder
-from tunix_rt.models.lora import ALL_TARGETS, lora_targets
+from tunix_rt.models.lora import ALL_TARGETS, lora_targets, stack_shape
 from tunix_rt.ops.matmul import matmul
 
 
@@ -25,12 +25,15 @@ class AdapterSlots(nnx.Variable):
 
 
 class MultiLoRALinear(nnx.Module):
+    """Over a layer-stacked base, the slots are stacked alike: A (..., in, slots * rank), B (..., slots * rank, out)."""
+
     def __init__(self, base: nnx.Module, *, slots: int, rank: int):
-        din, dout = base.kernel.get_value().shape  # a float array or a QuantizedTensor, both (in, out)
+        din, dout = base.kernel.get_value().shape[-2:]  # a float array or a QuantizedTensor, both (..., in, out)
+        lead = stack_shape(base)
         self.base = base
         self.slots, self.rank = slots, rank
-        self.lora_a = AdapterSlots(jnp.zeros((din, slots * rank), jnp.float32))
-        self.lora_b = AdapterSlots(jnp.zeros((slots * rank, dout), jnp.float32))  # scaling folded in
+        self.lora_a = AdapterSlots(jnp.zeros((*lead, din, slots * rank), jnp.float32))
+        self.lora_b = AdapterSlots(jnp.zeros((*lead, slots * rank, dout), jnp.float32))  # scaling folded in
         self.ids: jax.Array | None = None  # (tokens,) slot per row, -1 = none: set for each traced step
         self.invariant = False  # the engine's row-invariant products (models/batch_invariant.py)
 

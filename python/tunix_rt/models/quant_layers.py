@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_rt.ops.quant import GEMV_ROWS, QuantizedTensor, dequantize_reference, quant_matmul
+from tunix_rt.ops.quant import GEMV_ROWS, QuantizedTensor, dequantize, dequantize_reference, quant_matmul, quantize
 
 
 class QuantWeight(nnx.Variable):
@@ -57,6 +57,20 @@ class QuantEmbed(nnx.Module):
 
     def attend(self, h: jax.Array) -> jax.Array:
         return quant_matmul(h, self.table_t.get_value(), exact=True, invariant=self.invariant)
+
+
+def quantize_stacked(w: jax.Array, fmt: str, group_size: int | None = None) -> QuantizedTensor:
+    """quantize(w, fmt) of a (K, N) weight or a (layers, K, N) stack of them, each layer quantized alone."""
+    if w.ndim == 2:
+        return quantize(w, fmt, group_size)
+    return jax.tree.map(lambda *a: jnp.stack(a), *[quantize(m, fmt, group_size) for m in w])
+
+
+def dequantize_stacked(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
+    """The (K, N) float weight of a QuantizedTensor, or (layers, K, N) for a layer stack of them."""
+    if qt.qs.ndim == 2:
+        return dequantize(qt, dtype)
+    return jnp.stack([dequantize(jax.tree.map(lambda a, i=i: a[i], qt), dtype) for i in range(qt.qs.shape[0])])
 
 
 def set_int8_rows(model: nnx.Module, rows: int | None) -> None:

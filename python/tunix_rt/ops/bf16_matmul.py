@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tunix_rt.ops._ffi import cpu_features, has_cpu_target, platform_dispatch, require_array
 from tunix_rt.ops.matmul import check_product_shapes, linear_product
@@ -65,7 +66,7 @@ def _product(a, b, out_dtype, transpose_a, transpose_b, kernel):
     m = a.shape[1] if transpose_a else a.shape[0]
     n = b.shape[0] if transpose_b else b.shape[1]
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype), vmap_method="sequential")
-    return call(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    return call(a, b, np.int32(0), transpose_a=transpose_a, transpose_b=transpose_b)  # layer 0: b is no stack
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))

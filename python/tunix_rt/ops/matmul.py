@@ -7,6 +7,9 @@ for f32 operands (f32 result) and bf16 ones (f32 sums, bf16 result). `invariant_
 drop-in `dot_general` for nnx.Linear and the tied embedding head that sends their products there; the
 engine installs it (models/batch_invariant.py). Gradients go through XLA's dot: the engine never
 differentiates, and a trainer that does needs the forward's numbers, not the backward's.
+
+`matmul(x, w, layer=i)` takes w as a stack of layers' weights on a leading axis and multiplies by layer i,
+which the FFI op reads in place: a scanned decoder's slice of a stacked weight would be a copy per layer.
 """
 
 from __future__ import annotations
@@ -15,20 +18,39 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from tunix_rt.ops._ffi import has_cpu_target, platform_dispatch, require_array
+from tunix_rt.ops._ffi import has_cpu_target, platform_dispatch, require_array, zero_cotangent
 
 _TARGET = "tunix_rt_bf16_matmul"
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def _check(x, w, transpose_w) -> None:
+def _check(x, w, transpose_w, layer) -> None:
     for name, arr in (("x", x), ("w", w)):
         if jnp.dtype(require_array("matmul", name, arr).dtype) not in _DTYPES:
             raise ValueError(f"matmul: {name} must be float32 or bfloat16, got {jnp.dtype(arr.dtype)}")
     if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
         raise ValueError(f"matmul: x and w must have one dtype, got {jnp.dtype(x.dtype)} and {jnp.dtype(w.dtype)}")
+    if layer is not None:
+        check_layer("matmul", "layer", layer)
+        if w.ndim != 3:
+            raise ValueError(f"matmul: with a layer, w must be a stack (S, K, N) (or (S, N, K) with transpose_w), "
+                             f"got {w.shape}")
+        w = jax.ShapeDtypeStruct(w.shape[1:], w.dtype)
     check_product_shapes("matmul", x, w, transpose_w)
+
+
+def check_layer(op: str, name: str, layer) -> None:
+    """A ValueError naming `op` and `name` unless `layer` is an integer scalar (a Python int or an integer array
+    of shape ()), the index of a layer in a stacked weight."""
+    if isinstance(layer, int) and not isinstance(layer, bool):
+        return
+    if hasattr(layer, "shape") and hasattr(layer, "dtype"):
+        if tuple(layer.shape) == () and jnp.issubdtype(layer.dtype, jnp.integer):
+            return
+        raise ValueError(f"{op}: {name} must be an integer scalar, got {jnp.dtype(layer.dtype)}{list(layer.shape)}")
+    raise ValueError(f"{op}: {name} must be an integer scalar, got {type(layer).__name__}")
 
 
 def check_product_shapes(op: str, x, w, transpose_w: bool) -> None:
@@ -40,43 +62,53 @@ def check_product_shapes(op: str, x, w, transpose_w: bool) -> None:
         raise ValueError(f"{op}: x's last dimension ({x.shape[-1]}) does not match w's K ({k})")
 
 
-def matmul_reference(x, w, *, transpose_w=False):
-    """XLA's dot with f32 sums, in x's dtype."""
-    _check(x, w, transpose_w)
+def matmul_reference(x, w, *, transpose_w=False, layer=None):
+    """XLA's dot with f32 sums, in x's dtype (with `layer`, of x and the sliced layer)."""
+    _check(x, w, transpose_w, layer)
+    if layer is not None:
+        w = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
     return jnp.matmul(x, w.T if transpose_w else w, preferred_element_type=jnp.float32,
                       precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul2d(x, w, transpose_w):
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transpose_w else w.shape[1]),
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _matmul2d(x, w, layer, transpose_w):
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[-2] if transpose_w else w.shape[-1]),
                                                           x.dtype), vmap_method="sequential")
-    return call(x, w, transpose_a=False, transpose_b=transpose_w)
+    return call(x, w, np.int32(0) if layer is None else layer, transpose_a=False, transpose_b=transpose_w)
 
 
-def _fwd(x, w, transpose_w):
-    return _matmul2d(x, w, transpose_w), (x, w)
+def _fwd(x, w, layer, transpose_w):
+    return _matmul2d(x, w, layer, transpose_w), (x, w, layer)
 
 
 def _bwd(transpose_w, residuals, dy):
-    x, w = residuals
-    return jax.vjp(lambda x, w: matmul_reference(x, w, transpose_w=transpose_w), x, w)[1](dy)
+    """The reference's gradients: for a stack, dw is the layer's, placed in zeros for the others."""
+    x, w, layer = residuals
+    dx, dw = jax.vjp(lambda x, w: matmul_reference(x, w, transpose_w=transpose_w, layer=layer), x, w)[1](dy)
+    return dx, dw, zero_cotangent(layer)
 
 
 _matmul2d.defvjp(_fwd, _bwd)
 
 
-def matmul(x, w, *, transpose_w=False):
+def matmul(x, w, *, transpose_w=False, layer=None):
     """x (..., K) @ w (K, N) (w (N, K) with `transpose_w`), x and w both f32 or both bf16, f32 sums, in x's
-    dtype; each row's sums in one order whatever the other rows."""
-    _check(x, w, transpose_w)
+    dtype; each row's sums in one order whatever the other rows. With `layer` (an integer scalar), w is a stack
+    (S, K, N) (or (S, N, K)) and the product is with w[layer], read in place; a layer outside [0, S) is an
+    error when the op runs."""
+    _check(x, w, transpose_w, layer)
     lead = x.shape[:-1]
-    n = w.shape[0] if transpose_w else w.shape[1]
+    n = w.shape[-2] if transpose_w else w.shape[-1]
+    layer = None if layer is None else jnp.asarray(layer, jnp.int32)
 
-    def compiled(x, w):
-        return _matmul2d(x.reshape(-1, x.shape[-1]), w, transpose_w).reshape(*lead, n)
+    def compiled(x, w, layer):
+        return _matmul2d(x.reshape(-1, x.shape[-1]), w, layer, transpose_w).reshape(*lead, n)
 
-    return platform_dispatch(_TARGET, compiled, lambda x, w: matmul_reference(x, w, transpose_w=transpose_w), x, w)
+    def reference(x, w, layer):
+        return matmul_reference(x, w, transpose_w=transpose_w, layer=layer)
+
+    return platform_dispatch(_TARGET, compiled, reference, x, w, layer)
 
 
 def linear_product(lhs, rhs, dimension_numbers, kwargs) -> bool | None:

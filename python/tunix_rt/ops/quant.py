@@ -9,6 +9,10 @@ of a row never depend on the other rows of the call; `invariant=True` makes exac
 gradient with respect to x is exact (dy @ dequantize(qt).T) and the weights stay frozen, which is
 what QLoRA needs. Each FFI op has a pure-JAX reference with the same signature; quantize and
 dequantize references reproduce gguf.quants bit for bit.
+
+A QuantizedTensor with a `layer` is a stack of weights (every array on a leading layer axis) standing for
+its layer `layer`: quant_matmul reads that layer in place, where a scanned decoder's slice of the stack
+would be a copy of the weight per layer.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_rt.ops._ffi import platform_dispatch, zero_cotangent
+from tunix_rt.ops.matmul import check_layer
 
 _QUANTIZE, _DEQUANTIZE, _MATMUL = "tunix_rt_quantize", "tunix_rt_dequantize", "tunix_rt_quant_matmul"
 SUB_BLOCK = 32  # nibble packing and activation blocks
@@ -67,6 +72,10 @@ class QuantizedTensor:
     lanes (optional, `with_lane_scales`): the same scales (and mins) laid out for the VNNI GEMV, 16 columns
     side by side per group; a copy the engine makes once per weight so decode does not transpose them on
     every call. Products are the same with or without it.
+
+    layer (optional, an integer scalar): the arrays are a stack of S such weights on one more leading axis,
+    and the tensor stands for the weight at `layer` (`shape` is still one layer's); quant_matmul reads that
+    layer in place, so a scan over layers copies no weight.
     """
 
     qs: jax.Array
@@ -76,6 +85,7 @@ class QuantizedTensor:
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))  # logical (K, N)
     group: int = dataclasses.field(metadata=dict(static=True))
     lanes: jax.Array | None = None
+    layer: jax.Array | None = None
 
     @property
     def format(self) -> QuantFormat:
@@ -83,7 +93,9 @@ class QuantizedTensor:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(self))
+        """The weight arrays' bytes (a stack's, all layers)."""
+        arrays = (self.qs, self.scales, self.mins, self.lanes)
+        return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in arrays if a is not None)
 
 
 def resolve_format(fmt: str, group_size: int | None = None) -> tuple[QuantFormat, int]:
@@ -222,18 +234,24 @@ def quantize(w: jax.Array, fmt: str, group_size: int | None = None) -> Quantized
 
 
 def _mins_buffer(qs, mins):
-    """The FFI handlers take a mins buffer for every format: (N, 0) where there are none."""
-    return mins if mins is not None else jnp.zeros((qs.shape[0], 0), jnp.float16)
+    """The FFI handlers take a mins buffer for every format: ([S,] N, 0) where there are none."""
+    return mins if mins is not None else jnp.zeros((*qs.shape[:-1], 0), jnp.float16)
 
 
 def check_quantized(qt) -> QuantFormat:
-    """Validate a QuantizedTensor's arrays against its format and shape; returns the format."""
+    """Validate a QuantizedTensor's arrays against its format and shape (a stack's: each on one leading axis
+    of qs's length, whether or not a `layer` picks one of them); returns the format."""
     if not isinstance(qt, QuantizedTensor):
         raise ValueError(f"qt must be a QuantizedTensor, got {type(qt).__name__}")
     f, group = resolve_format(qt.fmt, qt.group)
     k, n = qt.shape
     if k % group:
         raise ValueError(f"qt.shape's K ({k}) must be a multiple of the {qt.fmt} block size {group}")
+    stack = tuple(qt.qs.shape[:1]) if getattr(qt.qs, "ndim", 2) == 3 else ()  # a stored layer stack
+    if qt.layer is not None:
+        check_layer("quant", "qt.layer", qt.layer)
+        if not stack:
+            raise ValueError(f"qt.layer is set but qt.qs {list(qt.qs.shape)} holds no stack of layers")
     want = _buffers(f, k, n, group)
     if (qt.mins is not None) != f.has_min:
         raise ValueError(f"qt.mins must be {'an array' if f.has_min else 'None'} for {qt.fmt}")
@@ -241,10 +259,21 @@ def check_quantized(qt) -> QuantFormat:
     for name, arr, spec in zip(("qs", "scales", "mins", "lanes"), (qt.qs, qt.scales, qt.mins, qt.lanes), want):
         if arr is None:
             continue
-        if tuple(arr.shape) != spec.shape or jnp.dtype(arr.dtype) != jnp.dtype(spec.dtype):
-            raise ValueError(f"qt.{name} must be {spec.dtype}{list(spec.shape)} for {qt.fmt} {qt.shape}, "
+        shape = (*stack, *spec.shape)
+        if tuple(arr.shape) != shape or jnp.dtype(arr.dtype) != jnp.dtype(spec.dtype):
+            where = f" in a stack of {stack[0]}" if stack else ""
+            raise ValueError(f"qt.{name} must be {spec.dtype}{list(shape)} for {qt.fmt} {qt.shape}{where}, "
                              f"got {jnp.dtype(arr.dtype)}{list(arr.shape)}")
     return f
+
+
+def _layer_of(qt: QuantizedTensor) -> QuantizedTensor:
+    """The weight a stacked qt stands for, sliced out of the stack (a copy under jit)."""
+    def pick(a):
+        return None if a is None else jax.lax.dynamic_index_in_dim(a, qt.layer, 0, keepdims=False)
+
+    return dataclasses.replace(qt, qs=pick(qt.qs), scales=pick(qt.scales), mins=pick(qt.mins), lanes=pick(qt.lanes),
+                               layer=None)
 
 
 LANE_COLUMNS = 16  # columns per tile of the column-lane scales (csrc/quant_formats.h: kLaneColumns)
@@ -257,12 +286,12 @@ def _lanes_spec(f: QuantFormat, k: int, n: int, group: int) -> jax.ShapeDtypeStr
 
 def lane_scales(qt: QuantizedTensor) -> jax.Array:
     """qt's scales (then mins) per tile of 16 columns, the tile's columns side by side per group: the
-    layout the VNNI GEMV reads (columns past N are zeros)."""
+    layout the VNNI GEMV reads (columns past N are zeros); a stack's for each of its layers."""
     f = check_quantized(qt)
     parts = [qt.scales] + ([qt.mins] if f.has_min else [])
-    n, groups = qt.scales.shape
-    tiles = [jnp.pad(p, ((0, -n % LANE_COLUMNS), (0, 0))).reshape(-1, LANE_COLUMNS, groups).transpose(0, 2, 1)
-             for p in parts]
+    *stack, n, groups = qt.scales.shape
+    pad = [(0, 0)] * len(stack) + [(0, -n % LANE_COLUMNS), (0, 0)]
+    tiles = [jnp.swapaxes(jnp.pad(p, pad).reshape(*stack, -1, LANE_COLUMNS, groups), -1, -2) for p in parts]
     return jnp.concatenate(tiles, axis=-1).astype(f.scale_dtype)
 
 
@@ -284,6 +313,9 @@ def _unpack_codes(qt: QuantizedTensor) -> jax.Array:
 
 def dequantize_reference(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
     f = check_quantized(qt)
+    _check_one_weight("dequantize", qt)
+    if qt.layer is not None:
+        qt = _layer_of(qt)
     k, n = qt.shape
     codes = _unpack_codes(qt).reshape(n, k // qt.group, qt.group)
     d = qt.scales.astype(jnp.float32)[..., None]
@@ -295,10 +327,13 @@ def dequantize_reference(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
 
 
 def dequantize(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
-    """The (K, N) weight a QuantizedTensor stands for, in f32 (or bf16)."""
+    """The (K, N) weight a QuantizedTensor stands for (a stack's layer `layer`), in f32 (or bf16)."""
     f = check_quantized(qt)
+    _check_one_weight("dequantize", qt)
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"dequantize: dtype must be float32 or bfloat16, got {jnp.dtype(dtype)}")
+    if qt.layer is not None:
+        qt = _layer_of(qt)
     k, n = qt.shape
 
     def compiled(qs, scales, mins):
@@ -314,8 +349,15 @@ def dequantize(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
 # --- matmul -------------------------------------------------------------------------------------
 
 
+def _check_one_weight(op: str, qt: QuantizedTensor) -> None:
+    """A stack of layers multiplies or dequantizes as one weight only through its `layer`."""
+    if qt.qs.ndim == 3 and qt.layer is None:
+        raise ValueError(f"{op}: qt is a stack of {qt.qs.shape[0]} layers' weights: set qt.layer to pick one")
+
+
 def _check_matmul(x, qt) -> QuantFormat:
     f = check_quantized(qt)
+    _check_one_weight("quant_matmul", qt)
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"quant_matmul: x must be an array, got {type(x).__name__}")
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
@@ -350,28 +392,30 @@ def quant_matmul_reference(x: jax.Array, qt: QuantizedTensor, *, exact: bool = F
     return jnp.matmul(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
-def _ffi_matmul(x2, qs, scales, mins, lanes, fmt, k, n, group, route):
+def _ffi_matmul(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route):
     f = FORMATS[fmt]
     call = jax.ffi.ffi_call(_MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), x2.dtype), vmap_method="sequential")
     no_lanes = jnp.zeros((0, 0, 0), f.scale_dtype)  # the handler takes a lanes buffer always: empty for none
-    return call(x2, qs, scales, _mins_buffer(qs, mins), no_lanes if lanes is None else lanes, fmt=np.int32(f.id),
-                group=np.int64(group), route=np.int32(route))
+    return call(x2, qs, scales, _mins_buffer(qs, mins), no_lanes if lanes is None else lanes,
+                np.int32(0) if layer is None else layer, fmt=np.int32(f.id), group=np.int64(group),
+                route=np.int32(route))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _matmul(x2, qs, scales, mins, lanes, fmt, k, n, group, route):
-    return _ffi_matmul(x2, qs, scales, mins, lanes, fmt, k, n, group, route)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _matmul(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route):
+    return _ffi_matmul(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route)
 
 
-def _matmul_fwd(x2, qs, scales, mins, lanes, fmt, k, n, group, route):
-    return _ffi_matmul(x2, qs, scales, mins, lanes, fmt, k, n, group, route), (qs, scales, mins, lanes)
+def _matmul_fwd(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route):
+    residuals = (qs, scales, mins, lanes, layer)
+    return _ffi_matmul(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route), residuals
 
 
 def _matmul_bwd(fmt, k, n, group, route, residuals, dy):
-    qs, scales, mins, lanes = residuals
-    w = dequantize(QuantizedTensor(qs, scales, mins, fmt, (k, n), group))
+    qs, scales, mins, lanes, layer = residuals
+    w = dequantize(QuantizedTensor(qs, scales, mins, fmt, (k, n), group, layer=layer))
     dx = jnp.matmul(dy.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST).astype(dy.dtype)
-    return dx, *map(zero_cotangent, (qs, scales, mins, lanes))
+    return dx, *map(zero_cotangent, residuals)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -389,7 +433,8 @@ def quant_matmul(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False, int8
     order per row, slower past 4 rows than the panels) and refuses a finite int8_rows, under which
     the route would depend on the row count. The engine runs int8_rows=None, and its output heads
     exact=True with invariant=True (int8 activations would flip a small model's argmax); training
-    and scoring keep the fastest exact products.
+    and scoring keep the fastest exact products. A stacked qt (`layer` set) multiplies by its layer
+    `layer`, read in place; a layer outside the stack is an error when the op runs.
     """
     _check_matmul(x, qt)
     _check_int8_rows(int8_rows)
@@ -397,12 +442,14 @@ def quant_matmul(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False, int8
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), k)
     route = _route(x2.shape[0], bool(exact), int8_rows, bool(invariant))
+    layer = None if qt.layer is None else jnp.asarray(qt.layer, jnp.int32)
 
-    def compiled(x2, qs, scales, mins, lanes):
-        return _matmul(x2, qs, scales, mins, lanes, qt.fmt, k, n, qt.group, route)
+    def compiled(x2, qs, scales, mins, lanes, layer):
+        return _matmul(x2, qs, scales, mins, lanes, layer, qt.fmt, k, n, qt.group, route)
 
-    def reference(x2, qs, scales, mins, lanes):
-        return quant_matmul_reference(x2, dataclasses.replace(qt, qs=qs, scales=scales, mins=mins, lanes=None))
+    def reference(x2, qs, scales, mins, lanes, layer):
+        return quant_matmul_reference(x2, dataclasses.replace(qt, qs=qs, scales=scales, mins=mins, lanes=None,
+                                                              layer=layer))
 
-    y = platform_dispatch(_MATMUL, compiled, reference, x2, qt.qs, qt.scales, qt.mins, qt.lanes)
+    y = platform_dispatch(_MATMUL, compiled, reference, x2, qt.qs, qt.scales, qt.mins, qt.lanes, layer)
     return y.reshape(*lead, n)

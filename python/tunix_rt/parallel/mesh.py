@@ -51,8 +51,12 @@ def _path_str(path) -> str:
 
 
 def partition_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """The rule's spec for this parameter, each axis kept only where it divides the dimension."""
+    """The rule's spec for this parameter, each axis kept only where it divides the dimension. The decoder's
+    layer weights lead with a layer-stack axis (models/layer_stack.py), never split: the scan reads one layer
+    at a time."""
+    stacked = re.search(r"(^|/)layers/kinds/", path) is not None  # the params' path, or an optimizer moment's
     for pattern, spec in PARTITION_RULES:
+        spec = (None, *spec) if stacked else spec
         if re.search(pattern, path) and len(spec) == len(shape):
             return P(*(axis if axis and dim % mesh.shape[axis] == 0 else None for axis, dim in zip(spec, shape)))
     return P()

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from tunix_rt.engine.sampler import log_softmax, tempered_logits
 from tunix_rt.models.batch_invariant import use_batch_invariant_kernels
 from tunix_rt.models.decoder import head_logits
-from tunix_rt.models.kv_cache import PagedKVCache
+from tunix_rt.models.kv_cache import ExactPagedLayout
 from tunix_rt.train.config import RLConfig
 from tunix_rt.train.group_packing import pack_groups
 from tunix_rt.train.rl_losses import sampling_correction
@@ -67,10 +67,8 @@ def paged_hidden(model, batch: dict, block_size: int) -> jax.Array:
     tables = batch["paged_tables"] + (jnp.arange(rows * g) // g * per_row)[:, None]
     copy_src = (batch["paged_copy_src"] + row * length).reshape(-1)
     copy_slots = to_global(batch["paged_copy_slots"], per_row, block_size)
-    cfg = model.config
-    shape = (rows * per_row, block_size, cfg.num_kv_heads, cfg.head_dim)
-    pools = tuple(jnp.zeros(shape, model.dtype) for _ in range(cfg.num_layers))
-    cache = PagedKVCache(pools, pools, slots, seq, tables, copy_src, copy_slots, batch["segment_ids"])
+    cache = ExactPagedLayout(slots, seq, tables, copy_src, copy_slots, batch["segment_ids"], num_blocks=rows * per_row,
+                             block_size=block_size, dtype=model.dtype)
     h, _ = model.hidden_states(tokens.reshape(1, -1), batch["positions"].reshape(1, -1), cache)
     return h.reshape(rows, length, -1)
 

@@ -159,6 +159,16 @@ def _cast(tree, dtype, *, skip_layers: bool = False):
     return jax.tree_util.tree_map_with_path(cast, tree)
 
 
+def decays(params):
+    """Which parameters weight decay applies to: matrices, not vectors (norms, biases), reading a decoder layer's
+    weight per layer (it leads with a layer-stack axis, models/layer_stack.py)."""
+    def one(path, x):
+        stacked = bool(path) and getattr(path[0], "key", None) == "layers"
+        return x.ndim - stacked > 1
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
 def make_optimizer(cfg: TrainConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW under a warmup then linear/cosine/constant schedule. Global-norm clipping is the step's own
     (`clip_factor`): taken with the mean over the batch's weight, it scales the gradients in place."""
@@ -172,7 +182,7 @@ def make_optimizer(cfg: TrainConfig, total_steps: int) -> tuple[optax.GradientTr
         after = optax.constant_schedule(cfg.lr)
     schedule = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup]) if warmup else after
     adamw = optax.adamw(schedule, b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
-                        weight_decay=cfg.weight_decay, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+                        weight_decay=cfg.weight_decay, mask=decays)
     return adamw, schedule
 
 

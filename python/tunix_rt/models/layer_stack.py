@@ -1,0 +1,212 @@
+"""The decoder's layers stored stacked and run as scanned bodies, so a program's trace, lowering and compile
+cost does not grow with depth (MaxText's scan_layers).
+
+Layers are grouped by kind (whatever changes a layer's program: attention type, a MoE or dense MLP): each
+kind is ONE module whose weights carry a leading axis over that kind's layers, in order. The forward walks
+a plan of segments, each a group of `period` consecutive layers repeated `repeats` times (Gemma 3: five
+sliding-window layers and a global one, four times, then two more sliding ones), and scans each segment
+over its repeats: one traced body per segment, whatever the depth.
+
+Reading a layer out of a stack in a scan is a copy on XLA:CPU (a dynamic slice feeding a kernel is
+materialised), which a weight-bound decode step cannot afford. So a stack runs one of two ways:
+- sliced (the default): the scan's xs are the stacks, so the weights are differentiable as usual
+  (the gradient of a stack is stacked by the scan, never accumulated whole);
+- in place (`read_in_place`, the engine: never differentiated): every weight stays one stacked buffer,
+  the body gets views (`LayerView`, a QuantizedTensor with its `layer` set) that the kernels index
+  directly; what has no indexing kernel reads its slice, which only small tensors do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tunix_rt.ops.quant import QuantizedTensor
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerView:
+    """Entry `index` of `stack` (the layer axis leads), read in place by the kernels that take a stack and
+    an index; anything else reads it through `[...]`, which slices (a copy)."""
+
+    stack: jax.Array
+    index: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+    def read(self) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False)
+
+    def __getitem__(self, key):
+        return self.read()[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Layers [start, start + period * repeats): the group of `period` layers repeated `repeats` times."""
+
+    start: int
+    period: int
+    repeats: int
+
+
+def plan_segments(kinds: Sequence[Hashable]) -> tuple[Segment, ...]:
+    """Cover the layers with repeating groups, greedily: at each layer the repeated group that covers the most
+    layers (the shortest such group on ties), else the layer alone. Uniform models are one segment of period 1."""
+    out, i, n = [], 0, len(kinds)
+    while i < n:
+        best = (1, 1)
+        for p in range(1, (n - i) // 2 + 1):
+            r = 1
+            while i + (r + 1) * p <= n and kinds[i + r * p:i + (r + 1) * p] == kinds[i:i + p]:
+                r += 1
+            if r > 1 and p * r > best[0] * best[1]:
+                best = (p, r)
+        out.append(Segment(i, *best))
+        i += best[0] * best[1]
+    return tuple(out)
+
+
+def layer_places(kinds: Sequence[Hashable]) -> tuple[tuple[int, int], ...]:
+    """(kind number, entry in that kind's stack) of every layer: kinds numbered by first appearance, a kind's
+    layers in order. The one rule LayerStack stores by and checkpoints address layers by."""
+    names = list(dict.fromkeys(kinds))
+    counts = [0] * len(names)
+    out = []
+    for kind in kinds:
+        k = names.index(kind)
+        out.append((k, counts[k]))
+        counts[k] += 1
+    return tuple(out)
+
+
+def _stacked(path, value) -> bool:
+    """The variables a stack holds one entry per layer of: weights (not RNG state or sown values)."""
+    return isinstance(value, nnx.Variable) and not isinstance(value, (nnx.RngState, nnx.Intermediate))
+
+
+def _stack_modules(modules: Sequence[nnx.Module]) -> nnx.Module:
+    graphdef, _ = nnx.split(modules[0])
+    states = []
+    for m in modules:
+        g, state = nnx.split(m)
+        if g != graphdef:
+            raise ValueError("layers of one kind must have one structure to be stacked")
+        states.append(state)
+    return nnx.merge(graphdef, jax.tree.map(lambda *a: jnp.stack(a), *states))
+
+
+def _view(state, index) -> Any:
+    """The stacked weights' views of entry `index` (in-place reading)."""
+
+    def one(var):
+        value = var.get_value()
+        if isinstance(value, QuantizedTensor):
+            return var.replace(dataclasses.replace(value, layer=jnp.asarray(index, jnp.int32)))
+        return var.replace(LayerView(value, jnp.asarray(index, jnp.int32)))
+
+    return jax.tree.map(one, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def _slice(state, first: int, count: int, step: int) -> Any:
+    """Entries first, first + step, ... (count of them) of every stacked weight, stacked: a scan's xs."""
+    return jax.tree.map(lambda a: a[first:first + (count - 1) * step + 1:step], state)
+
+
+class LayerStack(nnx.Module):
+    """The layers of a decoder, `kinds[i]` naming layer i's kind; `layers` are built unstacked and stacked here.
+
+    `kinds` (the stacked modules, one per kind), `kind_of[i]` and `index_in_kind[i]` say where layer i
+    lives: checkpoints and adapters address a layer through `locate`."""
+
+    def __init__(self, layers: Sequence[nnx.Module], kinds: Sequence[Hashable]):
+        if len(layers) != len(kinds) or not layers:
+            raise ValueError(f"a layer stack needs one kind per layer, got {len(layers)} layers, {len(kinds)} kinds")
+        places = layer_places(kinds)
+        self.kind_of = tuple(k for k, _ in places)
+        self.index_in_kind = tuple(i for _, i in places)
+        self.kinds = nnx.List([_stack_modules([m for m, k in zip(layers, self.kind_of) if k == kind])
+                               for kind in range(max(self.kind_of) + 1)])
+        self.segments = plan_segments(self.kind_of)
+        self.read_in_place = False
+
+    def __len__(self) -> int:
+        return len(self.kind_of)
+
+    def locate(self, layer: int) -> tuple[nnx.Module, int]:
+        """The stacked module holding layer `layer` and the layer's entry in its stacks."""
+        if not 0 <= layer < len(self.kind_of):
+            raise IndexError(f"layer {layer} of {len(self.kind_of)}")
+        return self.kinds[self.kind_of[layer]], self.index_in_kind[layer]
+
+    def unstacked(self, layer: int) -> nnx.Module:
+        """A copy of layer `layer` as a module of its own (weights sliced out of the stacks): for inspection."""
+        module, entry = self.locate(layer)
+        graphdef, weights, other = nnx.split(module, _stacked, ...)
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[entry], weights), other)
+
+    def __call__(self, carry, layer_fn: Callable[[nnx.Module, Any, Any], Any]):
+        """Run every layer in order: carry = layer_fn(layer module, carry, layer index), where the layer index
+        (a traced int32 inside a scanned segment) is the layer's place in the decoder."""
+        split = [nnx.split(m, _stacked, nnx.Intermediate, nnx.RngState, ...) for m in self.kinds]
+        graphdefs, stacks, sown_before, rngs, rest = (list(parts) for parts in zip(*split))
+        rngs = tuple(rngs)  # dropout's counters: carried from layer to layer and written back
+        for seg in self.segments:
+            carry, rngs = self._segment(seg, carry, rngs, graphdefs, stacks, sown_before, rest, layer_fn)
+        for module, rng in zip(self.kinds, rngs):
+            if jax.tree.leaves(rng):
+                nnx.update(module, rng)
+        return carry
+
+    def _segment(self, seg: Segment, carry, rngs, graphdefs, stacks, sown_before, rest, layer_fn):
+        kinds = [self.kind_of[seg.start + j] for j in range(seg.period)]
+        first = [self.index_in_kind[seg.start + j] for j in range(seg.period)]
+        step = [kinds.count(k) for k in kinds]  # entries of a kind a repeat of the group takes
+
+        def group(state, g, xs):
+            carry, rngs = state
+            rngs = list(rngs)
+            sown = []
+            for j, k in enumerate(kinds):
+                weights = _view(stacks[k], first[j] + g * step[j]) if self.read_in_place else xs[j]
+                # fresh containers to sow into: nnx.capture's are dicts the outer modules share
+                module = nnx.merge(graphdefs[k], weights, jax.tree.map(lambda v: v, sown_before[k]), rngs[k], rest[k])
+                carry = layer_fn(module, carry, seg.start + g * seg.period + j)
+                _, _, layer_sown, rngs[k], _ = nnx.split(module, _stacked, nnx.Intermediate, nnx.RngState, ...)
+                sown.append(layer_sown)
+            return (carry, tuple(rngs)), sown
+
+        if seg.repeats == 1:
+            xs = None if self.read_in_place else [jax.tree.map(lambda a, i=i: a[i], stacks[k]) for k, i in zip(kinds, first)]
+            (carry, rngs), sown = group((carry, rngs), 0, xs)
+            self._sow(sown, stacked=False)
+            return carry, rngs
+        xs = None if self.read_in_place else [_slice(stacks[k], i, seg.repeats, s) for k, i, s in zip(kinds, first, step)]
+        (carry, rngs), sown = jax.lax.scan(lambda state, x: group(state, x[0], x[1]), (carry, rngs),
+                                           (jnp.arange(seg.repeats, dtype=jnp.int32), xs))
+        self._sow(sown, stacked=True)
+        return carry, rngs
+
+    def _sow(self, sown, *, stacked: bool) -> None:
+        """Values the layers sowed (MoE router logits), sown again here one per layer call, for nnx.capture to
+        collect (a layer module made inside the scan is not in the model's graph)."""
+        for state in sown:
+            for path, var in nnx.to_flat_state(state):
+                value = var.get_value()
+                named = value.items() if isinstance(value, dict) else [(path[-1], value)]  # nnx.capture's, or an attribute
+                for name, values in named:
+                    for leaf in jax.tree.leaves(values):
+                        for one in (list(leaf) if stacked else [leaf]):
+                            self.sow(nnx.Intermediate, str(name), one)

@@ -19,7 +19,7 @@ def _steps(tmp_path, **overrides) -> list[dict[str, float]]:
     objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
     trainer = Trainer(W.config(tmp_path, steps=2, compute_dtype="bfloat16", **overrides), W.new_model(), objective)
     hlo = trainer._train_step.lower(trainer.params, trainer.params_compute, trainer.opt_state, trainer.rngs,
-                                    trainer.frozen_compute, trainer.rest, trainer._aux(),
+                                    trainer.frozen_compute, trainer.rest, trainer._inputs(),
                                     trainer.train_batch(0)).as_text()
     assert ("tunix_rt_bf16_matmul" in hlo) == (trainer.cfg.bf16_matmul_kernel == "ffi")
     return [trainer.run_step(step) for step in range(2)]

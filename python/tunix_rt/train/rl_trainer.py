@@ -27,7 +27,7 @@ from tunix_rt.train.config import RLConfig
 from tunix_rt.train.group_packing import pack_groups
 from tunix_rt.train.rl_losses import sampling_correction
 from tunix_rt.train.rollout_engine import RolloutEngine, rollout_config
-from tunix_rt.train.trainer import LossContext, Trainer, is_extreme_metric
+from tunix_rt.train.trainer import LossContext, StepInputs, Trainer, is_extreme_metric
 
 _CORE_KEYS = frozenset({"loss", "grad_norm", "weight", "learning_rate"})  # what the trainer core's step reports
 
@@ -193,11 +193,11 @@ class RLTrainer(Trainer):
 
     # --- the scoring pass --------------------------------------------------------------------------
 
-    def _score(self, params, rngs, frozen, rest, aux, batches):
+    def _score(self, params, rngs, frozen, rest, inputs: StepInputs, batches):
         def one(batch):
             model = self._model(self.eval_graphdef, params, rngs, frozen, rest)
-            ref = self._reference(self.eval_graphdef, params, rngs, frozen, rest, aux)
-            return self.objective.score(LossContext(model, aux, ref), batch)
+            ref = self._reference(self.eval_graphdef, params, rngs, frozen, rest, inputs)
+            return self.objective.score(LossContext(model, inputs.aux, ref), batch)
 
         return jax.lax.map(one, batches)
 
@@ -218,7 +218,7 @@ class RLTrainer(Trainer):
         accum = self.cfg.gradient_accumulation_steps
         batch = self._device_batch({k: v.reshape(accum, -1, *v.shape[1:]) for k, v in host.items()}, 1)
         before = self._score_step._cache_size()
-        scored = self._score_step(self.params, self.rngs, self.frozen_compute, self.rest, self._aux(), batch)
+        scored = self._score_step(self.params, self.rngs, self.frozen_compute, self.rest, self._inputs(), batch)
         if self._score_step._cache_size() != before:
             self.score_compiles += 1
         batch.update(jax.block_until_ready(scored))

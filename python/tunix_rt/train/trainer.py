@@ -64,12 +64,23 @@ def combine_metrics(a: dict, b: dict) -> dict:
     return out
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """What a jitted step reads besides the weights and the batch, each field with one owner: the objective's own
+    arrays (`Objective.aux`) and the reference policy's weights the trainer keeps (None where the reference is
+    the LoRA-disabled base, or none is needed)."""
+
+    aux: Any
+    reference: Any
+
+
 @dataclasses.dataclass
 class LossContext:
     """What an objective's loss sees inside the jitted step."""
 
     policy: Decoder
-    aux: Any  # the objective's own arrays (teacher or reference weights), passed in, never baked in
+    aux: Any  # the objective's own arrays (a teacher's or DPO reference's weights), passed in, never baked in
     reference: Callable[[], Decoder]  # frozen policy: the LoRA-disabled base, or the initial weights
 
 
@@ -308,25 +319,25 @@ class Trainer:
         return nnx.merge(graphdef, _cast(params, self.compute_dtype, skip_layers=skip), rngs,
                          _cast(frozen, self.compute_dtype, skip_layers=skip), rest)
 
-    def _reference(self, graphdef, params, rngs, frozen, rest, aux) -> Callable[[], Decoder]:
+    def _reference(self, graphdef, params, rngs, frozen, rest, inputs: StepInputs) -> Callable[[], Decoder]:
         def build():
             if self.lora:  # adapters at zero give back the base model exactly
                 ref = jax.tree.map(jnp.zeros_like, params)
             elif self._reference_graphdef is not None:
-                return nnx.merge(self._reference_graphdef, jax.lax.stop_gradient(aux["__reference__"]))
+                return nnx.merge(self._reference_graphdef, jax.lax.stop_gradient(inputs.reference))
             else:
-                ref = aux["__reference__"]
+                ref = inputs.reference
             return self._model(graphdef, jax.lax.stop_gradient(ref), rngs, frozen, rest)
 
         return build
 
-    def _loss(self, params, rngs, frozen, rest, aux, batch, graphdef):
+    def _loss(self, params, rngs, frozen, rest, inputs: StepInputs, batch, graphdef):
         # Fresh containers for the RNG state, so dropout may advance its counters inside the
         # gradient trace (nnx refuses to mutate state created at an outer trace level).
         rngs = jax.tree.map(lambda x: x, rngs)
         model = self._model(graphdef, params, rngs, frozen, rest)
-        reference = self._reference(graphdef, params, rngs, frozen, rest, aux)
-        run = lambda m: self.objective.loss(LossContext(m, aux, reference), batch)
+        reference = self._reference(graphdef, params, rngs, frozen, rest, inputs)
+        run = lambda m: self.objective.loss(LossContext(m, inputs.aux, reference), batch)
         if self.router_losses:
             record_router_logits(model)
             (loss_sum, weight, metrics), recorded = nnx.capture(run, nnx.Intermediate)(model)
@@ -345,7 +356,7 @@ class Trainer:
         loss_sum = loss_sum + (cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z) * weight
         return loss_sum, {**metrics, "router_aux_loss": aux * weight, "router_z_loss": z * weight}
 
-    def _step(self, params, compute, opt_state, rngs, frozen, rest, aux, batches):
+    def _step(self, params, compute, opt_state, rngs, frozen, rest, inputs: StepInputs, batches):
         loss_grad = jax.value_and_grad(self._loss, has_aux=True)
         if compute is None:
             grad_fn = loss_grad
@@ -356,11 +367,11 @@ class Trainer:
 
         def micro(carry, batch):
             grads, rngs, loss_sum, weight, metrics = carry
-            (loss, (w, m, rngs)), g = grad_fn(params, rngs, frozen, rest, aux, batch, self.graphdef)
+            (loss, (w, m, rngs)), g = grad_fn(params, rngs, frozen, rest, inputs, batch, self.graphdef)
             return (jax.tree.map(jnp.add, grads, g), rngs, loss_sum + loss, weight + w, combine_metrics(metrics, m)), None
 
         first = jax.tree.map(lambda x: x[0], batches)
-        (loss, (w, m, rngs)), g = grad_fn(params, rngs, frozen, rest, aux, first, self.graphdef)
+        (loss, (w, m, rngs)), g = grad_fn(params, rngs, frozen, rest, inputs, first, self.graphdef)
         rest_batches = jax.tree.map(lambda x: x[1:], batches)
         (grads, rngs, loss_sum, weight, metrics), _ = jax.lax.scan(micro, (g, rngs, loss, w, m), rest_batches)
         denom = jnp.maximum(weight, 1e-9)
@@ -386,17 +397,14 @@ class Trainer:
                **{k: v if is_extreme_metric(k) else v / denom for k, v in metrics.items()}}
         return new_params, new_compute, new_opt, rngs, out
 
-    def _eval(self, params, rngs, frozen, rest, aux, batch):
-        loss_sum, (weight, metrics, _) = self._loss(params, rngs, frozen, rest, aux, batch, self.eval_graphdef)
+    def _eval(self, params, rngs, frozen, rest, inputs: StepInputs, batch):
+        loss_sum, (weight, metrics, _) = self._loss(params, rngs, frozen, rest, inputs, batch, self.eval_graphdef)
         return loss_sum, weight, metrics
 
     # --- host side ---------------------------------------------------------------------------------
 
-    def _aux(self):
-        aux = self.aux if self.aux is not None else {}
-        if self.initial_params is not None:
-            aux = {**aux, "__reference__": self.initial_params}
-        return aux
+    def _inputs(self) -> StepInputs:
+        return StepInputs(self.aux, self.initial_params)
 
     def _device_batch(self, host: dict[str, np.ndarray], batch_axis: int) -> dict[str, jax.Array]:
         return {key: put_global(value, batch_sharding(self.mesh, value.ndim, batch_axis)) for key, value in host.items()}
@@ -430,7 +438,7 @@ class Trainer:
         sampled = self._end_rollout()  # before the step: an engine asked to sleep frees its KV cache for it
         before = self._train_step._cache_size()
         self.params, self.params_compute, self.opt_state, self.rngs, out = self._train_step(
-            self.params, self.params_compute, self.opt_state, self.rngs, self.frozen_compute, self.rest, self._aux(),
+            self.params, self.params_compute, self.opt_state, self.rngs, self.frozen_compute, self.rest, self._inputs(),
             batch)
         if self._train_step._cache_size() != before:
             self.compiles += 1
@@ -472,19 +480,20 @@ class Trainer:
         batches = tqdm(self._walk(objective), total=-(-objective.num_items // self.cfg.batch_size), desc="precompute",
                        unit="batch", file=sys.stderr, disable=not (self.cfg.progress and jax.process_index() == 0),
                        dynamic_ncols=True)
-        args = (self.params, self.rngs, self.frozen_compute, self.rest, self._aux())
+        args = (self.params, self.rngs, self.frozen_compute, self.rest, self._inputs())
         return [jax.device_get(self._score_fn(fn, *args, batch)) for batch in batches]
 
-    def _scored(self, fn, params, rngs, frozen, rest, aux, batch):
+    def _scored(self, fn, params, rngs, frozen, rest, inputs: StepInputs, batch):
         model = self._model(self.eval_graphdef, params, rngs, frozen, rest)
-        return fn(LossContext(model, aux, self._reference(self.eval_graphdef, params, rngs, frozen, rest, aux)), batch)
+        return fn(LossContext(model, inputs.aux, self._reference(self.eval_graphdef, params, rngs, frozen, rest, inputs)),
+                  batch)
 
     def evaluate(self, eval_objective: DatasetObjective) -> dict[str, float]:
         """Mean loss (and metrics) over the whole eval set; the last batch is padded with weightless rows."""
         totals, weight = {}, 0.0
         for batch in self._walk(eval_objective):
             loss_sum, w, metrics = jax.device_get(self._eval_step(self.params, self.rngs, self.frozen_compute, self.rest,
-                                                                  self._aux(), batch))
+                                                                  self._inputs(), batch))
             weight += float(w)
             totals = combine_metrics(totals, {"loss": float(loss_sum), **{k: float(v) for k, v in metrics.items()}})
         return {f"eval_{k}": v if is_extreme_metric(k) else v / max(weight, 1e-9) for k, v in totals.items()}

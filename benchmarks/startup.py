@@ -175,7 +175,8 @@ def make_1b(directory: Path) -> Path:
 
     directory.mkdir(parents=True, exist_ok=True)
     c = LLAMA_1B
-    h, inter, heads, kv, d = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    h, inter, heads = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
+    kv, d = c["num_key_value_heads"], c["head_dim"]
     rng = np.random.default_rng(0)
     rand = lambda *shape: (rng.standard_normal(shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
     tensors = {"model.embed_tokens.weight": rand(c["vocab_size"], h), "model.norm.weight": np.ones(h, ml_dtypes.bfloat16)}

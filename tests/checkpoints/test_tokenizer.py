@@ -10,6 +10,8 @@ import gguf
 import pytest
 
 from tunix_rt.checkpoints.default_model import DefaultModelMissing, default_model_path
+from tunix_rt.checkpoints.gguf_file import GGUFFile
+from tunix_rt.checkpoints.gguf_loader import open_gguf
 from tunix_rt.checkpoints.tokenizer import Tokenizer
 
 TEXTS = [
@@ -61,7 +63,7 @@ def gguf_path():
 
 @pytest.fixture(scope="module")
 def gguf_reader(gguf_path):
-    return gguf.GGUFReader(gguf_path)
+    return open_gguf(gguf_path)
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +175,7 @@ def test_hf_dir_template_in_tokenizer_config(hf_dir, tmp_path):
 # --- tokenizer-only GGUF files written here --------------------------------------------------------------------
 
 
-def _write_gguf(path, arch: str, tokenizer_model: str, tokens, **fields) -> gguf.GGUFReader:
+def _write_gguf(path, arch: str, tokenizer_model: str, tokens, **fields) -> GGUFFile:
     """A GGUF with tokenizer metadata and the few hyperparameters transformers needs to load it; no tensors."""
     writer = gguf.GGUFWriter(path, arch=arch)
     writer.add_block_count(1)
@@ -192,7 +194,7 @@ def _write_gguf(path, arch: str, tokenizer_model: str, tokens, **fields) -> gguf
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return gguf.GGUFReader(path)
+    return open_gguf(path)
 
 
 def _load_hf_gguf(path):
@@ -283,7 +285,7 @@ def sentencepiece_model():
     return spm.SentencePieceProcessor(model_proto=model.getvalue())
 
 
-def _sentencepiece_gguf(path, sp, arch: str) -> gguf.GGUFReader:
+def _sentencepiece_gguf(path, sp, arch: str) -> GGUFFile:
     """Metadata as llama.cpp's converter writes it; Gemma files spell whitespace pieces with spaces, no prefix."""
     gemma = arch.startswith("gemma")
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]

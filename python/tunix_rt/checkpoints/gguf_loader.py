@@ -14,12 +14,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from tunix_rt.checkpoints.errors import CheckpointError
 from tunix_rt.ops.quant import FORMATS, QuantizedTensor
+
+if TYPE_CHECKING:
+    from tunix_rt.checkpoints.gguf_file import GGUFFile, GGUFTensor
 
 # GGML type name -> the format whose blocks we keep as they are
 _KEPT = {f.ggml_type: f for f in FORMATS.values() if f.ggml_type}
@@ -55,21 +59,21 @@ _LAYER_TENSORS = {
 }
 
 
-def open_gguf(path: Path):
-    import gguf
+def open_gguf(path: Path) -> GGUFFile:
+    from tunix_rt.checkpoints.gguf_file import GGUFFile  # imports gguf: only when a GGUF file is read
 
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError/struct errors/IndexError on bad bytes
+        return GGUFFile(path)
+    except ValueError as e:  # OSError (unreadable, a directory) passes through: its message says it
         raise CheckpointError(f"{path} is not a readable GGUF file (corrupt or truncated): {e}") from None
 
 
-def field(reader, key: str, default=None):
+def field(reader: GGUFFile, key: str, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
 
-def hf_config(reader) -> dict:
+def hf_config(reader: GGUFFile) -> dict:
     """The HF config.json dictionary this GGUF file describes."""
     arch = field(reader, "general.architecture")
     if arch not in _ARCH:
@@ -122,7 +126,7 @@ def hf_config(reader) -> dict:
     return {k: v for k, v in config.items() if v is not None}
 
 
-def _moe_config(reader, arch: str, get, names: set[str], num_layers: int) -> dict:
+def _moe_config(reader: GGUFFile, arch: str, get, names: set[str], num_layers: int) -> dict:
     """The HF MoE keys of a file with experts (none for a dense one)."""
     experts = get("expert_count") or 0
     if not experts:
@@ -158,12 +162,12 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def kept_quantized(t) -> bool:
+def kept_quantized(t: GGUFTensor) -> bool:
     """Whether a GGUF tensor loads as a QuantizedTensor (a 2-D Q8_0/Q4_0/Q4_1 matrix) unless dequantized."""
     return t.tensor_type.name in _KEPT and len(t.shape) == 2
 
 
-def _quantized(t) -> QuantizedTensor:
+def _quantized(t: GGUFTensor) -> QuantizedTensor:
     """A 2-D GGUF tensor of a kept type as a QuantizedTensor: ggml rows are our columns."""
     f = _KEPT[t.tensor_type.name]
     k, n = (int(d) for d in t.shape)  # ggml order: ne0 = K (contiguous), ne1 = N
@@ -187,7 +191,9 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_tensors(reader, config: dict, *, keep_quantized: bool = True) -> Iterator[tuple[str, np.ndarray | QuantizedTensor]]:
+def iter_tensors(
+    reader: GGUFFile, config: dict, *, keep_quantized: bool = True
+) -> Iterator[tuple[str, np.ndarray | QuantizedTensor]]:
     """(HF name, value) for every tensor: a float32 array in HF layout, or, for Q8_0/Q4_0/Q4_1
     2-D weights with keep_quantized, a QuantizedTensor in the decoder's (in, out) orientation."""
     from gguf.quants import dequantize

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer as Backend
 from tunix_rt.checkpoints import hf_dir
 
 if TYPE_CHECKING:
-    import gguf
+    from tunix_rt.checkpoints.gguf_file import GGUFFile
 
 
 class Tokenizer:
@@ -166,7 +166,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+    def from_gguf(cls, reader: GGUFFile) -> Tokenizer:
         """Rebuild the tokenizer a GGUF file describes in its `tokenizer.*` metadata."""
         meta = _GGUFTokenizerMetadata(reader)
         kind = meta.get("tokenizer.ggml.model")
@@ -284,7 +284,7 @@ _CONTROL, _USER_DEFINED = 3, 4
 class _GGUFTokenizerMetadata:
     """The `tokenizer.*` fields of a GGUF file, read once."""
 
-    def __init__(self, reader: gguf.GGUFReader):
+    def __init__(self, reader: GGUFFile):
         self._reader = reader
         self.architecture = self.get("general.architecture")
         self.tokens: list[str] = self.get("tokenizer.ggml.tokens")

@@ -206,9 +206,9 @@ def build_decoder(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray | Qu
             raise CheckpointError(f"tensor {name!r} is given twice (or with per-expert tensors of the same weight)")
         if not index:
             if isinstance(value, QuantizedTensor):
-                _swap_in_quantized(model, path, jax.tree.map(jnp.asarray, value), dtype)  # to device once
+                _swap_in_quantized(model, path, jax.device_put(value), dtype)  # to device once
             else:
-                loaded[path] = jnp.asarray(value, dtype=dtype)
+                loaded[path] = _to_device(value, dtype)
             continue
         parts, _ = stacks.setdefault(path, ({}, name))
         if index in parts or (target.expert is None and any(i[0] == index[0] for i in parts)):
@@ -219,9 +219,9 @@ def build_decoder(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray | Qu
         if set(parts) == _expected_indices(parts, want):  # to the device in the target dtype, host copies freed
             loaded_value = _assemble(stacks.pop(path), want, dtype)
             if isinstance(loaded_value, QuantizedTensor):
-                _swap_in_quantized(model, path, jax.tree.map(jnp.asarray, loaded_value), dtype)
+                _swap_in_quantized(model, path, jax.device_put(loaded_value), dtype)
             else:
-                loaded[path] = jnp.asarray(loaded_value, dtype=dtype)
+                loaded[path] = _to_device(loaded_value, dtype)
     for path, (parts, _) in stacks.items():  # only incomplete stacks are left
         raise CheckpointError(f"checkpoint is missing {_absent(cfg, path, parts, expected[path].get_value().shape)}")
     graphdef, state = nnx.split(model)
@@ -231,6 +231,11 @@ def build_decoder(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray | Qu
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
     filled = [(p, var if isinstance(var, QuantWeight) else var.replace(loaded[p])) for p, var in flat]
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
+
+
+def _to_device(value: np.ndarray, dtype) -> jax.Array:
+    """A host array on the device in `dtype`, cast on the host: jnp.asarray would compile a program per shape."""
+    return jax.device_put(np.asarray(value, np.dtype(dtype)))
 
 
 def _expected_indices(parts: dict, want: tuple) -> set[tuple]:

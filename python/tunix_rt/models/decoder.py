@@ -207,8 +207,8 @@ class Decoder(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs,
                                embedding_init=nnx.initializers.normal(0.02))
-        self.layers = LayerStack([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)],
-                                 [cfg.layer_kind(i) for i in range(cfg.num_layers)])
+        self.layers = LayerStack(lambda i, rngs: DecoderLayer(cfg, i, dtype=dtype, rngs=rngs),
+                                 [cfg.layer_kind(i) for i in range(cfg.num_layers)], rngs=rngs)
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(dtype, rngs, cfg.hidden_size, cfg.vocab_size, False)

@@ -97,15 +97,16 @@ def _stacked(path, value) -> bool:
     return isinstance(value, nnx.Variable) and not isinstance(value, (nnx.RngState, nnx.Intermediate))
 
 
-def _stack_modules(modules: Sequence[nnx.Module]) -> nnx.Module:
-    graphdef, _ = nnx.split(modules[0])
-    states = []
-    for m in modules:
-        g, state = nnx.split(m)
-        if g != graphdef:
-            raise ValueError("layers of one kind must have one structure to be stacked")
-        states.append(state)
-    return nnx.merge(graphdef, jax.tree.map(lambda *a: jnp.stack(a), *states))
+def _make_stack(make: Callable[[int, nnx.Rngs], nnx.Module], layer: int, count: int, rngs: nnx.Rngs) -> nnx.Module:
+    """`count` layers like layer `layer`, made as one module with stacked weights (each layer its own random
+    draw): the layer's constructor is traced once, not once per layer."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stacked(rngs):
+        return make(layer, rngs)
+
+    return stacked(rngs)
 
 
 def _view(state, index) -> Any:
@@ -126,18 +127,19 @@ def _slice(state, first: int, count: int, step: int) -> Any:
 
 
 class LayerStack(nnx.Module):
-    """The layers of a decoder, `kinds[i]` naming layer i's kind; `layers` are built unstacked and stacked here.
+    """The layers of a decoder, `kinds[i]` naming layer i's kind, each kind's layers made by `make(layer index,
+    rngs)` as one stacked module (the layers of a kind have one structure; the first one's index is given).
 
     `kinds` (the stacked modules, one per kind), `kind_of[i]` and `index_in_kind[i]` say where layer i
     lives: checkpoints and adapters address a layer through `locate`."""
 
-    def __init__(self, layers: Sequence[nnx.Module], kinds: Sequence[Hashable]):
-        if len(layers) != len(kinds) or not layers:
-            raise ValueError(f"a layer stack needs one kind per layer, got {len(layers)} layers, {len(kinds)} kinds")
+    def __init__(self, make: Callable[[int, nnx.Rngs], nnx.Module], kinds: Sequence[Hashable], *, rngs: nnx.Rngs):
+        if not kinds:
+            raise ValueError("a layer stack needs at least one layer")
         places = layer_places(kinds)
         self.kind_of = tuple(k for k, _ in places)
         self.index_in_kind = tuple(i for _, i in places)
-        self.kinds = nnx.List([_stack_modules([m for m, k in zip(layers, self.kind_of) if k == kind])
+        self.kinds = nnx.List([_make_stack(make, self.kind_of.index(kind), self.kind_of.count(kind), rngs)
                                for kind in range(max(self.kind_of) + 1)])
         self.segments = plan_segments(self.kind_of)
         self.read_in_place = False

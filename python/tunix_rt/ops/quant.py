@@ -291,8 +291,12 @@ def lane_scales(qt: QuantizedTensor) -> jax.Array:
     parts = [qt.scales] + ([qt.mins] if f.has_min else [])
     *stack, n, groups = qt.scales.shape
     pad = [(0, 0)] * len(stack) + [(0, -n % LANE_COLUMNS), (0, 0)]
-    tiles = [jnp.swapaxes(jnp.pad(p, pad).reshape(*stack, -1, LANE_COLUMNS, groups), -1, -2) for p in parts]
-    return jnp.concatenate(tiles, axis=-1).astype(f.scale_dtype)
+    # Weights at hand are laid out on the host: no XLA program to compile for each weight's shape.
+    host = not any(isinstance(p, jax.core.Tracer) for p in parts)
+    xp = np if host else jnp
+    tiles = [xp.swapaxes(xp.pad(xp.asarray(p), pad).reshape(*stack, -1, LANE_COLUMNS, groups), -1, -2) for p in parts]
+    out = xp.concatenate(tiles, axis=-1).astype(f.scale_dtype)
+    return jax.device_put(out) if host else out
 
 
 def with_lane_scales(qt: QuantizedTensor) -> QuantizedTensor:

@@ -8,8 +8,9 @@ instead of compiling, and XLA's optimization passes are off (they cost ~3x the c
 nothing these tests compare).
 
 Tolerances: runs that differ only in where a sum is split (accumulation, sharding, processes) agree in loss
-and gradient norm to float rounding (1e-5 relative; seen: ~3e-7). Their params agree to 2e-4, 2% of one Adam
-step (seen: 1e-5 to 4e-5, so 1e-5 would be flaky): Adam divides each gradient entry by its own running RMS,
+and gradient norm to float rounding (1e-5 relative; seen: ~3e-7). Their params agree to 5e-4, 5% of one Adam
+step (seen: 1e-5 to 2.3e-4 depending on the random init, so 1e-5 would be flaky): Adam divides each gradient
+entry by its own running RMS,
 so an entry that sums to nearly zero carries its rounding (~1e-3 relative) into an update of size ~lr. A real
 error (a missing all-reduce, a wrong shard, a lost micro-batch) moves params by ~lr and the loss at the next
 step; a gradient wrongly scaled as a whole, which Adam and clipping would hide, shows in the gradient norm.
@@ -50,7 +51,7 @@ from tunix_rt.train.trainer import Trainer, clip_factor, make_optimizer
 pytestmark = pytest.mark.slow
 
 ITEMS = W.make_items()
-PARAM_ATOL = 2e-4  # 2% of one Adam step: see the module docstring
+PARAM_ATOL = 5e-4  # 5% of one Adam step: see the module docstring
 LOSS_RTOL = 1e-5
 WORKER = Path(W.__file__)
 SUBPROCESS_TIMEOUT = 180

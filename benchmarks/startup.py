@@ -110,21 +110,23 @@ def generate(model: str, cache: Path) -> dict:
 
 
 def serve(model: str, cache: Path) -> dict:
-    import httpx
+    import urllib.error
+    import urllib.request
 
     port = _free_port()
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
         start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "tunix_rt.cli", "serve", "--model", model, "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "tunix_rt.cli", "-v", "serve", "--model", model, "--port", str(port),
                                  "--compile-cache-dir", str(cache)], stdout=log, stderr=subprocess.STDOUT)
         ready = None
         try:
             while time.perf_counter() - start < 900 and proc.poll() is None:
                 try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                        ready = time.perf_counter() - start
-                        break
-                except httpx.TransportError:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+                        if response.status == 200:
+                            ready = time.perf_counter() - start
+                            break
+                except (urllib.error.URLError, ConnectionError, TimeoutError):
                     pass
                 time.sleep(0.1)
         finally:
@@ -134,7 +136,7 @@ def serve(model: str, cache: Path) -> dict:
             log.seek(0)
             sys.exit(f"serve did not come up:\n{log.read()[-3000:]}")
         log.seek(0)
-        compiled = re.findall(r"(\d+) programs so far", log.read())
+        compiled = re.findall(r"compiled (\d+) engine step programs", log.read())
     return dict(health=ready, programs=int(compiled[-1]) if compiled else 0)
 
 

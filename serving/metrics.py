@@ -20,8 +20,9 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str):
+    def __init__(self, stats: Callable[[], EngineStats | None], warming_up: Callable[[], bool], model_name: str):
         self._stats = stats
+        self._warming_up = warming_up
         self._labels = {"model_name": model_name}
 
     def collect(self):
@@ -52,14 +53,17 @@ class _EngineCollector:
                       stats.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens received.", stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
-        yield counter("compiles", "Engine step programs compiled (plain steps all compile before /health is ready).",
-                      stats.num_compiles)
+        yield counter("compiles", "Engine step programs compiled (a lone request's before /health is ready, "
+                      "batched steps' while the engine is idle, request options' beside it).", stats.num_compiles)
+        yield gauge("warmup_pending", "1 while batched steps' programs are left to compile when the engine is idle.",
+                    float(self._warming_up()))
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str):
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str,
+                 warming_up: Callable[[], bool] = lambda: False):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_EngineCollector(stats, warming_up, model_name))
         labels = ["model_name"]
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token.",
                               labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)

@@ -23,13 +23,17 @@ def _engine(model) -> Engine:
     return Engine(model, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64)
 
 
+def _model() -> Decoder:
+    cfg = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, rope=((FULL, RopeConfig(theta=10000.0)),))
+    return Decoder(cfg, rngs=nnx.Rngs(3))
+
+
 @pytest.fixture(scope="module")
 def engines():
     """(a synchronous engine for expected outputs, the engine the AsyncEngine owns, the AsyncEngine):
     once an AsyncEngine runs an engine, only its thread may step it."""
-    cfg = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, rope=((FULL, RopeConfig(theta=10000.0)),))
-    model = Decoder(cfg, rngs=nnx.Rngs(3))
+    model = _model()
     owned = _engine(model)
     async_engine = AsyncEngine(owned)
     yield _engine(model), owned, async_engine
@@ -111,3 +115,29 @@ def test_stats_and_bad_requests(engines):
 
     with pytest.raises(ValueError, match="empty"):
         asyncio.run(bad())
+
+
+def test_idle_warm_up_compiles_the_rest_and_yields_to_requests(engines):
+    """warm_up_when_idle (a server, after warmup(max_rows=1)): a request that comes while the thread compiles is
+    served as the synchronous engine serves it, the warm-up goes on once the engine is idle again and ends with
+    every warm-up program compiled; a shutdown in the middle stops it between two compiles."""
+    sync = engines[0]
+    engine = _engine(_model())
+    engine.warmup(max_rows=1)
+    async_engine = AsyncEngine(engine, warm_up_when_idle=True)
+    try:
+        assert async_engine.warming_up
+        outs = asyncio.run(_collect(async_engine, _prompts()[1], GREEDY))
+        assert outs[-1].token_ids == sync.generate([_prompts()[1]], GREEDY)[0].token_ids
+        deadline = time.monotonic() + 300
+        while async_engine.warming_up and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not async_engine.warming_up
+        assert asyncio.run(async_engine.call(lambda e: e.warmup())) == 0  # nothing was left
+    finally:
+        async_engine.shutdown()
+
+    stopped = AsyncEngine(_engine(_model()), warm_up_when_idle=True)
+    start = time.monotonic()
+    stopped.shutdown()
+    assert time.monotonic() - start < 60 and not stopped._thread.is_alive()

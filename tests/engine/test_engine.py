@@ -493,35 +493,67 @@ def test_warmup_compiles_every_plain_program(llama):
     asked = []
     assert engine.warmup(stop=lambda: asked.append(1) or len(asked) > 1) == 1  # stopped after its first compile
     compiled = 1 + engine.warmup()
-    # two forwards (4 and 16 tokens), the row gathers of the reachable shapes, one sampler per row bucket,
-    # the decode loop of the one decode bucket (4 rows) and the prompt scorer with and without top k
+    # two forwards (4 and 16 tokens), the row gathers of the reachable shapes, two samplers per row bucket
+    # (all greedy, drawing), the two decode loops of the one decode bucket (4 rows) and the prompt scorer with
+    # and without top k
     shapes = engine.runner.reachable_shapes()
-    assert compiled == 2 + len(shapes) + len({b for _, b in shapes}) + 1 + 2 == engine.stats().num_compiles
+    assert compiled == 2 + len(shapes) + 2 * len({b for _, b in shapes}) + 2 + 2 == engine.stats().num_compiles
     assert engine.stats().kv_cache_usage == 0
     prompts = _prompts(7, [1, 3, 9, 20])
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
     with _backend_compiles() as events:
         outs = engine.generate(prompts, params)
+        greedy = engine.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
         for k in (0, 3):
             [scored] = engine.generate([prompts[3]], SamplingParams(max_tokens=0, prompt_logprobs=k))
             assert len(scored.prompt_logprobs) == 20
     assert not events and engine.stats().num_compiles == compiled
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in greedy] == _reference(model, prompts, 12)
     assert engine.warmup() == 0
 
 
+def test_warmup_for_lone_requests_then_the_rest(llama):
+    """warmup(max_rows=1) compiles what one request of any length needs (a server's phase before /health): a
+    lone request, greedy or drawing, short or long, then compiles nothing; a later warmup() goes on with the
+    batched steps' programs only and gives what an unwarmed engine gives."""
+    model, plain = llama
+    engine = _engine(model, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+                     num_kv_blocks=64, token_buckets=(4, 16))
+    first = engine.warmup(max_rows=1)
+    # two forwards, one row gather each, the lone row's two samplers and its two decode loops
+    assert first == 2 + 2 + 2 + 2 == engine.stats().num_compiles
+    with _backend_compiles() as events:
+        for params in (SamplingParams(max_tokens=9, **GREEDY), SamplingParams(max_tokens=9, temperature=0.8, seed=2)):
+            for prompt in _prompts(12, [1, 6, 16, 40]):
+                engine.generate([prompt], params)
+    assert not events
+    shapes = engine.runner.reachable_shapes()
+    rest = engine.warmup()
+    assert first + rest == 2 + len(shapes) + 2 * len({b for _, b in shapes}) + 2 + 2 == engine.stats().num_compiles
+    prompts = _prompts(7, [1, 3, 9, 20])
+    with _backend_compiles() as events:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.8, seed=3))
+    assert not events
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, SamplingParams(
+        max_tokens=12, temperature=0.8, seed=3))]
+    with pytest.raises(ValueError, match="max_rows"):
+        engine.warmup(max_rows=0)
+
+
 def test_warmup_options_compiles_the_samplers_request_options_pick(llama):
-    """runner.warmup_options (a server runs it on another thread): afterwards top-k log-probs, logit_bias,
+    """runner.warmup_options (a server runs it while idle): afterwards top-k log-probs, logit_bias,
     min_tokens and penalties compile nothing, and give what an engine that compiled them on first use gives."""
     model, plain = llama
     engine = _engine(model, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
                      num_kv_blocks=64, token_buckets=(4, 16))
     engine.warmup()
     compiled = engine.runner.warmup_options()
-    assert compiled == 4 * len(engine.runner.seq_buckets) and engine.runner.warmup_options() == 0
+    assert compiled == 2 * 4 * len(engine.runner.seq_buckets) and engine.runner.warmup_options() == 0
     prompts = _prompts(8, [3, 9])
     options = [dict(logprobs=5), dict(logit_bias={3: 5.0}), dict(min_tokens=4, stop_token_ids=[1]),
-               dict(frequency_penalty=0.5, repetition_penalty=1.2)]
+               dict(frequency_penalty=0.5, repetition_penalty=1.2), dict(logprobs=5, **GREEDY),
+               dict(frequency_penalty=0.5, **GREEDY)]
     with _backend_compiles() as events:
         outs = [engine.generate(prompts, SamplingParams(max_tokens=6, seed=1, **kw)) for kw in options]
     assert not events
@@ -574,11 +606,12 @@ def test_no_recompiles_after_warm_up(llama):
         engine.reset_prefix_cache()  # so every prompt token is computed
         engine.generate(_prompts(100 + i, lengths), SamplingParams(max_tokens=1, **GREEDY))
     expected = ({("forward", t) for t in runner.token_buckets} | {("rows", t, b) for t, b in shapes}
-                | {("sample", b, 1, 0, False, 0) for _, b in shapes})
+                | {("sample", b, 0, 0, False, 0, True) for _, b in shapes})
     assert expected <= runner.compiled
     compiled, num_compiles = set(runner.compiled), engine.stats().num_compiles
     # samplers per row bucket x {no penalties, penalties} x {no logprobs, logprobs} x {no grammar, grammar}
-    bound = len(runner.token_buckets) + len(shapes) + len(runner.seq_buckets) * 2 * 2 * 2
+    # x {all greedy, drawing}
+    bound = len(runner.token_buckets) + len(shapes) + len(runner.seq_buckets) * 2 * 2 * 2 * 2
     assert num_compiles <= bound
     engine.warmup()  # the multi-step decode loops, which the steps above do not reach
     compiled, num_compiles = set(runner.compiled), engine.stats().num_compiles

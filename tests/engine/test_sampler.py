@@ -193,6 +193,40 @@ def test_all_greedy_batch():
     np.testing.assert_array_equal(np.asarray(out.tokens), penalised.argmax(-1))
 
 
+_greedy_program = {processed: jax.jit(functools.partial(sample_tokens, num_top_logprobs=K, all_greedy=True,
+                                                        processed_logprobs=processed)) for processed in (False, True)}
+
+
+@settings(max_examples=15)
+@given(seed=st.integers(0, 2**32 - 1), processed=st.booleans(), penalties=st.booleans())
+def test_all_greedy_program_gives_the_full_programs_bits(seed, processed, penalties):
+    """The program the engine compiles for an all-greedy step (no draw traced) returns what the full one
+    does for the same rows, bit for bit: tokens, log-probs (raw or processed) and top log-probs."""
+    logits, params, prompt, output = _random_case(np.random.default_rng(seed), greedy_frac=1.0)
+    if not penalties:
+        params = dataclasses.replace(params, presence_penalty=np.zeros(B, np.float32),
+                                     frequency_penalty=np.zeros(B, np.float32),
+                                     repetition_penalty=np.ones(B, np.float32))
+    full = (_sample_processed if processed else _sample)(logits, params, prompt, output)
+    fast = _greedy_program[processed](logits, params, prompt, output)
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(fast)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if not penalties:  # no histories at all: the penalty step is not traced, and nothing changes
+        none = _greedy_program[processed](logits, params, None, None)
+        for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(none)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_no_histories_equal_empty_ones():
+    """None histories (no row has penalties) give the bits that all-padding histories give, for draws too."""
+    logits, params, _, _ = _random_case(np.random.default_rng(8), greedy_frac=0.3)
+    params = dataclasses.replace(params, presence_penalty=np.zeros(B, np.float32),
+                                 frequency_penalty=np.zeros(B, np.float32), repetition_penalty=np.ones(B, np.float32))
+    for a, b in zip(jax.tree.leaves(_sample(logits, params, NO_PROMPT, NO_OUTPUT)),
+                    jax.tree.leaves(_sample(logits, params, None, None))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @settings(max_examples=15)
 @given(seed=st.integers(0, 2**32 - 1), where=st.integers(0, B - 1), neighbours_greedy=st.booleans())
 def test_row_draw_independent_of_batch(seed, where, neighbours_greedy):
@@ -379,4 +413,6 @@ def test_bad_shapes():
         sample_tokens(np.zeros((B, V), np.float32), dataclasses.replace(_params(), top_p=np.ones(B + 1)), none, none)
     with pytest.raises(ValueError, match="output_tokens"):
         sample_tokens(np.zeros((B, V), np.float32), _params(), none, none[:1])
+    with pytest.raises(ValueError, match="both be arrays or both be None"):
+        sample_tokens(np.zeros((B, V), np.float32), _params(), none, None)
     assert isinstance(_sample(np.zeros((B, V), np.float32), _params(), NO_PROMPT, NO_OUTPUT), SamplerOutput)

@@ -234,31 +234,66 @@ def test_packing_packs_several_examples_per_row(lora_run):
     assert batch["segment_ids"].max() >= 2
 
 
-def test_lora_final_is_the_merged_trainer_model(lora_run):
+def test_lora_final_is_the_adapter_on_its_base(lora_run, tiny, capsys):
+    """A LoRA run's DIR/final is its adapter alone (no float copy of the model), which --model takes: the loader
+    puts it on the base its adapter_config.json names, and that is the trainer's model."""
     out, trainer = lora_run
     model = trainer.model()
     assert has_lora(model)
     b = model.layers.locate(0)[0].attn.q_proj.lora_b[...]
     assert np.abs(np.asarray(b)).max() > 0  # the adapters trained
+    assert sorted(p.name for p in (out / "final").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     final = load_model(out / "final")
-    assert not has_lora(final.model)
-    delta = np.abs(logits(final.model) - logits(model)).max()
+    assert has_lora(final.model) and final.source == out / "final"
+    assert final.tokenizer.encode("the theme") == load_model(tiny).tokenizer.encode("the theme")
+    np.testing.assert_allclose(logits(final.model), logits(model), atol=1e-5)
+    assert cli("generate", "--model", out / "final", "--prompt", "the", "--max-tokens", "3", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["finish_reason"] in ("stop", "length")
+
+
+def test_an_adapter_as_model_names_a_base_that_loads(lora_run, root, capsys):
+    """--model on an adapter whose base is gone, unnamed or itself an adapter: a one-line error saying so."""
+    out, _ = lora_run
+    config = json.loads((out / "final" / "adapter_config.json").read_text())
+    for base, message in (("/nonexistent/base", "cannot be loaded here"), ("", "names no base model"),
+                          (str(out / "adapter"), "is itself an adapter")):
+        bad = root / f"bad_adapter_{len(message)}"
+        shutil.copytree(out / "final", bad, dirs_exist_ok=True)
+        (bad / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}))
+        assert cli("score", "--model", bad, "--text", "the theme") == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.fixture(scope="module")
+def merged_run(root, tiny, sft_data):
+    out = root / "merged_out"
+    assert cli("sft", "--model", tiny, "--data", sft_data, "--output", out, "--steps", "2", "--lora-rank", "4",
+               "learning_rate=0.005", "save_merged=true", *COMMON) == 0
+    return out
+
+
+def test_save_merged_writes_the_merged_model(merged_run):
+    final = load_model(merged_run / "final")
+    assert not has_lora(final.model) and (merged_run / "final" / "config.json").is_file()
+    on_base = load_model(merged_run / "adapter")
+    assert has_lora(on_base.model)
+    delta = np.abs(logits(final.model) - logits(on_base.model)).max()
     assert delta < 1e-4, f"max |delta logits| = {delta:.2e}"
 
 
-def test_lora_final_loads_in_transformers(lora_run):
+def test_lora_final_loads_in_transformers(merged_run):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    out, _ = lora_run
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(merged_run / "final", dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(torch.tensor(TOKENS)).logits.numpy()
-    assert np.abs(theirs - logits(load_model(out / "final").model)).max() < 1e-4
+    assert np.abs(theirs - logits(load_model(merged_run / "final").model)).max() < 1e-4
 
 
 def test_lora_run_writes_its_adapter_in_peft_layout(lora_run, tiny, capsys):
-    """DIR/adapter beside DIR/final: on the base it is the trained model (ours, and HF peft's on the base's HF
-    directory); `--lora` applies it in generate and score."""
+    """DIR/adapter (what --lora and serve --lora-modules take): on the base it is the trained model (ours, and HF
+    peft's on the base's HF directory); `--lora` applies it in generate and score."""
     out, trainer = lora_run
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == \
@@ -300,7 +335,7 @@ def test_training_starts_from_an_adapter(lora_run, root, tiny, sft_data, capsys)
     capsys.readouterr()
     for extra, message in ((["--lora-rank", "2"], "lora_rank=2 differs from the rank 4"),
                            ([], "is not a peft adapter directory")):
-        adapter = out / "adapter" if extra else out / "final"
+        adapter = out / "adapter" if extra else tiny
         assert cli("sft", "--model", tiny, "--data", sft_data, "--output", root / "refused", "--lora", adapter,
                    *extra, *COMMON) == 2
         err = capsys.readouterr().err.strip()
@@ -344,7 +379,8 @@ def qlora_run(root, quantized):
     out = root / "qlora_out"
     with recording_trainers() as trainers:
         assert cli("sft", "--model", quantized, "--data", data, "--output", out, "--steps", "4", "--lora-rank", "4",
-                   "batch_size=2", "learning_rate=0.02", "lr_scheduler_type=constant", *COMMON) == 0
+                   "batch_size=2", "learning_rate=0.02", "lr_scheduler_type=constant", "save_merged=true",
+                   *COMMON) == 0
     return out, trainers[0]
 
 
@@ -421,7 +457,7 @@ def test_dpo_loss_types_with_lora(loss_type, root, tiny, dpo_chat):
     if loss_type in STEP1:
         assert records[0]["loss"] == pytest.approx(STEP1[loss_type], rel=1e-6, abs=1e-6)
         assert records[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-7)
-    assert (out / "final" / "config.json").is_file()
+    assert (out / "final" / "adapter_config.json").is_file()
 
 
 def test_dpo_full_fine_tuning_reference_is_the_initial_weights(root, tiny, dpo_strings):

@@ -1,4 +1,5 @@
-"""`load(path)`: an HF directory, a .gguf file or "default" -> (Decoder, Tokenizer)."""
+"""`load(path)`: an HF directory, a .gguf file, "default", or a peft LoRA adapter directory on one of those ->
+(Decoder, Tokenizer)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 from tunix_rt.checkpoints import gguf_loader, hf_dir, quantized_dir
 from tunix_rt.checkpoints.default_model import default_model_path
 from tunix_rt.checkpoints.errors import CheckpointError
+from tunix_rt.checkpoints.peft_adapter import is_adapter_dir, load_adapter, read_adapter_config
 from tunix_rt.checkpoints.tokenizer import Tokenizer
 from tunix_rt.checkpoints.weights import build_decoder
 from tunix_rt.models.config import ModelConfig
@@ -47,6 +49,8 @@ def load_model(model: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32, 
     """Load a model; quantized weights (GGUF Q8_0/Q4_0/Q4_1, `tunix-rt quantize` output) stay
     quantized unless `dequantize`."""
     path = resolve_model_path(model)
+    if _adapter_only(path):
+        return _load_adapter_model(path, dtype=dtype, dequantize=dequantize)
     if path.is_dir():
         config = hf_dir.read_config(path)
         hf_dir.check_layer_count(path, config.num_layers)
@@ -69,10 +73,37 @@ def load_model(model: str | os.PathLike | None = DEFAULT, *, dtype=jnp.float32, 
     return LoadedModel(decoder, tokenizer, {}, path, config_dict)
 
 
+def _load_adapter_model(path: Path, *, dtype, dequantize: bool) -> LoadedModel:
+    """A peft LoRA adapter directory (a LoRA run's DIR/final) as a model: the base its adapter_config.json names
+    (base_model_name_or_path: 'default', a directory or a .gguf file), with the adapter on it, unmerged."""
+    base = read_adapter_config(path).get("base_model_name_or_path")
+    if not base or not isinstance(base, str):
+        raise CheckpointError(f"{path} is a LoRA adapter that names no base model (base_model_name_or_path); give "
+                              "the base as --model and the adapter as --lora")
+    try:
+        base_path = resolve_model_path(base)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path} is a LoRA adapter on the base model {base!r}, which cannot be loaded here "
+                              f"({e}); give the base as --model and the adapter as --lora") from None
+    if _adapter_only(base_path):
+        raise CheckpointError(f"{path} is a LoRA adapter whose base {base!r} is itself an adapter; give the base "
+                              "model as --model")
+    loaded = load_model(base_path, dtype=dtype, dequantize=dequantize)
+    load_adapter(loaded.model, path)
+    return dataclasses.replace(loaded, source=path)
+
+
+def _adapter_only(path: Path) -> bool:
+    """A peft adapter directory with no model of its own (no config.json)."""
+    return path.is_dir() and not (path / "config.json").exists() and is_adapter_dir(path)
+
+
 def holds_quantized(model: str | os.PathLike | None = DEFAULT) -> bool:
     """Whether `load_model(model)` keeps packed weights (so `dequantize` changes what it loads), read
     from the GGUF's tensor types or the directory's quantization_config without loading anything."""
     path = resolve_model_path(model)
+    if _adapter_only(path):
+        return holds_quantized(read_adapter_config(path).get("base_model_name_or_path"))
     if path.is_dir():
         return quantized_dir.quantization_config(path) is not None
     return any(gguf_loader.kept_quantized(t) for t in gguf_loader.open_gguf(path).tensors)

@@ -8,7 +8,9 @@ first item of its stream. `call` runs a function on that thread between steps (l
 while requests run). Once an AsyncEngine runs an Engine, nothing else may use it. Closing a
 stream early (a client that disconnects) aborts its request, which frees its KV blocks before the
 next step. An error inside a step fails every request in flight with that error instead of leaving
-their streams waiting forever; the engine stays usable.
+their streams waiting forever; the engine stays usable. With `warm_up_when_idle`, the thread compiles the
+rest of the engine's warm-up (`Engine.warmup`, request options' samplers included) whenever it has nothing
+else to do, one program at a time: a request that comes meanwhile waits at most for the compile in flight.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
@@ -31,8 +34,10 @@ T = TypeVar("T")
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, *, warm_up_when_idle: bool = False):
         self.engine = engine
+        self._warming = warm_up_when_idle  # engine thread only: warm-up left to compile while idle
+        self._warm_compiled, self._warm_seconds = 0, 0.0
         self._wake = threading.Condition()  # guards the inbox and _stopped
         self._inbox: list[tuple] = []  # ("add", id, prompt, params, target) | ("abort", id)
         self._stopped = False
@@ -79,6 +84,11 @@ class AsyncEngine:
         """The engine's stats as of its latest step (read without waiting for the running one)."""
         return self._stats
 
+    @property
+    def warming_up(self) -> bool:
+        """Whether warm-up programs are left to compile while idle (warm_up_when_idle)."""
+        return self._warming
+
     def shutdown(self) -> None:
         with self._wake:
             self._stopped = True
@@ -96,11 +106,15 @@ class AsyncEngine:
         engine = self.engine
         while True:
             with self._wake:
-                while not self._stopped and not self._inbox and not engine.has_unfinished_requests():
+                while (not self._stopped and not self._inbox and not engine.has_unfinished_requests()
+                       and not self._warming):
                     self._wake.wait()
                 if self._stopped:
                     break
                 inbox, self._inbox = self._inbox, []
+            if not inbox and not engine.has_unfinished_requests():
+                self._warm_up()
+                continue
             try:
                 for item in inbox:
                     self._apply(item)
@@ -119,6 +133,24 @@ class AsyncEngine:
             elif item[0] == "call":
                 _deliver(item[2], _Raised(stopped))
         self._fail_all(stopped)
+
+    def _warm_up(self) -> None:
+        """Compile warm-up programs until a request or a shutdown comes (checked between two compiles)."""
+        start = time.perf_counter()
+        busy = lambda: bool(self._inbox) or self._stopped  # noqa: E731 - read without the lock: a hint
+        try:
+            self._warm_compiled += self.engine.warmup(busy, options=True)
+        except Exception as e:  # noqa: BLE001 - what is left compiles on first use instead
+            log.warning("compiling the engine's warm-up while idle failed: %s", e)
+            self._warming = False
+            return
+        finally:
+            self._warm_seconds += time.perf_counter() - start
+        self._warming = busy()
+        self._stats = self.engine.stats()
+        if not self._warming:
+            log.info("warm-up finished: %d programs compiled while idle, in %.1f s", self._warm_compiled,
+                     self._warm_seconds)
 
     def _fail_all(self, error: BaseException) -> None:
         """End every stream in flight with `error` and drop its request from the engine."""

@@ -344,16 +344,24 @@ class Engine:
             if remaining:
                 self.abort(rid)
 
-    def warmup(self, stop: Callable[[], bool] = lambda: False) -> int:
+    def warmup(self, stop: Callable[[], bool] = lambda: False, *, max_rows: int | None = None,
+               options: bool = False) -> int:
         """Compile every step program plain sampling can need (each token bucket's forward, the row gather
         of each reachable shape, the sampler of each row bucket, the decode loops), so a running engine
-        compiles nothing new; returns the count compiled.
+        compiles nothing new; returns the count compiled. `max_rows=1`: only what a lone request of any
+        length needs (a server's first phase, before /health).
         Steps with penalties, top logprobs, logit biases or a grammar have sampler programs of their own:
-        runner.warmup_options compiles those (a server does, beside its first requests), or first use does.
-        `stop` ends it early, between two compiles (a server shut down while it loads)."""
+        `options=True` compiles those too (runner.warmup_options), else first use does.
+        `stop` ends it early, between two compiles (a server shut down while it loads, or a request came to
+        an idle engine); a later call goes on where it stopped."""
         if self.is_sleeping:
             raise EngineUnavailableError("the engine is asleep: call wake_up() before warmup()")
-        return self.runner.warmup(stop)
+        if max_rows is not None and not (isinstance(max_rows, int) and max_rows >= 1):
+            raise ValueError(f"max_rows must be None or >= 1, got {max_rows}")
+        compiled = self.runner.warmup(stop, max_rows=max_rows)
+        if options and not stop():
+            compiled += self.runner.warmup_options(stop)
+        return compiled
 
     # -- weights and memory -----------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 from collections.abc import Callable
 
@@ -30,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from tunix_rt.engine.params import MAX_LOGPROBS
-from tunix_rt.engine.sampler import SamplerOutput, SamplingTensors, log_softmax, sample_tokens
+from tunix_rt.engine.sampler import SAMPLING_EPS, SamplerOutput, SamplingTensors, log_softmax, sample_tokens
 from tunix_rt.engine.scheduler import ScheduledRequest
 from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.batch_invariant import use_batch_invariant_kernels
@@ -87,12 +88,13 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
     def output_head(head_leaves):
         return use_batch_invariant_kernels(nnx.merge(head_def, jax.tree.unflatten(head_treedef, head_leaves)))
 
-    @functools.partial(jax.jit, static_argnums=5)
+    @functools.partial(jax.jit, static_argnums=(5, 8))
     def sample(head_leaves, hidden_rows, params, prompt_tokens, output_tokens, num_top_logprobs, bitmask,
-               logit_bias):
+               logit_bias, all_greedy):
         logits = head_logits(config, output_head(head_leaves), hidden_rows)
         return sample_tokens(logits, params, prompt_tokens, output_tokens, num_top_logprobs=num_top_logprobs,
-                             bitmask=bitmask, logit_bias=logit_bias, processed_logprobs=processed_logprobs)
+                             bitmask=bitmask, logit_bias=logit_bias, processed_logprobs=processed_logprobs,
+                             all_greedy=all_greedy)
 
     @functools.partial(jax.jit, static_argnums=3)
     def score_prompt(head_leaves, hidden_rows, targets, num_top_logprobs):
@@ -107,12 +109,12 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
         top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)
         return token, rank, top_ids.astype(jnp.int32), top_logprobs
 
-    @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnums=9)
-    def decode_loop(leaves, k, v, tokens, positions, token_seq, block_tables, limits, params, max_steps, lora_ids):
+    @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnums=(9, 11))
+    def decode_loop(leaves, k, v, tokens, positions, token_seq, block_tables, limits, params, max_steps, lora_ids,
+                    all_greedy):
         model = merged(leaves, lora_ids)
         head = model.output_head()
         rows = tokens.shape[0]
-        no_history = jnp.full((rows, 1), -1, jnp.int32)
         table_rows = jnp.maximum(token_seq, 0)
         last_block = block_tables.shape[1] - 1
         outs = SamplerOutput(jnp.zeros((max_steps, rows), jnp.int32), jnp.zeros((max_steps, rows), jnp.float32),
@@ -125,9 +127,10 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
             cache = PagedKVCache(k, v, jnp.where(live, block * block_size + pos % block_size, -1),
                                  jnp.where(live, token_seq, -1), block_tables, config.num_layers)
             h, cache = model.hidden_states(tok[None], pos[None], cache)
+            # No penalties here (Scheduler._multi_step keeps rows with any out of the loop).
             out = sample_tokens(head_logits(config, head, h[0]), dataclasses.replace(params, step=params.step + i),
-                                no_history, no_history, num_top_logprobs=0,
-                                processed_logprobs=processed_logprobs)
+                                None, None, num_top_logprobs=0, processed_logprobs=processed_logprobs,
+                                all_greedy=all_greedy)
             outs = jax.tree.map(lambda buf, new: buf.at[i].set(new), outs, out)
             bad = bad | (live & ~jnp.all(jnp.isfinite(h[0]), axis=-1))
             return cache.k, cache.v, out.tokens, pos + live, outs, bad
@@ -138,6 +141,18 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
         return outs, k, v, bad
 
     return forward, take_rows, sample, score_prompt, decode_loop
+
+
+def _all_greedy(scheduled: list[ScheduledRequest]) -> bool:
+    """Whether every row of the step is greedy: its sampler then compiles without the draw."""
+    return all(s.request.params.temperature < SAMPLING_EPS for s in scheduled)
+
+
+def _sample_key(b_b: int, history, num_top: int, bitmask, logit_bias, all_greedy: bool) -> tuple:
+    """What a sampler program is compiled for: row bucket, penalty history width (0: none), top-k log-probs,
+    grammar mask, logit-bias width, greedy only."""
+    return ("sample", b_b, 0 if history is None else history.shape[1], num_top, bitmask is not None,
+            0 if logit_bias is None else logit_bias[0].shape[1], all_greedy)
 
 
 def _nonfinite_rows(hidden: jax.Array, token_seq: jax.Array, num_seqs: int) -> jax.Array:
@@ -268,79 +283,97 @@ class ModelRunner:
         return [(t, b) for t in self.token_buckets for b in self.seq_buckets
                 if b <= _fit(min(t, self.max_num_seqs), self.seq_buckets)]
 
-    def warmup(self, stop: Callable[[], bool] = lambda: False) -> int:
+    def warmup(self, stop: Callable[[], bool] = lambda: False, *, max_rows: int | None = None) -> int:
         """Compile the forward of every token bucket, the row gather of every reachable shape, the plain
         sampler (no penalties, logprobs of the sampled token only, no grammar) of every row bucket, the
-        decode loop of every bucket a decode-only step can land in, on all-padding steps that write
-        nothing, and the prompt scorer with and without top k; returns how many programs that compiled. It
-        ends early, between two compiles, once `stop()` is true."""
-        before = len(self.compiled)
-        decode_buckets = {_fit(n, self.token_buckets) for n in range(1, min(self.max_num_seqs,
-                                                                             self.token_buckets[-1]) + 1)}
+        decode loop of every bucket a decode-only step can land in (those two for all-greedy steps and for
+        steps that draw), on all-padding steps that write nothing, and the prompt scorer with and without top
+        k; returns how many programs that compiled. With `max_rows`, only the programs of steps with at most
+        that many rows (1: whatever a lone request of any length needs) and no prompt scorer. It ends early,
+        between two compiles, once `stop()` is true; a later call goes on where it stopped."""
+        compiled = 0  # by this call (another thread may compile meanwhile)
+        rows_cap = self.max_num_seqs if max_rows is None else max_rows
+        decode_buckets = {_fit(n, self.token_buckets) for n in range(1, min(rows_cap, self.token_buckets[-1]) + 1)}
         for t_b in self.token_buckets:
             pad = np.full(t_b, -1, np.int32)
             tables = np.zeros((min(t_b, self.max_num_seqs), self.max_blocks_per_seq), np.int32)
+            row_buckets = [b for t, b in self.reachable_shapes() if t == t_b and b <= rows_cap]
+            samplers = [_sample_key(b, None, 0, None, None, greedy) for b in row_buckets for greedy in (False, True)]
+            loops = [("decode_loop", t_b, self.decode_steps, greedy)
+                     for greedy in ((False, True) if self.decode_steps > 1 and t_b in decode_buckets else ())]
+            wanted = [("forward", t_b), *(("rows", t_b, b) for b in row_buckets), *samplers, *loops]
+            if all(key in self.compiled for key in wanted):
+                continue
             if stop():
-                return len(self.compiled) - before
-            self._note_compile(("forward", t_b))
+                return compiled
+            compiled += self._note_compile(("forward", t_b))
             hidden, self.k, self.v, _ = self._forward(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
                                                       np.zeros(t_b, np.int32), pad, pad, tables, pad)
-            for t, b_b in self.reachable_shapes():
-                if t != t_b:
-                    continue
+            for b_b in row_buckets:
                 if stop():
-                    return len(self.compiled) - before
-                self._note_compile(("rows", t_b, b_b))
+                    return compiled
+                compiled += self._note_compile(("rows", t_b, b_b))
                 hidden_rows = self._take_rows(hidden, np.zeros(b_b, np.int32))
-                if ("sample", b_b, 1, 0, False, 0) not in self.compiled:
-                    hist = np.full((b_b, 1), -1, np.int32)
-                    self._note_compile(("sample", b_b, 1, 0, False, 0))
-                    jax.block_until_ready(self._sample(self.head_leaves, hidden_rows, SamplingTensors.from_rows([], b_b),
-                                                       hist, hist, 0, None, None))
-            if self.decode_steps > 1 and t_b in decode_buckets and not stop():
-                self._note_compile(("decode_loop", t_b, self.decode_steps))
+                for all_greedy in (False, True):
+                    key = _sample_key(b_b, None, 0, None, None, all_greedy)
+                    if key not in self.compiled and not stop():
+                        compiled += self._note_compile(key)
+                        jax.block_until_ready(self._sample(self.head_leaves, hidden_rows,
+                                                           SamplingTensors.from_rows([], b_b), None, None, 0, None,
+                                                           None, all_greedy))
+            for key in loops:
+                if stop():
+                    return compiled
+                compiled += self._note_compile(key)
                 _, self.k, self.v, _ = self._decode_loop(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
                                                       np.zeros(t_b, np.int32), pad, tables, np.zeros(t_b, np.int32),
-                                                      SamplingTensors.from_rows([], t_b), self.decode_steps, pad)
-        for num_top in (0, min(MAX_LOGPROBS, self.vocab_size)):  # prompt log-probs: the target alone, or with top k
+                                                      SamplingTensors.from_rows([], t_b), self.decode_steps, pad,
+                                                      key[3])
+        for num_top in () if max_rows is not None else (0, min(MAX_LOGPROBS, self.vocab_size)):
+            if ("score_prompt", num_top) in self.compiled:  # prompt log-probs: the target alone, or with top k
+                continue
             if stop():
                 break
-            self._note_compile(("score_prompt", num_top))
-            rows = np.zeros((_SCORE_CHUNK, hidden.shape[-1]), hidden.dtype)
+            compiled += self._note_compile(("score_prompt", num_top))
+            rows = np.zeros((_SCORE_CHUNK, self.hidden_size), self.dtype)
             jax.block_until_ready(self._score_prompt(self.head_leaves, rows, np.zeros(_SCORE_CHUNK, np.int32), num_top))
-        return len(self.compiled) - before
+        return compiled
 
     def warmup_options(self, stop: Callable[[], bool] = lambda: False) -> int:
-        """Compile the sampler programs a request's options pick, for every row bucket: top-k log-probs,
-        logit_bias (min_tokens' ban too), penalties, a grammar's bitmask (a step with any of them decodes one
-        token at a time, so no decode loop needs them). They are pure programs run on dummy rows, so this may
-        run on another thread beside the engine's steps: a server starts it once /health is up, so that no
-        request's first use compiles on the engine's thread unless it comes before this gets there. Returns how
-        many programs it compiled."""
-        before = len(self.compiled)
+        """Compile the sampler programs a request's options pick, for every row bucket, all-greedy and drawing:
+        top-k log-probs, logit_bias (min_tokens' ban too), penalties, a grammar's bitmask (a step with any of them decodes one
+        token at a time, so no decode loop needs them). They are pure programs run on dummy rows (this may run
+        beside the engine's steps); a server compiles them while its engine is idle (Engine.warmup(options=True)),
+        so a request's first use compiles only if it comes before the warm-up gets there. Returns how many
+        programs it compiled."""
+        compiled = 0  # by this call (another thread may compile meanwhile)
         top = min(MAX_LOGPROBS, self.vocab_size)
         for b_b in self.seq_buckets:
             rows = np.zeros((b_b, self.hidden_size), self.dtype)
             params = SamplingTensors.from_rows([], b_b)
-            short, full = np.full((b_b, 1), -1, np.int32), np.full((b_b, self.max_model_len), -1, np.int32)
+            full = np.full((b_b, self.max_model_len), -1, np.int32)
             mask = np.full((b_b, -(-self.vocab_size // 32)), -1, np.int32)
             bias = (np.full((b_b, 8), -1, np.int32), np.zeros((b_b, 8), np.float32))
-            for hist, num_top, bitmask, logit_bias in ((short, top, None, None), (short, 0, None, bias),
-                                                       (full, 0, None, None), (short, 0, mask, None)):
-                key = ("sample", b_b, hist.shape[1], num_top, bitmask is not None, 0 if logit_bias is None else 8)
+            for (hist, num_top, bitmask, logit_bias), all_greedy in itertools.product(
+                    ((None, top, None, None), (None, 0, None, bias), (full, 0, None, None), (None, 0, mask, None)),
+                    (False, True)):
+                key = _sample_key(b_b, hist, num_top, bitmask, logit_bias, all_greedy)
                 if key in self.compiled:
                     continue
                 if stop():
-                    return len(self.compiled) - before
-                self._note_compile(key)
+                    return compiled
+                compiled += self._note_compile(key)
                 jax.block_until_ready(self._sample(self.head_leaves, rows, params, hist, hist, num_top, bitmask,
-                                                   logit_bias))
-        return len(self.compiled) - before
+                                                   logit_bias, all_greedy))
+        return compiled
 
-    def _note_compile(self, key: tuple) -> None:
-        if key not in self.compiled:
-            self.compiled.add(key)
-            log.info("compiling %s (new shape; %d programs so far)", key, len(self.compiled))
+    def _note_compile(self, key: tuple) -> int:
+        """Record a program about to run; 1 when it is new (it compiles now), else 0."""
+        if key in self.compiled:
+            return 0
+        self.compiled.add(key)
+        log.info("compiling %s (new shape; %d programs so far)", key, len(self.compiled))
+        return 1
 
     def execute(self, scheduled: list[ScheduledRequest], block_lists: dict[str, list[int]]) -> StepResult:
         """Run one step; block_lists maps each sequence to its KV blocks (the KV manager's table)."""
@@ -372,16 +405,16 @@ class ModelRunner:
         if max(s.limit for s in scheduled) > 1:
             return self._run_decode_loop(scheduled, t_b, tokens, positions, token_seq, tables, lora_ids)
         params, prompt_hist, output_hist, num_top = self._sampling_inputs(scheduled, b_b)
+        all_greedy = _all_greedy(scheduled)
         self._note_compile(("forward", t_b))
         hidden, self.k, self.v, nonfinite = self._forward(self.leaves, self.k, self.v, tokens, positions, slots,
                                                           token_seq, tables, lora_ids)
         bitmask = self._grammar_masks(scheduled, b_b)
         bias = self._logit_biases(scheduled, b_b)
         self._note_compile(("rows", t_b, b_b))
-        self._note_compile(("sample", b_b, prompt_hist.shape[1], num_top, bitmask is not None,
-                            0 if bias is None else bias[0].shape[1]))
+        self._note_compile(_sample_key(b_b, prompt_hist, num_top, bitmask, bias, all_greedy))
         out: SamplerOutput = self._sample(self.head_leaves, self._take_rows(hidden, rows), params, prompt_hist,
-                                          output_hist, num_top, bitmask, bias)
+                                          output_hist, num_top, bitmask, bias, all_greedy)
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
         return dataclasses.replace(self._result(out, nonfinite, len(scheduled), steps_axis=False),
                                    prompt_logprobs=prompt_logprobs)
@@ -436,9 +469,11 @@ class ModelRunner:
         params, _ = self._sampling_params(scheduled, t_b)  # no top-k log-probs here (Scheduler._multi_step)
         limits = np.zeros(t_b, np.int32)
         limits[:len(scheduled)] = [s.limit for s in scheduled]
-        self._note_compile(("decode_loop", t_b, self.decode_steps))
+        all_greedy = _all_greedy(scheduled)
+        self._note_compile(("decode_loop", t_b, self.decode_steps, all_greedy))
         out, self.k, self.v, nonfinite = self._decode_loop(self.leaves, self.k, self.v, tokens, positions, token_seq,
-                                                           tables, limits, params, self.decode_steps, lora_ids)
+                                                           tables, limits, params, self.decode_steps, lora_ids,
+                                                           all_greedy)
         return self._result(out, nonfinite, len(scheduled), steps_axis=True)
 
     @staticmethod
@@ -462,15 +497,15 @@ class ModelRunner:
         return SamplingTensors.from_rows(rows, batch), min(MAX_LOGPROBS, self.vocab_size) if wants_top else 0
 
     def _sampling_inputs(self, scheduled: list[ScheduledRequest], b_b: int):
+        """The sampler's options and the token histories its penalties read (None when no row has any)."""
         params, num_top = self._sampling_params(scheduled, b_b)
-        penalties = any(s.request.params.uses_penalties for s in scheduled)
-        width = self.max_model_len if penalties else 1
-        prompt_hist = np.full((b_b, width), -1, np.int32)
-        output_hist = np.full((b_b, width), -1, np.int32)
-        if penalties:
-            for i, s in enumerate(scheduled):
-                if s.request.params.uses_penalties:
-                    p_ids, o_ids = s.request.prompt_token_ids, s.request.output_token_ids
-                    prompt_hist[i, :len(p_ids)] = p_ids
-                    output_hist[i, :len(o_ids)] = o_ids
+        if not any(s.request.params.uses_penalties for s in scheduled):
+            return params, None, None, num_top
+        prompt_hist = np.full((b_b, self.max_model_len), -1, np.int32)
+        output_hist = np.full((b_b, self.max_model_len), -1, np.int32)
+        for i, s in enumerate(scheduled):
+            if s.request.params.uses_penalties:
+                p_ids, o_ids = s.request.prompt_token_ids, s.request.output_token_ids
+                prompt_hist[i, :len(p_ids)] = p_ids
+                output_hist[i, :len(o_ids)] = o_ids
         return params, prompt_hist, output_hist, num_top

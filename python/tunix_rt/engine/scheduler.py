@@ -165,7 +165,7 @@ class Scheduler:
 
         Requests nearer their max_tokens get a smaller limit (the loop turns as often as the largest
         limit asks). Penalties, logit biases (min_tokens' ban on stop ids too) and grammars need the host
-        between tokens, and top-k log-probs take the sampler a server compiles ahead (runner.warmup_options)
+        between tokens, and top-k log-probs take the sampler a server compiles ahead (Engine.warmup(options=True))
         rather than a decode loop of their own, so a step with any stays single. Blocks taken here and left
         unused (a stop came first) go back with the request's other blocks.
         """

@@ -70,6 +70,7 @@ class TrainConfig:
     resume: bool = True  # continue from the newest checkpoint in output/checkpoints
     overwrite: bool = False  # write into a non-empty directory that is not a run; with resume=false, start over
     export_dtype: str = "float32"
+    save_merged: bool = False  # LoRA runs: DIR/final is the base with the adapter merged (else the adapter alone)
     router_aux_loss_coef: float = 0.0  # MoE models: Switch/Mixtral load-balancing loss weight (HF's name)
     router_z_loss_coef: float = 0.0  # MoE models: ST-MoE router z-loss weight
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass

@@ -3,11 +3,12 @@ cache (cold) and with the cache the first run filled (warm), beside llama.cpp's 
 GGUF, in one run.
 
 Usage: python benchmarks/startup.py [--models default,1b] [--parts generate,serve,train] [--steps 5]
-                                    [--llama-python PATH]
+                                    [--repeats 3] [--llama-python PATH]
 
 For each model: `tunix-rt generate --max-tokens 16` as a whole process (wall seconds), and a driver process
 that times import, load, the first streamed token and the 16th (compile included); `tunix-rt serve` until
-/health answers 200; `sft` (LoRA r8, examples/fact_sft.jsonl), `dpo` (pairs made from it) and `grpo`
+/health answers 200 (generate and llama.cpp: medians of --repeats runs, each cold one with a cache directory of
+its own); `sft` (LoRA r8, examples/fact_sft.jsonl), `dpo` (pairs made from it) and `grpo`
 (examples/arithmetic_grpo.jsonl) for --steps steps: step 1 against the median of the later steps, whose
 difference is the step's compile. Every process starts with the cache directory it is given (cold: a new
 empty one) and prints its peak RSS.
@@ -100,13 +101,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def generate(model: str, cache: Path) -> dict:
-    wall, proc = _run(_cli("generate", "--model", model, "--prompt", PROMPT, "--max-tokens", "16",
-                           "--compile-cache-dir", str(cache)))
-    stats = re.search(r"compilation cache: (\d+) of (\d+) programs loaded", proc.stderr)
-    out = dict(process=wall, rss_gb=_rss(proc), programs=int(stats.group(2)), loaded=int(stats.group(1)))
-    _, driver = _run([sys.executable, "-c", DRIVER, model, str(cache) + "-driver", PROMPT])
-    return {**out, **{f"driver_{k}": v for k, v in _json(driver).items()}}
+def _medians(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def generate(model: str, caches: list[Path]) -> dict:
+    """Medians over one run per cache directory (cold: each a new empty one; warm: each the one a cold run filled)."""
+    runs = []
+    for cache in caches:
+        wall, proc = _run(_cli("generate", "--model", model, "--prompt", PROMPT, "--max-tokens", "16",
+                               "--compile-cache-dir", str(cache)))
+        stats = re.search(r"compilation cache: (\d+) of (\d+) programs loaded", proc.stderr)
+        _, driver = _run([sys.executable, "-c", DRIVER, model, str(cache) + "-driver", PROMPT])
+        runs.append(dict(process=wall, rss_gb=_rss(proc), programs=int(stats.group(2)), loaded=int(stats.group(1)),
+                         **{f"driver_{k}": v for k, v in _json(driver).items()}))
+    return _medians(runs)
 
 
 def serve(model: str, cache: Path) -> dict:
@@ -144,6 +153,8 @@ def _dpo_data(path: Path) -> Path:
     rows = [json.loads(line) for line in (ROOT / "examples" / "fact_sft.jsonl").read_text().splitlines()]
     with path.open("w") as f:
         for row in rows:
+            if "messages" not in row:  # the file's prompt/completion rows
+                continue
             user, answer = row["messages"][0]["content"], row["messages"][1]["content"]
             f.write(json.dumps({"prompt": [{"role": "user", "content": user}],
                                 "chosen": [{"role": "assistant", "content": answer}],
@@ -192,18 +203,25 @@ def make_1b(directory: Path) -> Path:
                         p + "post_attention_layernorm.weight": np.ones(h, ml_dtypes.bfloat16)})
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(c))
-    Tokenizer.from_gguf(open_gguf(default_model.default_model_path())).backend.save(str(directory / "tokenizer.json"))
+    tokenizer = Tokenizer.from_gguf(open_gguf(default_model.default_model_path()))
+    tokenizer.backend.save(str(directory / "tokenizer.json"))
+    (directory / "chat_template.jinja").write_text(tokenizer.chat_template, encoding="utf-8")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": tokenizer.bos_token,
+                                                                 "eos_token": tokenizer.eos_token}))
     return directory
 
 
-def llama_cpp(python: str) -> dict | None:
+def llama_cpp(python: str, repeats: int) -> dict | None:
     from tunix_rt.checkpoints import default_model
 
     proc = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True)
     if proc.returncode:
         return None
-    wall, proc = _run([python, "-c", LLAMA_DRIVER, str(default_model.default_model_path()), PROMPT])
-    return {"process": wall, **_json(proc)}
+    runs = []
+    for _ in range(repeats):
+        wall, proc = _run([python, "-c", LLAMA_DRIVER, str(default_model.default_model_path()), PROMPT])
+        runs.append({"process": wall, **_json(proc)})
+    return _medians(runs)
 
 
 def main() -> None:
@@ -211,13 +229,14 @@ def main() -> None:
     parser.add_argument("--models", default="default,1b")
     parser.add_argument("--parts", default="generate,serve,train")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3, help="generate and llama.cpp runs per figure (medians)")
     parser.add_argument("--llama-python", default=sys.executable)
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     print(f"host: {os.cpu_count()} cores", flush=True)
     with tempfile.TemporaryDirectory(prefix="startup-") as tmp:
         work = Path(tmp)
-        peer = llama_cpp(args.llama_python) if "generate" in parts else None
+        peer = llama_cpp(args.llama_python, args.repeats) if "generate" in parts else None
         if peer:
             print(f"llama.cpp (llama-cpp-python), default GGUF: whole process {peer['process']:.2f} s (load "
                   f"{peer['load']:.2f} s, 16 tokens {peer['generate_16']:.2f} s), peak RSS {peer['rss_gb']:.2f} GB",
@@ -227,9 +246,11 @@ def main() -> None:
         for name in args.models.split(","):
             model = "default" if name == "default" else str(make_1b(work / "llama-1b"))
             print(f"\n== {name}", flush=True)
-            for run, cache in (("cold", work / f"{name}-cache"), ("warm", work / f"{name}-cache")):
+            caches = [work / f"{name}-cache-{i}" for i in range(args.repeats)]
+            for run in ("cold", "warm"):
+                cache = caches[0]
                 if "generate" in parts:
-                    g = generate(model, cache)
+                    g = generate(model, caches)
                     ratio = f" = {g['process'] / peer['process']:.1f}x llama.cpp" if peer and name == "default" else ""
                     print(f"generate {run}: whole process {g['process']:.1f} s{ratio}, peak RSS {g['rss_gb']:.2f} GB, "
                           f"{g['loaded']} of {g['programs']} programs from the cache | driver: import "

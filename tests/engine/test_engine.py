@@ -541,6 +541,19 @@ def test_warmup_for_lone_requests_then_the_rest(llama):
         engine.warmup(max_rows=0)
 
 
+def test_warmup_without_greedy_programs(llama):
+    """warmup(greedy=False) (RL rollouts, which always draw) compiles no all-greedy sampler or decode loop, and
+    drawing requests then compile nothing."""
+    model, _ = llama
+    engine = _engine(model, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+                     num_kv_blocks=64, token_buckets=(4, 16))
+    engine.warmup(greedy=False)
+    assert not [key for key in engine.runner.compiled if key[0] in ("sample", "decode_loop") and key[-1]]
+    with _backend_compiles() as events:
+        engine.generate(_prompts(9, [2, 7, 15]), SamplingParams(max_tokens=10, temperature=1.0, seed=4))
+    assert not events
+
+
 def test_warmup_options_compiles_the_samplers_request_options_pick(llama):
     """runner.warmup_options (a server runs it while idle): afterwards top-k log-probs, logit_bias,
     min_tokens and penalties compile nothing, and give what an engine that compiled them on first use gives."""

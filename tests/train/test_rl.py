@@ -165,11 +165,14 @@ def test_engine_greedy_equals_trainer_greedy_after_a_step(tiny, prompts, root):
     ids = [[1, 80, 81, 82], [1, 70, 71]]
     config = GenerationConfig(max_tokens=8)
     before = [g.token_ids for g in reference_generate(trainer.model(), ids, config)]
+    rollout = trainer.objective.rollout
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
     for step in range(2):
         trainer.run_step(step)
-    rollout = trainer.objective.rollout
+        if step == 0:  # compiles the greedy programs (rollouts draw: the engine's warm-up leaves them out)
+            rollout.generate(ids, greedy)
     compiled = rollout.num_compiles
-    engine_out = rollout.generate(ids, SamplingParams(temperature=0.0, max_tokens=8))  # takes the last step's weights
+    engine_out = rollout.generate(ids, greedy)  # takes the last step's weights
     after = [g.token_ids for g in reference_generate(trainer.model(), ids, config)]
     assert [o.token_ids for o in engine_out] == after
     assert after != before  # the steps changed the model, and the engine follows

@@ -345,11 +345,12 @@ class Engine:
                 self.abort(rid)
 
     def warmup(self, stop: Callable[[], bool] = lambda: False, *, max_rows: int | None = None,
-               options: bool = False) -> int:
+               options: bool = False, greedy: bool = True) -> int:
         """Compile every step program plain sampling can need (each token bucket's forward, the row gather
         of each reachable shape, the sampler of each row bucket, the decode loops), so a running engine
         compiles nothing new; returns the count compiled. `max_rows=1`: only what a lone request of any
-        length needs (a server's first phase, before /health).
+        length needs (a server's first phase, before /health). `greedy=False`: not the programs of all-greedy
+        steps (a caller whose requests all draw, as RL rollouts do).
         Steps with penalties, top logprobs, logit biases or a grammar have sampler programs of their own:
         `options=True` compiles those too (runner.warmup_options), else first use does.
         `stop` ends it early, between two compiles (a server shut down while it loads, or a request came to
@@ -358,7 +359,7 @@ class Engine:
             raise EngineUnavailableError("the engine is asleep: call wake_up() before warmup()")
         if max_rows is not None and not (isinstance(max_rows, int) and max_rows >= 1):
             raise ValueError(f"max_rows must be None or >= 1, got {max_rows}")
-        compiled = self.runner.warmup(stop, max_rows=max_rows)
+        compiled = self.runner.warmup(stop, max_rows=max_rows, greedy=greedy)
         if options and not stop():
             compiled += self.runner.warmup_options(stop)
         return compiled

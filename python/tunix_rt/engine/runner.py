@@ -283,24 +283,27 @@ class ModelRunner:
         return [(t, b) for t in self.token_buckets for b in self.seq_buckets
                 if b <= _fit(min(t, self.max_num_seqs), self.seq_buckets)]
 
-    def warmup(self, stop: Callable[[], bool] = lambda: False, *, max_rows: int | None = None) -> int:
+    def warmup(self, stop: Callable[[], bool] = lambda: False, *, max_rows: int | None = None,
+               greedy: bool = True) -> int:
         """Compile the forward of every token bucket, the row gather of every reachable shape, the plain
         sampler (no penalties, logprobs of the sampled token only, no grammar) of every row bucket, the
         decode loop of every bucket a decode-only step can land in (those two for all-greedy steps and for
         steps that draw), on all-padding steps that write nothing, and the prompt scorer with and without top
         k; returns how many programs that compiled. With `max_rows`, only the programs of steps with at most
-        that many rows (1: whatever a lone request of any length needs) and no prompt scorer. It ends early,
-        between two compiles, once `stop()` is true; a later call goes on where it stopped."""
+        that many rows (1: whatever a lone request of any length needs) and no prompt scorer; with `greedy`
+        false, not the all-greedy steps' programs. It ends early, between two compiles, once `stop()` is true;
+        a later call goes on where it stopped."""
         compiled = 0  # by this call (another thread may compile meanwhile)
         rows_cap = self.max_num_seqs if max_rows is None else max_rows
+        variants = (False, True) if greedy else (False,)  # all_greedy of the samplers and decode loops
         decode_buckets = {_fit(n, self.token_buckets) for n in range(1, min(rows_cap, self.token_buckets[-1]) + 1)}
         for t_b in self.token_buckets:
             pad = np.full(t_b, -1, np.int32)
             tables = np.zeros((min(t_b, self.max_num_seqs), self.max_blocks_per_seq), np.int32)
             row_buckets = [b for t, b in self.reachable_shapes() if t == t_b and b <= rows_cap]
-            samplers = [_sample_key(b, None, 0, None, None, greedy) for b in row_buckets for greedy in (False, True)]
-            loops = [("decode_loop", t_b, self.decode_steps, greedy)
-                     for greedy in ((False, True) if self.decode_steps > 1 and t_b in decode_buckets else ())]
+            samplers = [_sample_key(b, None, 0, None, None, g) for b in row_buckets for g in variants]
+            loops = [("decode_loop", t_b, self.decode_steps, g)
+                     for g in (variants if self.decode_steps > 1 and t_b in decode_buckets else ())]
             wanted = [("forward", t_b), *(("rows", t_b, b) for b in row_buckets), *samplers, *loops]
             if all(key in self.compiled for key in wanted):
                 continue
@@ -314,7 +317,7 @@ class ModelRunner:
                     return compiled
                 compiled += self._note_compile(("rows", t_b, b_b))
                 hidden_rows = self._take_rows(hidden, np.zeros(b_b, np.int32))
-                for all_greedy in (False, True):
+                for all_greedy in variants:
                     key = _sample_key(b_b, None, 0, None, None, all_greedy)
                     if key not in self.compiled and not stop():
                         compiled += self._note_compile(key)

@@ -27,7 +27,7 @@ from tunix_rt.train.config import RLConfig
 from tunix_rt.train.group_packing import pack_groups
 from tunix_rt.train.rl_losses import sampling_correction
 from tunix_rt.train.rollout_engine import RolloutEngine, rollout_config
-from tunix_rt.train.trainer import LossContext, StepInputs, Trainer, is_extreme_metric
+from tunix_rt.train.trainer import LossContext, StepInputs, Trainer, is_extreme_metric, note_program
 
 _CORE_KEYS = frozenset({"loss", "grad_norm", "weight", "learning_rate"})  # what the trainer core's step reports
 
@@ -175,6 +175,7 @@ class RLTrainer(Trainer):
         self._score_step = jax.jit(self._score)
         self._rollout: tuple[int, dict, dict] | None = None  # (rollout index, device batch, host metrics)
         self.score_compiles = 0
+        self._score_programs: set[tuple] = set()
 
     def _set_kernels(self, model) -> None:
         if self.cfg.exact_on_policy:  # the trainer's products summed as the engine's (models/batch_invariant.py)
@@ -217,9 +218,8 @@ class RLTrainer(Trainer):
         start = time.perf_counter()
         accum = self.cfg.gradient_accumulation_steps
         batch = self._device_batch({k: v.reshape(accum, -1, *v.shape[1:]) for k, v in host.items()}, 1)
-        before = self._score_step._cache_size()
         scored = self._score_step(self.params, self.rngs, self.frozen_compute, self.rest, self._inputs(), batch)
-        if self._score_step._cache_size() != before:
+        if note_program(self._score_programs, batch):
             self.score_compiles += 1
         batch.update(jax.block_until_ready(scored))
         times["time/reference"] = time.perf_counter() - start

@@ -102,7 +102,8 @@ class RolloutEngine:
         model = self._weights()
         if self.engine is None:
             self.engine = Engine(model, self.tokenizer, self.config)
-            log.info("engine: compiled %d step programs", self.engine.warmup())
+            # Rollouts always draw (RL's temperature is > 0, on-policy distillation's 1): no all-greedy programs.
+            log.info("engine: compiled %d step programs", self.engine.warmup(greedy=False))
         else:
             if self.engine.is_sleeping:
                 self.engine.wake_up()

@@ -205,6 +205,18 @@ def clip_factor(grad_norm: jax.Array, max_norm: float | None) -> jax.Array:
     return jnp.where(grad_norm < max_norm, 1.0, max_norm / grad_norm)
 
 
+def note_program(seen: set[tuple], batch: dict) -> bool:
+    """Record the batch signature (each array's name, shape and dtype) a jitted step runs on; True when it is new:
+    the step compiles (or loads from the compilation cache) a program for it. Counted by signature, as the
+    engine counts its programs by key: the jit's cache size once showed no new entry for a new trainer's first
+    step in a full test run."""
+    signature = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in sorted(batch.items()))
+    if signature in seen:
+        return False
+    seen.add(signature)
+    return True
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, model: Decoder, objective: DatasetObjective, *, mesh=None,
                  reference: Decoder | None = None):
@@ -272,6 +284,7 @@ class Trainer:
         self.aux = shard(aux) if aux is not None else None
         self.step = 0
         self.compiles = 0
+        self._programs: set[tuple] = set()  # the batch signatures the train step has run on
         self._train_step = jax.jit(self._step, donate_argnums=(0, 1, 2, 3),
                                    out_shardings=(param_shardings, param_shardings if self._compute_copy else None,
                                                   opt_shardings, rng_shardings, None))
@@ -436,11 +449,10 @@ class Trainer:
     def run_step(self, step: int) -> dict[str, float]:
         batch = self.train_batch(step)
         sampled = self._end_rollout()  # before the step: an engine asked to sleep frees its KV cache for it
-        before = self._train_step._cache_size()
         self.params, self.params_compute, self.opt_state, self.rngs, out = self._train_step(
             self.params, self.params_compute, self.opt_state, self.rngs, self.frozen_compute, self.rest, self._inputs(),
             batch)
-        if self._train_step._cache_size() != before:
+        if note_program(self._programs, batch):
             self.compiles += 1
             log.info("compiled the train step for batch shape %s (%d so far)",
                      {k: v.shape for k, v in batch.items() if k in ("tokens", "head_index")}, self.compiles)

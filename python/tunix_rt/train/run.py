@@ -272,5 +272,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
 def _base_name(model: str | None) -> str:
     """What an adapter's base_model_name_or_path says: 'default' as it is, a path made absolute (the adapter
     may be loaded from another working directory)."""
-    return str(model) if model in (None, DEFAULT) else str(Path(model).resolve())
+    if model is None or str(model) == DEFAULT:
+        return DEFAULT
+    return str(Path(model).expanduser().resolve())
 

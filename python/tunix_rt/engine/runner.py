@@ -155,6 +155,11 @@ def _sample_key(b_b: int, history, num_top: int, bitmask, logit_bias, all_greedy
             0 if logit_bias is None else logit_bias[0].shape[1], all_greedy)
 
 
+def _loop_key(t_b: int, steps: int, all_greedy: bool) -> tuple:
+    """What a decode loop program is compiled for: rows (a token bucket), steps per call, greedy only."""
+    return ("decode_loop", t_b, steps, all_greedy)
+
+
 def _nonfinite_rows(hidden: jax.Array, token_seq: jax.Array, num_seqs: int) -> jax.Array:
     """(num_seqs,) True for each sequence any of whose tokens' hidden states hold a NaN or inf this step: its
     K/V is not fit to share (engine: such a request ends with finish_reason "error", its blocks uncached)."""
@@ -302,7 +307,7 @@ class ModelRunner:
             tables = np.zeros((min(t_b, self.max_num_seqs), self.max_blocks_per_seq), np.int32)
             row_buckets = [b for t, b in self.reachable_shapes() if t == t_b and b <= rows_cap]
             samplers = [_sample_key(b, None, 0, None, None, g) for b in row_buckets for g in variants]
-            loops = [("decode_loop", t_b, self.decode_steps, g)
+            loops = [_loop_key(t_b, self.decode_steps, g)
                      for g in (variants if self.decode_steps > 1 and t_b in decode_buckets else ())]
             wanted = [("forward", t_b), *(("rows", t_b, b) for b in row_buckets), *samplers, *loops]
             if all(key in self.compiled for key in wanted):
@@ -473,7 +478,7 @@ class ModelRunner:
         limits = np.zeros(t_b, np.int32)
         limits[:len(scheduled)] = [s.limit for s in scheduled]
         all_greedy = _all_greedy(scheduled)
-        self._note_compile(("decode_loop", t_b, self.decode_steps, all_greedy))
+        self._note_compile(_loop_key(t_b, self.decode_steps, all_greedy))
         out, self.k, self.v, nonfinite = self._decode_loop(self.leaves, self.k, self.v, tokens, positions, token_seq,
                                                            tables, limits, params, self.decode_steps, lora_ids,
                                                            all_greedy)

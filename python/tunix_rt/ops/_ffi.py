@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +26,27 @@ def cpu_targets() -> frozenset[str]:
     return frozenset(registrations)
 
 
+KERNEL_MODES = ("native", "reference", "interpret")
+
+
+@functools.cache
+def kernel_mode() -> str:
+    """Which path the ops take, from TUNIX_RT_KERNELS (read once per process).
+
+    native (default): the C++ handlers on CPU, the Pallas kernels on CUDA GPUs, the pure-JAX references
+    elsewhere. reference: the pure-JAX references everywhere. interpret: the path a GPU takes, on any
+    host: the Pallas kernels in interpret mode and the references for ops without one (the CI checks
+    the accelerator path with it, since CI has no GPU).
+    """
+    mode = os.environ.get("TUNIX_RT_KERNELS", "").strip() or "native"
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"TUNIX_RT_KERNELS={mode!r} is not one of {', '.join(KERNEL_MODES)}")
+    return mode
+
+
 def has_cpu_target(name: str) -> bool:
-    return name in cpu_targets()
+    """Whether `name` runs its C++ handler on CPU: it is built and the kernel mode is native."""
+    return name in cpu_targets() and kernel_mode() == "native"
 
 
 def cpu_features() -> dict[str, bool]:
@@ -45,19 +65,24 @@ def require_array(op: str, name: str, value):
     return value
 
 
-def platform_dispatch(target: str, compiled, reference, *args):
-    """Runs `compiled` where `target` has a CPU handler, and `reference` on every other platform.
+def platform_dispatch(target: str, compiled, reference, *args, cuda=None):
+    """Runs `compiled` on CPU where `target` has a handler, `cuda(*args, interpret=False)` (a Pallas
+    kernel) on CUDA GPUs where one is given, and `reference` on every other platform; `kernel_mode`
+    can send every platform to the references, or to the GPU path in interpret mode.
 
-    In a process whose only backend is the CPU only `compiled` is traced: tracing the reference beside it
-    (lax.platform_dependent traces every branch) was 40 % of the time a warm start spent making its
+    In a process whose only backend is the CPU only the CPU branch is traced: tracing the reference beside
+    it (lax.platform_dependent traces every branch) was 40 % of the time a warm start spent making its
     programs. Elsewhere jax picks the branch when it lowers for a known platform, so no runtime cond is
     left behind.
     """
-    if not has_cpu_target(target):
-        return reference(*args)
-    if _cpu_only():
-        return compiled(*args)
-    return jax.lax.platform_dependent(*args, cpu=compiled, default=reference)
+    mode = kernel_mode()
+    if mode == "interpret":
+        return cuda(*args, interpret=True) if cuda is not None else reference(*args)
+    cpu = compiled if has_cpu_target(target) else reference
+    if mode == "reference" or _cpu_only():
+        return cpu(*args)
+    accelerators = {} if cuda is None else {"cuda": functools.partial(cuda, interpret=False)}
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=reference, **accelerators)
 
 
 @functools.cache

@@ -10,7 +10,8 @@ before it attends makes the one rule serve decode, chunked prefill and prefix-ca
 
 The compiled ops check every block id, sequence id, slot and position and fail with an error
 instead of reading out of bounds; the references below (same signatures) are the tests' oracle and
-the fallback on platforms without a compiled handler. Gradients (q and both caches) come from the
+the fallback on platforms without a compiled handler. On CUDA GPUs attention runs as a Pallas kernel
+(paged_attention_pallas); writes are XLA's scatter there. Gradients (q and both caches) come from the
 reference's vjp: the engine never differentiates through the cache, but training code may.
 """
 
@@ -24,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_rt.ops._ffi import platform_dispatch
+from tunix_rt.ops.paged_attention_pallas import paged_attention_pallas
+from tunix_rt.ops.paged_attention_pallas import supported as pallas_supported
 
 _WRITE, _ATTEND = "tunix_rt_write_kv", "tunix_rt_paged_attention"
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -157,28 +160,45 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, token_seq, toke
     return out.reshape(t, h, d).astype(q.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _attention_with_grad(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window):
+def _attention_ffi(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window):
     call = jax.ffi.ffi_call(_ATTEND, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
     return call(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale=np.float32(scale),
                 softcap=np.float32(softcap or 0.0), window=np.int64(window or 0))
 
 
-def _attention_fwd(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window):
-    out = _attention_with_grad(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window)
-    return out, (q, k_cache, v_cache, block_tables, token_seq, token_pos)
+def _with_reference_vjp(forward):
+    """`forward` (the FFI op or the Pallas kernel, neither differentiable) with the reference's gradients."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+    def attend(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window):
+        return forward(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window)
+
+    def fwd(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window):
+        out = attend(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window)
+        return out, (q, k_cache, v_cache, block_tables, token_seq, token_pos)
+
+    def bwd(scale, softcap, window, residuals, g):
+        q, k_cache, v_cache, block_tables, token_seq, token_pos = residuals
+        ref = functools.partial(paged_attention_reference, block_tables=block_tables, token_seq=token_seq,
+                                token_pos=token_pos, scale=scale, softcap=softcap, window=window)
+        _, vjp = jax.vjp(lambda a, b, c: ref(a, b, c), q, k_cache, v_cache)
+        zeros = tuple(np.zeros(x.shape, jax.dtypes.float0) for x in (block_tables, token_seq, token_pos))
+        return (*vjp(g), *zeros)
+
+    attend.defvjp(fwd, bwd)
+    return attend
 
 
-def _attention_bwd(scale, softcap, window, residuals, g):
-    q, k_cache, v_cache, block_tables, token_seq, token_pos = residuals
-    ref = functools.partial(paged_attention_reference, block_tables=block_tables, token_seq=token_seq,
-                            token_pos=token_pos, scale=scale, softcap=softcap, window=window)
-    _, vjp = jax.vjp(lambda a, b, c: ref(a, b, c), q, k_cache, v_cache)
-    zeros = tuple(np.zeros(x.shape, jax.dtypes.float0) for x in (block_tables, token_seq, token_pos))
-    return (*vjp(g), *zeros)
+_attention_with_grad = _with_reference_vjp(_attention_ffi)
 
 
-_attention_with_grad.defvjp(_attention_fwd, _attention_bwd)
+@functools.cache
+def _pallas_with_grad(interpret: bool):
+    def forward(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window):
+        return paged_attention_pallas(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale=scale,
+                                      softcap=softcap, window=window, interpret=interpret)
+
+    return _with_reference_vjp(forward)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, *, scale: float,
@@ -193,9 +213,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, *, 
     scale = float(scale)
     softcap = None if softcap is None else float(softcap)
     window = None if window is None else int(window)
-    return platform_dispatch(
-        _ATTEND,
-        lambda *a: _attention_with_grad(*a, scale, softcap, window),
-        lambda *a: paged_attention_reference(*a, scale=scale, softcap=softcap, window=window),
-        q, k_cache, v_cache, block_tables, token_seq, token_pos,
-    )
+    reference = functools.partial(paged_attention_reference, scale=scale, softcap=softcap, window=window)
+    pallas = None
+    if pallas_supported(k_cache):
+        pallas = lambda *a, interpret: _pallas_with_grad(interpret)(*a, scale, softcap, window)  # noqa: E731
+    return platform_dispatch(_ATTEND, lambda *a: _attention_with_grad(*a, scale, softcap, window), reference,
+                             q, k_cache, v_cache, block_tables, token_seq, token_pos, cuda=pallas)

@@ -1,0 +1,312 @@
+"""The accelerator check, sized for a short lease on one GPU: kernels, engine and training on the device.
+
+Usage (repo root; the extension is not needed): PYTHONPATH=python:. python benchmarks/device_check.py --out report.json
+
+Writes one JSON report (and prints it part by part), each part in its own subprocess with a time limit, so a
+part that fails or hangs is recorded and the rest still run:
+  kernels   the Pallas paged-attention kernel against its pure-JAX reference on the device: max error over
+            head dims 64/128/256 x GQA 1/4/8 (window and softcap on some), f32 and bf16, decode and mixed
+            steps; and one decode step's time (64 sequences x 2048 tokens, GQA 4, head dim 128, bf16),
+            kernel against reference.
+  engine    per model and kernel mode (native: the Pallas kernels; reference: the pure-JAX references):
+            load and first-token time, decode tokens/s at 1 and 16 streams, prefill tokens/s of a 512-token
+            prompt, and the greedy tokens of fixed prompts (compared across the two modes).
+  train     per model: one LoRA SFT step and one GRPO step (2 steps each: the first compiles).
+Models: SmolLM2-135M-shaped (the default model's shape; its GGUF is too large to carry to the device)
+and Llama-3.2-1B-shaped, random bf16 weights written here as HF directories with a tiny tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49_152, hidden_size=576,
+                    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, rms_norm_eps=1e-5, rope_theta=100_000.0, tie_word_embeddings=True,
+                    max_position_embeddings=8192, hidden_act="silu")
+MODELS = {"smollm2-135m-shape": SMOLLM2_135M}
+
+
+def _llama_1b() -> dict:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from train_1b import LLAMA_3_2_1B
+
+    return LLAMA_3_2_1B
+
+
+def write_model(config: dict, directory: Path) -> Path:
+    """An HF directory: config.json, random bf16 safetensors (N(0, 0.02), unit norms), the tests' tiny tokenizer."""
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from tests.models.hf_tiny import write_tiny_tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    h, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    kv, d = config["num_key_value_heads"], config["head_dim"]
+    rng = np.random.default_rng(0)
+    rand = lambda *shape: (rng.standard_normal(shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)  # noqa: E731
+    ones = lambda n: np.ones(n, ml_dtypes.bfloat16)  # noqa: E731
+    tensors = {"model.embed_tokens.weight": rand(config["vocab_size"], h), "model.norm.weight": ones(h)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors.update({p + "self_attn.q_proj.weight": rand(heads * d, h), p + "self_attn.k_proj.weight": rand(kv * d, h),
+                        p + "self_attn.v_proj.weight": rand(kv * d, h), p + "self_attn.o_proj.weight": rand(h, heads * d),
+                        p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+                        p + "mlp.down_proj.weight": rand(h, inter), p + "input_layernorm.weight": ones(h),
+                        p + "post_attention_layernorm.weight": ones(h)})
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config))
+    write_tiny_tokenizer(directory)
+    return directory
+
+
+def _median_seconds(fn, repeats: int = 5) -> float:
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# --- parts (each runs in its own subprocess: device_check.py --part NAME ...) ------------------------------------
+
+
+def part_kernels() -> dict:
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tests.ops.test_paged_attention import build_case, dense_oracle
+    from tunix_rt.ops.paged_attention import paged_attention_reference
+    from tunix_rt.ops.paged_attention_pallas import paged_attention_pallas
+
+    static = ("scale", "softcap", "window")
+    kernel = jax.jit(paged_attention_pallas, static_argnames=static)
+    reference = jax.jit(paged_attention_reference, static_argnames=static)
+    cases = []
+    for d in (64, 128, 256):
+        for group in (1, 4, 8):
+            for mode in ("decode", "mixed"):
+                windowed = group != 4
+                case = build_case(np.random.default_rng(d + group), bs=16, d=d, kv=2, group=group, nseq=4,
+                                  max_blocks=8, mode=mode, n_pad=2, window=40 if windowed else None,
+                                  softcap=30.0 if windowed else None, max_chunk=16)
+                for dtype in (jnp.float32, jnp.bfloat16):
+                    args = case.arrays(dtype, dtype)
+                    out = np.asarray(kernel(*args, **case.kw).astype(jnp.float32))
+                    ref = np.asarray(reference(*args, **case.kw).astype(jnp.float32))
+                    exact = dense_oracle(*args, **case.kw)  # float64 on the host
+                    cases.append(dict(d=d, group=group, mode=mode, dtype=jnp.dtype(dtype).name, window=case.window,
+                                      kernel_vs_reference=float(np.abs(out - ref).max()),
+                                      kernel_vs_f64=float(np.abs(out - exact).max()),
+                                      reference_vs_f64=float(np.abs(ref - exact).max()), max_abs=float(np.abs(exact).max())))
+    worst = {f"{dt}/{key}": max(c[key] for c in cases if c["dtype"] == dt)
+             for dt in ("float32", "bfloat16") for key in ("kernel_vs_reference", "kernel_vs_f64", "reference_vs_f64")}
+    # one decode step: 64 sequences of 2048 tokens, 8 kv heads x 4 (32 query heads), head dim 128, bf16
+    rng = np.random.default_rng(0)
+    seqs, ctx, bs, kv, group, d = 64, 2048, 16, 8, 4, 128
+    per_seq = ctx // bs
+    kc = jnp.asarray(rng.standard_normal((seqs * per_seq, bs, kv, d)), jnp.bfloat16)
+    vc = jnp.asarray(rng.standard_normal((seqs * per_seq, bs, kv, d)), jnp.bfloat16)
+    tables = jnp.asarray(rng.permutation(seqs * per_seq).reshape(seqs, per_seq), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((seqs, kv * group, d)), jnp.bfloat16)
+    token_seq = jnp.arange(seqs, dtype=jnp.int32)
+    token_pos = jnp.full((seqs,), ctx - 1, jnp.int32)
+    step = (q, kc, vc, tables, token_seq, token_pos)
+    kw = dict(scale=d**-0.5)
+    kernel_s = _median_seconds(functools.partial(kernel, *step, **kw))
+    reference_s = _median_seconds(functools.partial(reference, *step, **kw))
+    cache_bytes = 2 * kc.size * kc.dtype.itemsize
+    return dict(cases=cases, worst_abs_err=worst,
+                decode_step=dict(seqs=seqs, context=ctx, kv_heads=kv, heads=kv * group, head_dim=d, dtype="bfloat16",
+                                 kernel_ms=kernel_s * 1e3, reference_ms=reference_s * 1e3,
+                                 kernel_over_reference=reference_s / kernel_s,
+                                 kernel_gb_per_s=cache_bytes / kernel_s / 1e9))
+
+
+def part_engine(model_dir: str) -> dict:
+    import numpy as np
+
+    from tunix_rt.engine.engine import Engine
+    from tunix_rt.engine.params import SamplingParams
+
+    start = time.perf_counter()
+    engine = Engine(model_dir, max_num_seqs=16)
+    loaded = time.perf_counter() - start
+    vocab = engine.model.config.vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(5, min(vocab, 100), size=12).tolist() for _ in range(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    start = time.perf_counter()
+    first = engine.generate(prompts[:1], greedy)
+    first_s = time.perf_counter() - start
+    tokens = [o.token_ids for o in engine.generate(prompts, greedy)]
+
+    def decode(streams: int, new: int = 32) -> float:
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        batch = [rng.integers(5, vocab, size=16).tolist() for _ in range(streams)]
+        engine.generate(batch, params)  # compiles this shape's programs
+        start = time.perf_counter()
+        engine.generate(batch, params)
+        return streams * new / (time.perf_counter() - start)
+
+    def prefill(length: int = 512) -> float:
+        engine.reset_prefix_cache()
+        prompt = rng.integers(5, vocab, size=length).tolist()
+        params = SamplingParams(temperature=0, max_tokens=1)
+        engine.generate([prompt], params)
+        engine.reset_prefix_cache()
+        start = time.perf_counter()
+        engine.generate([prompt], params)
+        return length / (time.perf_counter() - start)
+
+    return dict(load_s=loaded, first_generate_s=first_s, first_tokens=first[0].token_ids, greedy_tokens=tokens,
+                decode_tok_s_1=statistics.median(decode(1) for _ in range(3)),
+                decode_tok_s_16=statistics.median(decode(16) for _ in range(3)), prefill_tok_s_512=prefill())
+
+
+def reward_short(prompts, completions, completion_ids, **columns) -> list[float]:
+    """The GRPO step's reward: shorter is better (what is learned does not matter here, the step's cost does)."""
+    return [-len(ids) / 100.0 for ids in completion_ids]
+
+
+def part_train(model_dir: str) -> dict:
+    import numpy as np
+
+    from tunix_rt.checkpoints.loader import load_model
+    from tunix_rt.train.config import GRPOConfig, SFTConfig
+    from tunix_rt.train.data import SFTExample
+    from tunix_rt.train.rl_trainer import RLTrainer
+    from tunix_rt.train.run import build_objective
+    from tunix_rt.train.sft import SFTObjective
+    from tunix_rt.train.trainer import Trainer, peak_rss_gb
+
+    report = {}
+    rng = np.random.default_rng(0)
+    batch, length = 8, 256
+    with tempfile.TemporaryDirectory() as out:
+        loaded = load_model(model_dir, dequantize=True)
+        vocab = loaded.model.config.vocab_size
+        items = [SFTExample(rng.integers(5, vocab, length).astype(np.int32), np.ones(length, bool)) for _ in range(2 * batch)]
+        cfg = SFTConfig(data="-", output=out + "/sft", steps=2, batch_size=batch, max_length=length, lora_rank=8,
+                        lora_alpha=16.0, shuffle=False, progress=False, save_steps=10_000)
+        trainer = Trainer(cfg, loaded.model, SFTObjective(items, max_length=length, pad_id=0))
+        report["sft_lora_step_s"] = _timed_steps(trainer, 2)
+        prompts = Path(out) / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"tell {i}"}]}) + "\n"
+                                   for i in range(8)))
+        cfg = GRPOConfig(model=model_dir, data=str(prompts), output=out + "/grpo", steps=2, batch_size=16,
+                         num_generations=4, max_completion_length=32, lora_rank=8, lora_alpha=16.0,
+                         reward=(f"{Path(__file__).resolve()}:reward_short",), learning_rate=1e-5, save_steps=10_000,
+                         progress=False, shuffle=False)
+        loaded = load_model(model_dir, dequantize=False)
+        trainer = RLTrainer(cfg, loaded.model, build_objective(cfg, loaded, cfg.data))
+        report["grpo_lora_step_s"] = _timed_steps(trainer, 2)
+    report["peak_rss_gb"] = peak_rss_gb()
+    return report
+
+
+def _timed_steps(trainer, steps: int) -> list[float]:
+    times = []
+    for step in range(steps):
+        start = time.perf_counter()
+        trainer.run_step(step)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _device_memory() -> dict:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"peak_device_gb": stats.get("peak_bytes_in_use", 0) / 1e9}
+
+
+def run_part(args) -> None:
+    part = {"kernels": lambda: part_kernels(), "engine": lambda: part_engine(args.model_dir),
+            "train": lambda: part_train(args.model_dir)}[args.part]
+    result = part()
+    result.update(_device_memory())
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _subprocess(argv: list[str], env: dict, timeout: float) -> dict:
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, __file__, *argv], env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        return {"error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["wall_s"] = time.perf_counter() - start
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="device_check.json")
+    parser.add_argument("--part", choices=("kernels", "engine", "train"), help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--skip-1b", action="store_true", help="only the SmolLM2-135M-shaped model")
+    parser.add_argument("--parts", default="kernels,engine,train", help="which parts to run (comma-separated)")
+    parser.add_argument("--part-timeout", type=float, default=240.0, help="seconds each part may take")
+    args = parser.parse_args()
+    sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
+    if args.part:
+        return run_part(args)
+
+    import jax
+
+    report = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()], "backend": jax.default_backend()}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = Path(args.out)
+
+    def record(key: str, value: dict) -> None:
+        report[key] = value
+        out.write_text(json.dumps(report, indent=1))
+        print(f"{key}: {json.dumps(value)[:1500]}", flush=True)
+
+    parts = set(args.parts.split(","))
+    if "kernels" in parts:
+        record("kernels", _subprocess(["--part", "kernels"], env, args.part_timeout))
+    models = dict(MODELS) if args.skip_1b else {**MODELS, "llama-3.2-1b-shape": _llama_1b()}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, config in models.items():
+            start = time.perf_counter()
+            directory = str(write_model(config, Path(tmp) / name))
+            report.setdefault("model_write_s", {})[name] = time.perf_counter() - start
+            if "engine" in parts:
+                runs = {mode: _subprocess(["--part", "engine", "--model-dir", directory],
+                                          dict(env, TUNIX_RT_KERNELS=mode), args.part_timeout)
+                        for mode in ("native", "reference")}
+                native, reference = runs["native"].get("greedy_tokens"), runs["reference"].get("greedy_tokens")
+                if native and reference:
+                    same = sum(a == b for x, y in zip(native, reference) for a, b in zip(x, y))
+                    runs["greedy_tokens_equal"] = f"{same}/{sum(len(x) for x in native)}"
+                record(f"engine/{name}", runs)
+            if "train" in parts:
+                record(f"train/{name}", _subprocess(["--part", "train", "--model-dir", directory], env,
+                                                    args.part_timeout))
+
+
+if __name__ == "__main__":
+    main()

@@ -246,6 +246,9 @@ def _info(args) -> int:
     targets = sorted(_ffi.cpu_targets())
     api = _ffi.ffi_api_version()
     print(f"ffi targets (cpu{', XLA FFI API ' + '.'.join(map(str, api)) if api else ''}): {', '.join(targets) or 'none'}")
+    print(f"kernels (TUNIX_RT_KERNELS={_ffi.kernel_mode()}; native, reference or interpret):")
+    for family, cpu, cuda, other in _ffi.kernel_table():
+        print(f"  {family}: cpu {cpu}; cuda {cuda}; tpu, rocm {other}")
     return 0
 
 

@@ -161,6 +161,7 @@ def _log_softmax_teacher_forced(model, seq: list[int], pad_to: int = 64) -> np.n
 # -- greedy equals the reference generator ----------------------------------------------------
 
 
+@pytest.mark.accelerator_path
 def test_greedy_matches_reference_with_chunked_prefill(llama):
     model, engine = llama
     prompts = _prompts(1, [1, 2, 5, 9, 16, 23, 33, 40])
@@ -228,6 +229,7 @@ def test_long_prefills_alone_in_a_full_pool_always_progress(llama):
     assert_idle(engine)
 
 
+@pytest.mark.accelerator_path
 def test_greedy_matches_reference_under_preemption(llama):
     model, engine = llama
     prompts = _prompts(2, [30, 40, 35, 38, 31, 40, 33, 36])  # ~15 blocks each at the end: the pool holds 4
@@ -238,6 +240,7 @@ def test_greedy_matches_reference_under_preemption(llama):
     assert_idle(engine)
 
 
+@pytest.mark.accelerator_path
 def test_greedy_matches_reference_with_shared_prefixes(llama):
     model, engine = llama
     [prefix] = _prompts(3, [27])
@@ -257,6 +260,7 @@ def test_greedy_matches_reference_with_shared_prefixes(llama):
     assert_idle(engine)
 
 
+@pytest.mark.accelerator_path
 def test_gemma_style_greedy_matches_reference(gemma):
     """Sliding window + attention softcap + final softcap, under an 8-token budget and preemption."""
     model, engine = gemma
@@ -282,6 +286,7 @@ def test_bf16_greedy_matches_reference():
     assert_idle(engine)
 
 
+@pytest.mark.accelerator_path
 def test_moe_greedy_matches_reference():
     """A Qwen3-MoE-style model (8 experts, top-2, renormalised) under chunked prefill: each token's
     experts do not depend on what else the step batches."""

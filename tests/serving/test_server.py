@@ -271,6 +271,7 @@ def test_health_is_open_and_was_503_while_loading(server):
 # -- chat and completions ----------------------------------------------------------------------
 
 
+@pytest.mark.accelerator_path
 def test_chat_non_stream(client):
     r = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0)
     assert r.object == "chat.completion"
@@ -369,6 +370,7 @@ def test_chat_stream_matches_non_stream(client):
     assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
 
 
+@pytest.mark.accelerator_path
 def test_completion_stream_matches_non_stream(client):
     kw = dict(model=MODEL, prompt=[FOX, "Once upon a time"], max_tokens=10, temperature=0)
     whole = client.completions.create(**kw)

@@ -81,6 +81,23 @@ def test_exact_mode_refuses_what_it_cannot_match(tiny, prompts, root, extra, mes
                      output=str(root / "refused"), reward=["brevity"])
 
 
+def test_exact_mode_refused_off_the_native_cpu_kernels(tiny, prompts, root, monkeypatch, capsys):  # noqa: F811
+    """Off the CPU FFI kernels (another backend, or TUNIX_RT_KERNELS other than native) XLA's dots sum in an
+    order that depends on the batch: the exact mode is refused with the reason, before any step runs."""
+    from tunix_rt.models import batch_invariant
+    from tunix_rt.ops import _ffi
+
+    assert batch_invariant.unavailable_reason() is None
+    monkeypatch.setattr(_ffi, "kernel_mode", lambda: "interpret")
+    assert "TUNIX_RT_KERNELS=interpret" in batch_invariant.unavailable_reason()
+    out = root / "refused_off_cpu"
+    assert cli("grpo", "--model", tiny, "--data", prompts, "--output", out, "--reward", "brevity", "--steps", "1",
+               *COMMON, "exact_on_policy=true") == 2
+    assert ("exact_on_policy=true needs the row-invariant CPU kernels, and TUNIX_RT_KERNELS=interpret takes XLA's "
+            "dots" in capsys.readouterr().err)
+    assert not (out / "final").exists()
+
+
 def test_paged_layout_gives_each_completion_the_prompt():
     """Two groups, G = 3, block size 4: prompts of 6 and 8 tokens (a partly filled last block, and none)."""
     seg = np.array([[-1] * 6 + [1, 1, 2, 2, 2, 3] + [0] * 4, [-1] * 8 + [1, 2, 2, 3, 3, 3] + [0] * 2])

@@ -80,6 +80,7 @@ def grpo_run(root, tiny, prompts):
     return out, trainer
 
 
+@pytest.mark.accelerator_path
 def test_grpo_writes_metrics_checkpoints_and_final(grpo_run):
     out, trainer = grpo_run
     records = read_metrics(out)

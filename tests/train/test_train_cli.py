@@ -135,6 +135,7 @@ def sft_run(root, tiny, sft_data):
     return argv, out, trainers[0]
 
 
+@pytest.mark.accelerator_path
 def test_sft_writes_metrics_checkpoint_and_final(sft_run):
     _, out, trainer = sft_run
     records = read_metrics(out)
@@ -443,7 +444,8 @@ LOSS_TYPES = {"sigmoid": (), "ipo": (), "hinge": (), "robust": ("label_smoothing
 STEP1 = {"sigmoid": LOG2, "robust": LOG2, "hinge": 1.0, "ipo": (1 / (2 * 0.1)) ** 2}
 
 
-@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
+@pytest.mark.parametrize("loss_type", [pytest.param(t, marks=pytest.mark.accelerator_path) if t == "sigmoid" else t
+                                       for t in sorted(LOSS_TYPES)])
 def test_dpo_loss_types_with_lora(loss_type, root, tiny, dpo_chat):
     out = root / f"dpo_{loss_type}"
     assert cli("dpo", "--model", tiny, "--data", dpo_chat, "--output", out, "--steps", "2", "--lora-rank", "4",

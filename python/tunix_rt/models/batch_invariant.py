@@ -16,10 +16,25 @@ already; the sampler draws each row from its own seed.
 
 from __future__ import annotations
 
+import jax
 from flax import nnx
 
 from tunix_rt.models.quant_layers import QuantLinear
+from tunix_rt.ops import _ffi
 from tunix_rt.ops.matmul import invariant_dot_general
+
+
+def unavailable_reason() -> str | None:
+    """Why this process cannot run the row-invariant kernels (None when it can). They are the CPU FFI ops:
+    elsewhere XLA's dots pick their reduction order by shape, so a row's sums depend on its batch."""
+    if jax.default_backend() != "cpu":
+        return (f"the default backend is {jax.default_backend()}, where XLA's dots pick their reduction order by "
+                "shape; the row-invariant kernels are CPU ops")
+    if _ffi.kernel_mode() != "native":
+        return f"TUNIX_RT_KERNELS={_ffi.kernel_mode()} takes XLA's dots, not the row-invariant CPU kernels"
+    if not _ffi.cpu_targets():
+        return "the compiled extension (tunix_rt._ext) is not built, so XLA's dots run instead of its kernels"
+    return None
 
 
 def use_batch_invariant_kernels(model: nnx.Module) -> nnx.Module:

@@ -44,6 +44,35 @@ def kernel_mode() -> str:
     return mode
 
 
+# op family -> (its CPU FFI targets, the Pallas kernel it runs on CUDA GPUs or None: XLA over the reference)
+OP_FAMILIES = {
+    "paged attention": (("tunix_rt_paged_attention",), "Pallas/Triton paged_attention_pallas"),
+    "kv-cache write": (("tunix_rt_write_kv",), None),
+    "training attention": (("tunix_rt_attention_fwd", "tunix_rt_attention_bwd"), None),
+    "rms norm": (("tunix_rt_rms_norm_fwd", "tunix_rt_rms_norm_bwd"), None),
+    "quantized matmul": (("tunix_rt_quant_matmul", "tunix_rt_quantize", "tunix_rt_dequantize"), None),
+    "float matmul (row-invariant)": (("tunix_rt_bf16_matmul",), None),
+    "moe routing and grouped matmul": (("tunix_rt_moe_route", "tunix_rt_moe_permute", "tunix_rt_moe_unpermute",
+                                        "tunix_rt_moe_unpermute_bwd", "tunix_rt_grouped_matmul",
+                                        "tunix_rt_grouped_matmul_dw"), None),
+}
+
+
+def kernel_table() -> list[tuple[str, str, str, str]]:
+    """(op family, what runs on CPU, on CUDA, on TPU and ROCm) under this process's kernel mode."""
+    mode, reference = kernel_mode(), "pure-JAX reference (XLA)"
+    rows = []
+    for family, (targets, pallas) in OP_FAMILIES.items():
+        accelerated = f"{pallas} (interpret mode)" if pallas and mode == "interpret" else reference
+        if mode == "native":
+            built = all(t in cpu_targets() for t in targets)
+            cpu = f"C++ FFI ({isa_level()})" if built else reference
+            rows.append((family, cpu, pallas or reference, reference))
+        else:
+            rows.append((family, accelerated, accelerated, accelerated))
+    return rows
+
+
 def has_cpu_target(name: str) -> bool:
     """Whether `name` runs its C++ handler on CPU: it is built and the kernel mode is native."""
     return name in cpu_targets() and kernel_mode() == "native"

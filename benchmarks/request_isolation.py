@@ -48,9 +48,23 @@ def _peak_rss_gb(pid: int) -> float:
     return float("nan")
 
 
+def _wait_for_warm_up(base: str, timeout: float = 600) -> None:
+    """Until the server's idle warm-up has compiled every program (tunix_rt:warmup_pending 0): a request sent
+    during it waits for the compile in progress, which is not what an idle server's latency is."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{base}/metrics", timeout=30).text
+        if any(line.startswith("tunix_rt:warmup_pending") and float(line.split()[-1]) == 0.0
+               for line in text.splitlines()):
+            return
+        time.sleep(1.0)
+    raise SystemExit(f"the server was still warming up after {timeout:.0f} s")
+
+
 def measure(serve_args: list[str], args) -> dict:
-    proc, base = start(["--model", args.model, *serve_args], log_prefix="isolation-")
-    time.sleep(args.settle)  # the server compiles its request options' samplers once /health is up
+    proc, base = start(["--model", args.model, *serve_args, "--metrics-without-auth"], log_prefix="isolation-")
+    _wait_for_warm_up(base)
+    time.sleep(args.settle)
     try:
         vocab = httpx.get(f"{base}/tokenizer_info", timeout=30).json().get("vocab_size", 49152)
         rng = np.random.default_rng(0)
@@ -112,7 +126,8 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--long-tokens", type=int, default=2700)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--settle", type=float, default=30.0, help="seconds to wait after /health before measuring")
+    ap.add_argument("--settle", type=float, default=5.0,
+                    help="seconds to wait, after the server's idle warm-up is done, before measuring")
     ap.add_argument("--thresholds", default="", help="also run with these --long-prefill-token-threshold values "
                                                       "(comma-separated)")
     args = ap.parse_args()

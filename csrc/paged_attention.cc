@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -119,10 +120,29 @@ AVX2_FN void BlockAvx2(const float* q, const float* k, const float* v, int64_t s
       for (int64_t i = d8; i < d; ++i) ag[i] *= corr;
     }
   }
-  for (int64_t gi = 0; gi < g; ++gi) {  // each 8 columns of a head's accumulator stay in a register over the keys
+  // Each 8 columns of a head's accumulator stay in a register over the keys, four such registers at a time
+  // where 32 columns are left (four independent FMA chains).
+  for (int64_t gi = 0; gi < g; ++gi) {
     const float* w = scores + gi * n;
     float* ag = acc + gi * d;
-    for (int64_t i = 0; i < d8; i += 8) {
+    int64_t i = 0;
+    for (; i + 32 <= d8; i += 32) {
+      __m256 a0 = _mm256_loadu_ps(ag + i), a1 = _mm256_loadu_ps(ag + i + 8);
+      __m256 a2 = _mm256_loadu_ps(ag + i + 16), a3 = _mm256_loadu_ps(ag + i + 24);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 wj = _mm256_set1_ps(w[j]);
+        const float* vr = v + j * stride + i;
+        a0 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr), a0);
+        a1 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr + 8), a1);
+        a2 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr + 16), a2);
+        a3 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr + 24), a3);
+      }
+      _mm256_storeu_ps(ag + i, a0);
+      _mm256_storeu_ps(ag + i + 8, a1);
+      _mm256_storeu_ps(ag + i + 16, a2);
+      _mm256_storeu_ps(ag + i + 24, a3);
+    }
+    for (; i < d8; i += 8) {
       __m256 a0 = _mm256_loadu_ps(ag + i);
       for (int64_t j = 0; j < n; ++j)
         a0 = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(v + j * stride + i), a0);
@@ -133,6 +153,36 @@ AVX2_FN void BlockAvx2(const float* q, const float* k, const float* v, int64_t s
   }
 }
 
+// The dot products of a query row with c <= 16 keys (rows k + j * stride), key j in lane j: each key's
+// 16-lane partial products are summed by one fixed tree that reduces all 16 keys together (three shuffle
+// stages instead of a horizontal sum per key), so a key's score never depends on the keys beside it.
+AVX512_FN __m512 Dots16(const float* qg, const float* k, int64_t stride, int64_t c, int64_t d16, __mmask16 dtail) {
+  __m512 v[16];
+  for (int64_t j = 0; j < 16; ++j) {
+    __m512 a = _mm512_setzero_ps();
+    if (j < c) {
+      const float* kr = k + j * stride;
+      for (int64_t i = 0; i < d16; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), _mm512_loadu_ps(kr + i), a);
+      if (dtail) a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(dtail, qg + d16), _mm512_maskz_loadu_ps(dtail, kr + d16), a);
+    }
+    v[j] = a;
+  }
+  __m512 w[8];  // w[i]: 8 partials of key 2i, then 8 of key 2i + 1
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  __m512 x[4];  // x[i]: 4 partials of each of keys 4i .. 4i + 3
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  // quarter r of y0: 2 partials of keys r and 4 + r; of y1: of keys 8 + r and 12 + r
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x44), _mm512_shuffle_ps(x[0], x[1], 0xEE));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_ps(x[2], x[3], 0x44), _mm512_shuffle_ps(x[2], x[3], 0xEE));
+  // lane 4r + q of z: key 4q + r
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y0, y1, 0x88), _mm512_shuffle_ps(y0, y1, 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+}
+
 AVX512_FN void BlockAvx512(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t g,
                            int64_t d, float scale, float softcap, float* m, float* l, float* acc, float* scores) {
   const int64_t d16 = d - d % 16;
@@ -140,13 +190,12 @@ AVX512_FN void BlockAvx512(const float* q, const float* k, const float* v, int64
   for (int64_t gi = 0; gi < g; ++gi) {
     const float* qg = q + gi * d;
     float* sg = scores + gi * n;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kr = k + j * stride;
-      __m512 a0 = _mm512_setzero_ps();
-      for (int64_t i = 0; i < d16; i += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), _mm512_loadu_ps(kr + i), a0);
-      if (dtail)
-        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(dtail, qg + d16), _mm512_maskz_loadu_ps(dtail, kr + d16), a0);
-      sg[j] = Softcapped(_mm512_reduce_add_ps(a0) * scale, softcap);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t c = std::min<int64_t>(16, n - j0);
+      const __m512 dots = _mm512_mul_ps(Dots16(qg, k + j0 * stride, stride, c, d16, dtail), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(sg + j0, static_cast<__mmask16>((1u << c) - 1), dots);
+      if (softcap > 0)
+        for (int64_t j = j0; j < j0 + c; ++j) sg[j] = Softcapped(sg[j], softcap);
     }
     float corr;
     const __m512 bm = _mm512_set1_ps(NewMax(sg, n, m + gi, &corr));
@@ -165,10 +214,29 @@ AVX512_FN void BlockAvx512(const float* q, const float* k, const float* v, int64
       if (dtail) _mm512_mask_storeu_ps(ag + d16, dtail, _mm512_mul_ps(c, _mm512_maskz_loadu_ps(dtail, ag + d16)));
     }
   }
-  for (int64_t gi = 0; gi < g; ++gi) {  // each 16 columns of a head's accumulator stay in a register over the keys
+  // Each 16 columns of a head's accumulator stay in a register over the keys, four such registers at a time
+  // where the head has 64 columns left (four independent FMA chains: one chain alone waits on its latency).
+  for (int64_t gi = 0; gi < g; ++gi) {
     const float* w = scores + gi * n;
     float* ag = acc + gi * d;
-    for (int64_t i = 0; i < d; i += 16) {
+    int64_t i = 0;
+    for (; i + 64 <= d16; i += 64) {
+      __m512 a0 = _mm512_loadu_ps(ag + i), a1 = _mm512_loadu_ps(ag + i + 16);
+      __m512 a2 = _mm512_loadu_ps(ag + i + 32), a3 = _mm512_loadu_ps(ag + i + 48);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 wj = _mm512_set1_ps(w[j]);
+        const float* vr = v + j * stride + i;
+        a0 = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vr), a0);
+        a1 = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vr + 16), a1);
+        a2 = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vr + 32), a2);
+        a3 = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vr + 48), a3);
+      }
+      _mm512_storeu_ps(ag + i, a0);
+      _mm512_storeu_ps(ag + i + 16, a1);
+      _mm512_storeu_ps(ag + i + 32, a2);
+      _mm512_storeu_ps(ag + i + 48, a3);
+    }
+    for (; i < d; i += 16) {
       const __mmask16 cols = i < d16 ? static_cast<__mmask16>(0xFFFF) : dtail;
       __m512 a0 = _mm512_maskz_loadu_ps(cols, ag + i);
       for (int64_t j = 0; j < n; ++j)
@@ -264,65 +332,103 @@ struct AttnArgs {
   void* out;
 };
 
-// One (token, kv head) item: the `group` query heads sharing that kv head, online softmax over
-// the visible blocks.
-ffi::Error AttendItem(const AttnArgs& a, BlockFn block_fn, int64_t t, int64_t h, std::vector<float>& buf) {
-  const int64_t d = a.c.head_dim, g = a.group, bs = a.c.block_size;
-  buf.resize(g * d * 2 + g * bs + 2 * g + 2 * bs * d);
-  float* qscratch = buf.data();
-  float* acc = qscratch + g * d;
-  float* scores = acc + g * d;
-  float* m = scores + g * bs;
-  float* l = m + g;
-  float* kscratch = l + g;
+// Per-thread scratch of AttendRun.
+struct RunScratch {
+  std::vector<float> f;
+  std::vector<const float*> q;
+};
+
+constexpr int64_t kMaxRun = 16;  // most tokens of a sequence that share one walk over its blocks
+
+// One (run, kv head) item: tokens t0 .. t1 - 1, consecutive in the step and all of one sequence (or a single
+// padding token), each with the `group` query heads sharing kv head h. The run walks the union of its tokens'
+// visible blocks once, so a prefill chunk reads each K/V block once per kv head, not once per token; for each
+// block, every token that sees part of it folds that part into its own online softmax, with the same call a
+// token alone would make. A token's numbers therefore never depend on the run it is in.
+ffi::Error AttendRun(const AttnArgs& a, BlockFn block_fn, int64_t t0, int64_t t1, int64_t h, RunScratch& sc) {
+  const int64_t d = a.c.head_dim, g = a.group, bs = a.c.block_size, r = t1 - t0;
+  sc.f.resize(r * (2 * g * d + 2 * g) + g * bs + 2 * bs * d);
+  sc.q.resize(r);
+  float* qscratch = sc.f.data();  // r x g x d
+  float* acc = qscratch + r * g * d;
+  float* m = acc + r * g * d;  // r x g
+  float* l = m + r * g;
+  float* scores = l + r * g;  // g x bs
+  float* kscratch = scores + g * bs;
   float* vscratch = kscratch + bs * d;
-  const int64_t qrow = (t * a.heads + h * g) * d;
-  const int32_t s = a.seq[t];
-  std::fill(acc, acc + g * d, 0.0f);
+  std::fill(acc, acc + r * g * d, 0.0f);
+  const int32_t s = a.seq[t0];
   if (s != -1) {
     if (s < -1 || s >= a.seqs)
-      return InvalidArgument("token_seq[" + std::to_string(t) + "] = " + std::to_string(s) + " is outside [-1, " +
+      return InvalidArgument("token_seq[" + std::to_string(t0) + "] = " + std::to_string(s) + " is outside [-1, " +
                              std::to_string(a.seqs) + ")");
-    const int32_t p = a.pos[t];
-    if (p < 0 || p / bs >= a.max_blocks)
-      return InvalidArgument("token_pos[" + std::to_string(t) + "] = " + std::to_string(p) + " is outside [0, " +
-                             std::to_string(a.max_blocks * bs) + ") (block_tables width x block size)");
-    // The group's query heads are row t * kv_heads + h of q viewed as (T * kv_heads, group * head_dim).
-    const float* q = RowAsF32(a.q, a.q_bf16, t * a.c.kv_heads + h, g * d, qscratch);
-    std::fill(m, m + g, -std::numeric_limits<float>::infinity());
-    std::fill(l, l + g, 0.0f);
-    const int64_t start = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+    int64_t first_block = a.max_blocks, last_block = -1;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int32_t p = a.pos[t];
+      if (p < 0 || p / bs >= a.max_blocks)
+        return InvalidArgument("token_pos[" + std::to_string(t) + "] = " + std::to_string(p) + " is outside [0, " +
+                               std::to_string(a.max_blocks * bs) + ") (block_tables width x block size)");
+      const int64_t i = t - t0;
+      // The group's query heads are row t * kv_heads + h of q viewed as (T * kv_heads, group * head_dim).
+      sc.q[i] = RowAsF32(a.q, a.q_bf16, t * a.c.kv_heads + h, g * d, qscratch + i * g * d);
+      std::fill(m + i * g, m + (i + 1) * g, -std::numeric_limits<float>::infinity());
+      std::fill(l + i * g, l + (i + 1) * g, 0.0f);
+      const int64_t start = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+      first_block = std::min(first_block, start / bs);
+      last_block = std::max<int64_t>(last_block, p / bs);
+    }
     const int32_t* table = a.tables + s * a.max_blocks;
-    for (int64_t b = start / bs; b <= p / bs; ++b) {
+    for (int64_t b = first_block; b <= last_block; ++b) {
+      int64_t lo_all = bs, hi_all = -1;  // the block's rows any token of the run sees
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t p = a.pos[t], start = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+        if (start / bs <= b && b <= p / bs) {
+          lo_all = std::min(lo_all, std::max<int64_t>(start, b * bs) - b * bs);
+          hi_all = std::max(hi_all, std::min<int64_t>(p, b * bs + bs - 1) - b * bs);
+        }
+      }
+      if (hi_all < 0) continue;  // between two tokens' windows: no token of the run reads it
       const int32_t block = table[b];
       if (block < 0 || block >= a.c.blocks)
         return InvalidArgument("block_tables[" + std::to_string(s) + ", " + std::to_string(b) +
                                "] = " + std::to_string(block) + " is outside [0, " + std::to_string(a.c.blocks) + ")");
-      const int64_t lo = std::max<int64_t>(start, b * bs) - b * bs;
-      const int64_t hi = std::min<int64_t>(p, b * bs + bs - 1) - b * bs;  // inclusive
-      const int64_t n = hi - lo + 1;
-      const int64_t first = (block * bs + lo) * a.c.kv_heads + h;  // the first key's row
-      if (a.cache_bf16) {                                          // the block's rows as f32, d apart
-        for (int64_t j = 0; j < n; ++j) {
-          RowAsF32(a.kc, true, first + j * a.c.kv_heads, d, kscratch + j * d);
-          RowAsF32(a.vc, true, first + j * a.c.kv_heads, d, vscratch + j * d);
+      const int64_t row0 = block * bs * a.c.kv_heads + h;  // the block's first key row for kv head h
+      if (a.cache_bf16)                                    // the rows the run reads, as f32, d apart
+        for (int64_t j = lo_all; j <= hi_all; ++j) {
+          RowAsF32(a.kc, true, row0 + j * a.c.kv_heads, d, kscratch + j * d);
+          RowAsF32(a.vc, true, row0 + j * a.c.kv_heads, d, vscratch + j * d);
         }
-        block_fn(q, kscratch, vscratch, d, n, g, d, a.scale, a.softcap, m, l, acc, scores);
-      } else {
-        block_fn(q, static_cast<const float*>(a.kc) + first * d, static_cast<const float*>(a.vc) + first * d,
-                 a.c.kv_heads * d, n, g, d, a.scale, a.softcap, m, l, acc, scores);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t p = a.pos[t], start = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+        if (b < start / bs || b > p / bs) continue;
+        const int64_t lo = std::max<int64_t>(start, b * bs) - b * bs;
+        const int64_t hi = std::min<int64_t>(p, b * bs + bs - 1) - b * bs;  // inclusive
+        const int64_t i = t - t0;
+        float *mi = m + i * g, *li = l + i * g, *ai = acc + i * g * d;
+        if (a.cache_bf16) {
+          block_fn(sc.q[i], kscratch + lo * d, vscratch + lo * d, d, hi - lo + 1, g, d, a.scale, a.softcap, mi, li, ai,
+                   scores);
+        } else {
+          const int64_t first = (row0 + lo * a.c.kv_heads) * d;
+          block_fn(sc.q[i], static_cast<const float*>(a.kc) + first, static_cast<const float*>(a.vc) + first,
+                   a.c.kv_heads * d, hi - lo + 1, g, d, a.scale, a.softcap, mi, li, ai, scores);
+        }
       }
     }
-    for (int64_t gi = 0; gi < g; ++gi) {  // l >= 1: pos itself is visible
-      const float inv = 1.0f / l[gi];
-      for (int64_t i = 0; i < d; ++i) acc[gi * d + i] *= inv;
+    for (int64_t i = 0; i < r * g; ++i) {  // l >= 1: pos itself is visible
+      const float inv = 1.0f / l[i];
+      for (int64_t c = 0; c < d; ++c) acc[i * d + c] *= inv;
     }
   }
-  if (a.q_bf16) {
-    uint16_t* o = static_cast<uint16_t*>(a.out) + qrow;
-    for (int64_t i = 0; i < g * d; ++i) o[i] = F32ToBf16(acc[i]);
-  } else {
-    std::memcpy(static_cast<float*>(a.out) + qrow, acc, g * d * sizeof(float));
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t qrow = (t * a.heads + h * g) * d;
+    const float* src = acc + (t - t0) * g * d;
+    if (a.q_bf16) {
+      uint16_t* o = static_cast<uint16_t*>(a.out) + qrow;
+      for (int64_t i = 0; i < g * d; ++i) o[i] = F32ToBf16(src[i]);
+    } else {
+      std::memcpy(static_cast<float*>(a.out) + qrow, src, g * d * sizeof(float));
+    }
   }
   return ffi::Error::Success();
 }
@@ -368,13 +474,28 @@ ffi::Future PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
       const int64_t keys = std::max<int64_t>(a.pos[t], 0) + 1;
       work += (a.window > 0 ? std::min(keys, a.window) : keys) * a.heads * a.c.head_dim;
     }
-  const int64_t items = a.tokens * a.c.kv_heads;
+  // Runs: a sequence's consecutive tokens cut into near-equal pieces of at most `longest` (kMaxRun, or fewer
+  // when the step is small, so that every worker gets two items); a padding token alone.
+  const int64_t longest = std::clamp<int64_t>(a.tokens * a.c.kv_heads / (2 * Workers(pool)), 1, kMaxRun);
+  auto runs = std::make_shared<std::vector<int64_t>>();  // run i is tokens [runs[i], runs[i + 1])
+  for (int64_t t = 0; t < a.tokens;) {
+    int64_t end = t + 1;
+    while (end < a.tokens && a.seq[t] >= 0 && a.seq[end] == a.seq[t]) ++end;
+    const int64_t pieces = (end - t + longest - 1) / longest;
+    for (int64_t k = 0; k < pieces; ++k) runs->push_back(t + (end - t) * k / pieces);
+    t = end;
+  }
+  runs->push_back(a.tokens);
+  const int64_t items = (static_cast<int64_t>(runs->size()) - 1) * a.c.kv_heads;
   const int64_t chunks = work < (1 << 16) ? 1 : NumChunks(pool, items, 1);
   const BlockFn block_fn = SelectBlockFn();
-  return ParallelFor(pool, items, chunks, [a, block_fn](int64_t, int64_t begin, int64_t end) {
-    std::vector<float> buf;
-    for (int64_t i = begin; i < end; ++i)
-      if (auto err = AttendItem(a, block_fn, i / a.c.kv_heads, i % a.c.kv_heads, buf); !err.success()) return err;
+  return ParallelFor(pool, items, chunks, [a, block_fn, runs](int64_t, int64_t begin, int64_t end) {
+    RunScratch scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t run = i / a.c.kv_heads;
+      if (auto err = AttendRun(a, block_fn, (*runs)[run], (*runs)[run + 1], i % a.c.kv_heads, scratch); !err.success())
+        return err;
+    }
     return ffi::Error::Success();
   });
 }

@@ -983,6 +983,24 @@ def test_large_step_deterministic_and_matches_reference():
     np.testing.assert_array_equal(b1, b2)
 
 
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_a_token_gives_the_same_bits_alone_as_in_its_chunk(window, dtype):
+    """A prefill chunk's tokens walk their sequence's blocks together (one run per kv head): each token's output
+    is bit for bit the one it gets alone, whatever run, run length or thread split it fell in."""
+    rng = np.random.default_rng(31)
+    case = build_case(rng, bs=16, d=64, kv=2, group=3, nseq=3, max_blocks=12, tables="disjoint", mode="prefill",
+                      shuffle=False, window=window, softcap=20.0)
+    while np.count_nonzero(case.ts >= 0) < 40:
+        case = build_case(rng, bs=16, d=64, kv=2, group=3, nseq=3, max_blocks=12, tables="disjoint",
+                          mode="prefill", shuffle=False, window=window, softcap=20.0)
+    args = case.arrays(dtype, dtype)
+    whole = np.asarray(_attn_jit(*args, **case.kw).astype(jnp.float32))
+    for t in range(len(case.ts)):
+        alone = _attn_jit(args[0][t:t + 1], *args[1:4], args[4][t:t + 1], args[5][t:t + 1], **case.kw)
+        np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32))[0], whole[t], err_msg=f"token {t}")
+
+
 # ----------------------------------------------------------------------------------------------
 # every ISA tier (TUNIX_RT_ISA is read once per process: subprocesses)
 

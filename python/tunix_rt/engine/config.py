@@ -38,7 +38,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = _flag(
         0, "a prompt with more tokens than this left to compute advances at most this many per step and gives way "
         "to other requests' steps (0: off; the server's default keeps one client's long prompt from stalling "
-        "the others)", serve=64)
+        "the others)", serve=32)
     logprobs_mode: str = _flag("raw_logprobs", "log-probs reported: raw_logprobs (the model's distribution) or "
                                "processed_logprobs (the one sampled from: after penalties, temperature, top-k/p)")
 

@@ -9,10 +9,10 @@ step over a (blocks, block, kv_heads, head_dim) cache, so this kernel walks that
 
 One program per (query token, kv head): it loads the token's group of query heads once, walks the
 token's visible blocks with an online softmax in f32, and writes the group's output. A device kernel
-cannot raise, so a block id read from the table is clamped into the pool (the CPU op raises on it, and
-the engine validates its tables on the host). Triton needs power-of-two tensor shapes: block_size and
-head_dim must be powers of two (`supported` says whether a cache qualifies); the group of query heads
-is padded to one.
+cannot raise, so a block id read from the table is clamped into the pool: never an out-of-bounds read
+(the CPU op raises instead; the engine's own tables only ever hold ids of its pool). Triton needs
+power-of-two tensor shapes: block_size and head_dim must be powers of two (`supported` says whether a cache
+qualifies); the group of query heads is padded to one.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The accelerator check, sized for a short lease on one GPU: kernels, engine and training on the device.
 
-Usage (repo root; the extension is not needed): PYTHONPATH=python:. python benchmarks/device_check.py --out report.json
+Usage (from a checkout, the extension not needed): python benchmarks/device_check.py --out report.json
 
 Writes one JSON report (and prints it part by part), each part in its own subprocess with a time limit, so a
 part that fails or hangs is recorded and the rest still run:
@@ -9,8 +9,9 @@ part that fails or hangs is recorded and the rest still run:
             steps; and one decode step's time (64 sequences x 2048 tokens, GQA 4, head dim 128, bf16),
             kernel against reference.
   engine    per model and kernel mode (native: the Pallas kernels; reference: the pure-JAX references):
-            load and first-token time, decode tokens/s at 1 and 16 streams, prefill tokens/s of a 512-token
-            prompt, and the greedy tokens of fixed prompts (compared across the two modes).
+            load time, the first generate's time (its compiles), decode tokens/s at 1 and 16 streams,
+            prefill tokens/s of a 512-token prompt, and the greedy tokens of fixed prompts (compared across
+            the two modes).
   train     per model: one LoRA SFT step and one GRPO step (2 steps each: the first compiles).
 Models: SmolLM2-135M-shaped (the default model's shape; its GGUF is too large to carry to the device)
 and Llama-3.2-1B-shaped, random bf16 weights written here as HF directories with a tiny tokenizer.

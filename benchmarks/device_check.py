@@ -45,30 +45,13 @@ def _llama_1b() -> dict:
 
 
 def write_model(config: dict, directory: Path) -> Path:
-    """An HF directory: config.json, random bf16 safetensors (N(0, 0.02), unit norms), the tests' tiny tokenizer."""
-    import ml_dtypes
-    import numpy as np
-    from safetensors.numpy import save_file
+    """An HF directory: config.json, random bf16 safetensors (startup.write_random_weights), the tests' tiny
+    tokenizer."""
+    from startup import write_random_weights
 
     from tests.models.hf_tiny import write_tiny_tokenizer
 
-    directory.mkdir(parents=True, exist_ok=True)
-    h, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
-    kv, d = config["num_key_value_heads"], config["head_dim"]
-    rng = np.random.default_rng(0)
-    rand = lambda *shape: (rng.standard_normal(shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)  # noqa: E731
-    ones = lambda n: np.ones(n, ml_dtypes.bfloat16)  # noqa: E731
-    tensors = {"model.embed_tokens.weight": rand(config["vocab_size"], h), "model.norm.weight": ones(h)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors.update({p + "self_attn.q_proj.weight": rand(heads * d, h), p + "self_attn.k_proj.weight": rand(kv * d, h),
-                        p + "self_attn.v_proj.weight": rand(kv * d, h), p + "self_attn.o_proj.weight": rand(h, heads * d),
-                        p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
-                        p + "mlp.down_proj.weight": rand(h, inter), p + "input_layernorm.weight": ones(h),
-                        p + "post_attention_layernorm.weight": ones(h)})
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config))
-    write_tiny_tokenizer(directory)
+    write_tiny_tokenizer(write_random_weights(config, directory))
     return directory
 
 

@@ -176,18 +176,15 @@ def train(command: str, model: str, cache: Path, steps: int, work: Path) -> dict
     return dict(process=wall, step1=times[0], steady=steady, ratio=times[0] / steady, rss_gb=_rss(proc))
 
 
-def make_1b(directory: Path) -> Path:
-    """A Llama-3.2-1B-shaped HF directory with random bf16 weights and the default model's tokenizer."""
+def write_random_weights(config: dict, directory: Path) -> Path:
+    """An HF directory's config.json and random bf16 safetensors (N(0, 0.02) matrices, unit norms) for a
+    Llama-shaped `config`; the tokenizer is the caller's."""
     import ml_dtypes
     import numpy as np
     from safetensors.numpy import save_file
 
-    from tunix_rt.checkpoints import default_model
-    from tunix_rt.checkpoints.gguf_loader import open_gguf
-    from tunix_rt.checkpoints.tokenizer import Tokenizer
-
     directory.mkdir(parents=True, exist_ok=True)
-    c = LLAMA_1B
+    c = config
     h, inter, heads = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
     kv, d = c["num_key_value_heads"], c["head_dim"]
     rng = np.random.default_rng(0)
@@ -203,6 +200,16 @@ def make_1b(directory: Path) -> Path:
                         p + "post_attention_layernorm.weight": np.ones(h, ml_dtypes.bfloat16)})
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(c))
+    return directory
+
+
+def make_1b(directory: Path) -> Path:
+    """A Llama-3.2-1B-shaped HF directory with random bf16 weights and the default model's tokenizer."""
+    from tunix_rt.checkpoints import default_model
+    from tunix_rt.checkpoints.gguf_loader import open_gguf
+    from tunix_rt.checkpoints.tokenizer import Tokenizer
+
+    write_random_weights(LLAMA_1B, directory)
     tokenizer = Tokenizer.from_gguf(open_gguf(default_model.default_model_path()))
     tokenizer.backend.save(str(directory / "tokenizer.json"))
     (directory / "chat_template.jinja").write_text(tokenizer.chat_template, encoding="utf-8")

@@ -63,13 +63,12 @@ def kernel_table() -> list[tuple[str, str, str, str]]:
     mode, reference = kernel_mode(), "pure-JAX reference (XLA)"
     rows = []
     for family, (targets, pallas) in OP_FAMILIES.items():
-        accelerated = f"{pallas} (interpret mode)" if pallas and mode == "interpret" else reference
         if mode == "native":
             built = all(t in cpu_targets() for t in targets)
-            cpu = f"C++ FFI ({isa_level()})" if built else reference
-            rows.append((family, cpu, pallas or reference, reference))
-        else:
-            rows.append((family, accelerated, accelerated, accelerated))
+            rows.append((family, f"C++ FFI ({isa_level()})" if built else reference, pallas or reference, reference))
+        else:  # every platform takes one path
+            path = f"{pallas} (interpret mode)" if pallas and mode == "interpret" else reference
+            rows.append((family, path, path, path))
     return rows
 
 

@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from tunix_rt.engine.sampler import log_softmax, tempered_logits
-from tunix_rt.models import batch_invariant
-from tunix_rt.models.batch_invariant import use_batch_invariant_kernels
+from tunix_rt.models.batch_invariant import unavailable_reason, use_batch_invariant_kernels
 from tunix_rt.models.decoder import head_logits
 from tunix_rt.models.kv_cache import ExactPagedLayout
 from tunix_rt.train.config import RLConfig
@@ -106,7 +105,7 @@ class RLObjective:
     needs_reference = False
 
     def __init__(self, cfg: RLConfig, sampler, tokenizer, pad_id: int):
-        if cfg.exact_on_policy and (why := batch_invariant.unavailable_reason()):
+        if cfg.exact_on_policy and (why := unavailable_reason()):
             raise ValueError(f"exact_on_policy=true needs the row-invariant CPU kernels, and {why}; run without it "
                              "(importance_sampling_correction weighs out the engine/trainer mismatch, and the "
                              "mismatch/* metrics record it)")

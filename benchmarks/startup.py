@@ -111,9 +111,11 @@ def generate(model: str, caches: list[Path]) -> dict:
     for cache in caches:
         wall, proc = _run(_cli("generate", "--model", model, "--prompt", PROMPT, "--max-tokens", "16",
                                "--compile-cache-dir", str(cache)))
-        stats = re.search(r"compilation cache: (\d+) of (\d+) programs loaded", proc.stderr)
+        stats = re.search(r"compilation cache: (\d+) of (\d+) programs loaded, \d+ compiled; program store: (\d+) "
+                          r"programs loaded whole", proc.stderr)
         _, driver = _run([sys.executable, "-c", DRIVER, model, str(cache) + "-driver", PROMPT])
-        runs.append(dict(process=wall, rss_gb=_rss(proc), programs=int(stats.group(2)), loaded=int(stats.group(1)),
+        runs.append(dict(process=wall, rss_gb=_rss(proc), programs=int(stats.group(2)) + int(stats.group(3)),
+                         loaded=int(stats.group(1)) + int(stats.group(3)),
                          **{f"driver_{k}": v for k, v in _json(driver).items()}))
     return _medians(runs)
 

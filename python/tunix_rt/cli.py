@@ -384,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = None
     if hasattr(args, "compile_cache_dir"):
         from tunix_rt.engine.compile_cache import cache_stats, use_compile_cache
+        from tunix_rt.engine.program_store import store_stats
 
         cache = use_compile_cache(args.compile_cache_dir)
         log.info("compilation cache: %s", cache or "off")
@@ -397,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if cache:
         requests, hits = cache_stats()
-        log.info("compilation cache: %d of %d programs loaded, %d compiled", hits, requests, requests - hits)
+        loaded, stored = store_stats()
+        log.info("compilation cache: %d of %d programs loaded, %d compiled; program store: %d programs loaded whole, "
+                 "%d stored", hits, requests, requests - hits, loaded, stored)
     return code
 
 

@@ -1,4 +1,5 @@
-"""Every compiling command keeps a persistent compilation cache: its second run loads what the first compiled."""
+"""Every compiling command keeps a persistent compilation cache: its second run loads what the first compiled
+(the engine's programs whole, from the program store beside it; the rest from XLA's cache)."""
 
 from __future__ import annotations
 
@@ -6,35 +7,43 @@ import re
 import subprocess
 import sys
 
-_STATS = re.compile(r"compilation cache: (\d+) of (\d+) programs loaded, (\d+) compiled")
+import pytest
+
+_STATS = re.compile(r"compilation cache: (\d+) of (\d+) programs loaded, (\d+) compiled; program store: (\d+) "
+                    r"programs loaded whole, (\d+) stored")
 
 
-def _score(*flags: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "tunix_rt.cli", "-v", "score", "--text", "Paris is nice", "--json",
-                           *flags], capture_output=True, text=True, timeout=600)
+def _run(command: str, *flags: str) -> subprocess.CompletedProcess:
+    args = (["score", "--text", "Paris is nice", "--json"] if command == "score"
+            else ["generate", "--prompt", "Paris is", "--max-tokens", "4"])
+    proc = subprocess.run([sys.executable, "-m", "tunix_rt.cli", "-v", *args, *flags], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr
     return proc
 
 
-def _stats(proc) -> tuple[int, int, int]:
+def _stats(proc) -> tuple[int, int, int, int, int]:
     match = _STATS.search(proc.stderr)
     assert match, proc.stderr
     return tuple(map(int, match.groups()))
 
 
-def test_second_run_compiles_nothing(tmp_path):
+@pytest.mark.parametrize("command", ["score", "generate"])
+def test_second_run_compiles_nothing(tmp_path, command):
     cache = tmp_path / "xla"
-    first = _score("--compile-cache-dir", str(cache))
-    loaded, programs, compiled = _stats(first)
-    assert loaded == 0 and programs == compiled > 0
-    second = _score("--compile-cache-dir", str(cache))
-    assert _stats(second) == (programs, programs, 0)
+    first = _run(command, "--compile-cache-dir", str(cache))
+    loaded, programs, compiled, whole, stored = _stats(first)
+    assert loaded == whole == 0 and programs == compiled > 0
+    assert (stored > 0) == (command == "generate")  # the engine's programs are stored whole; score has none
+    second = _run(command, "--compile-cache-dir", str(cache))
+    assert _stats(second) == (programs - stored, programs - stored, 0, stored, 0)
+    assert "loaded ('forward'" in second.stderr if command == "generate" else "compiling (" not in second.stderr
     assert second.stdout == first.stdout
 
 
 def test_unusable_cache_is_a_warning_not_a_failure(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    proc = _score("--compile-cache-dir", str(blocker / "xla"))
+    proc = _run("score", "--compile-cache-dir", str(blocker / "xla"))
     assert "compiling without it" in proc.stderr and "compilation cache: off" in proc.stderr
     assert '"logprobs"' in proc.stdout

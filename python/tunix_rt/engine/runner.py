@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from tunix_rt.engine.params import MAX_LOGPROBS
+from tunix_rt.engine.program_store import Programs, ProgramStore, canonical
 from tunix_rt.engine.sampler import SAMPLING_EPS, SamplerOutput, SamplingTensors, log_softmax, sample_tokens
 from tunix_rt.engine.scheduler import ScheduledRequest
 from tunix_rt.engine.structured import GrammarCompiler
@@ -140,7 +141,8 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
                                                   (k, v, tokens, positions, outs, jnp.zeros(rows, bool)))
         return outs, k, v, bad
 
-    return forward, take_rows, sample, score_prompt, decode_loop
+    return {"forward": (forward, ()), "rows": (take_rows, ()), "sample": (sample, (5, 8)),
+            "score_prompt": (score_prompt, (3,)), "decode_loop": (decode_loop, (9, 11))}
 
 
 def _all_greedy(scheduled: list[ScheduledRequest]) -> bool:
@@ -226,9 +228,10 @@ class ModelRunner:
         self.leaves, self.treedef = jax.tree.flatten(self._lane_scales.apply(state))
         head_def, head_state = nnx.split(model.output_head())
         self.head_leaves, head_treedef = jax.tree.flatten(head_state)
-        self._forward, self._take_rows, self._sample, self._score_prompt, self._decode_loop = _compile_step(
-            self.graphdef, self.treedef, head_def, head_treedef, model.config, block_size, processed_logprobs,
-            any(isinstance(m, MultiLoRALinear) for _, m in nnx.iter_modules(model)))
+        closed_over = (self.graphdef, self.treedef, head_def, head_treedef, model.config, block_size,
+                       processed_logprobs, any(isinstance(m, MultiLoRALinear) for _, m in nnx.iter_modules(model)))
+        self._programs = Programs(_compile_step(*closed_over), "\n".join(map(canonical, closed_over)),
+                                  ProgramStore.beside_compile_cache())
         self.decode_steps = decode_steps
         cfg = model.config
         self.cache_shape = (cfg.num_layers * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -243,7 +246,6 @@ class ModelRunner:
         self.seq_buckets = buckets(1, max_num_seqs)
         self.k: jax.Array | None = None  # every layer's pool, layer after layer (models/kv_cache.py)
         self.v: jax.Array | None = None
-        self.compiled: set[tuple] = set()
         self.grammars = grammars
         self.allocate_cache()
 
@@ -314,26 +316,27 @@ class ModelRunner:
                 continue
             if stop():
                 return compiled
-            compiled += self._note_compile(("forward", t_b))
-            hidden, self.k, self.v, _ = self._forward(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
-                                                      np.zeros(t_b, np.int32), pad, pad, tables, pad)
+            compiled += self._is_new(("forward", t_b))
+            hidden, self.k, self.v, _ = self._programs(("forward", t_b), self.leaves, self.k, self.v,
+                                                       np.zeros(t_b, np.int32), np.zeros(t_b, np.int32), pad, pad,
+                                                       tables, pad)
             for b_b in row_buckets:
                 if stop():
                     return compiled
-                compiled += self._note_compile(("rows", t_b, b_b))
-                hidden_rows = self._take_rows(hidden, np.zeros(b_b, np.int32))
+                compiled += self._is_new(("rows", t_b, b_b))
+                hidden_rows = self._programs(("rows", t_b, b_b), hidden, np.zeros(b_b, np.int32))
                 for all_greedy in variants:
                     key = _sample_key(b_b, None, 0, None, None, all_greedy)
                     if key not in self.compiled and not stop():
-                        compiled += self._note_compile(key)
-                        jax.block_until_ready(self._sample(self.head_leaves, hidden_rows,
-                                                           SamplingTensors.from_rows([], b_b), None, None, 0, None,
-                                                           None, all_greedy))
+                        compiled += self._is_new(key)
+                        jax.block_until_ready(self._programs(key, self.head_leaves, hidden_rows,
+                                                             SamplingTensors.from_rows([], b_b), None, None, 0, None,
+                                                             None, all_greedy))
             for key in loops:
                 if stop():
                     return compiled
-                compiled += self._note_compile(key)
-                _, self.k, self.v, _ = self._decode_loop(self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
+                compiled += self._is_new(key)
+                _, self.k, self.v, _ = self._programs(key, self.leaves, self.k, self.v, np.zeros(t_b, np.int32),
                                                       np.zeros(t_b, np.int32), pad, tables, np.zeros(t_b, np.int32),
                                                       SamplingTensors.from_rows([], t_b), self.decode_steps, pad,
                                                       key[3])
@@ -342,9 +345,10 @@ class ModelRunner:
                 continue
             if stop():
                 break
-            compiled += self._note_compile(("score_prompt", num_top))
+            compiled += self._is_new(("score_prompt", num_top))
             rows = np.zeros((_SCORE_CHUNK, self.hidden_size), self.dtype)
-            jax.block_until_ready(self._score_prompt(self.head_leaves, rows, np.zeros(_SCORE_CHUNK, np.int32), num_top))
+            jax.block_until_ready(self._programs(("score_prompt", num_top), self.head_leaves, rows,
+                                                 np.zeros(_SCORE_CHUNK, np.int32), num_top))
         return compiled
 
     def warmup_options(self, stop: Callable[[], bool] = lambda: False) -> int:
@@ -370,18 +374,19 @@ class ModelRunner:
                     continue
                 if stop():
                     return compiled
-                compiled += self._note_compile(key)
-                jax.block_until_ready(self._sample(self.head_leaves, rows, params, hist, hist, num_top, bitmask,
+                compiled += self._is_new(key)
+                jax.block_until_ready(self._programs(key, self.head_leaves, rows, params, hist, hist, num_top, bitmask,
                                                    logit_bias, all_greedy))
         return compiled
 
-    def _note_compile(self, key: tuple) -> int:
-        """Record a program about to run; 1 when it is new (it compiles now), else 0."""
-        if key in self.compiled:
-            return 0
-        self.compiled.add(key)
-        log.info("compiling %s (new shape; %d programs so far)", key, len(self.compiled))
-        return 1
+    @property
+    def compiled(self):
+        """The keys of the programs made so far (compiled or loaded from the program store)."""
+        return self._programs.keys()
+
+    def _is_new(self, key: tuple) -> int:
+        """1 when the program `key` is yet to be made (it is, when it runs next), else 0."""
+        return int(key not in self._programs.keys())
 
     def execute(self, scheduled: list[ScheduledRequest], block_lists: dict[str, list[int]]) -> StepResult:
         """Run one step; block_lists maps each sequence to its KV blocks (the KV manager's table)."""
@@ -414,15 +419,14 @@ class ModelRunner:
             return self._run_decode_loop(scheduled, t_b, tokens, positions, token_seq, tables, lora_ids)
         params, prompt_hist, output_hist, num_top = self._sampling_inputs(scheduled, b_b)
         all_greedy = _all_greedy(scheduled)
-        self._note_compile(("forward", t_b))
-        hidden, self.k, self.v, nonfinite = self._forward(self.leaves, self.k, self.v, tokens, positions, slots,
-                                                          token_seq, tables, lora_ids)
+        hidden, self.k, self.v, nonfinite = self._programs(("forward", t_b), self.leaves, self.k, self.v, tokens,
+                                                           positions, slots, token_seq, tables, lora_ids)
         bitmask = self._grammar_masks(scheduled, b_b)
         bias = self._logit_biases(scheduled, b_b)
-        self._note_compile(("rows", t_b, b_b))
-        self._note_compile(_sample_key(b_b, prompt_hist, num_top, bitmask, bias, all_greedy))
-        out: SamplerOutput = self._sample(self.head_leaves, self._take_rows(hidden, rows), params, prompt_hist,
-                                          output_hist, num_top, bitmask, bias, all_greedy)
+        out: SamplerOutput = self._programs(
+            _sample_key(b_b, prompt_hist, num_top, bitmask, bias, all_greedy), self.head_leaves,
+            self._programs(("rows", t_b, b_b), hidden, rows), params, prompt_hist, output_hist, num_top, bitmask,
+            bias, all_greedy)
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
         return dataclasses.replace(self._result(out, nonfinite, len(scheduled), steps_axis=False),
                                    prompt_logprobs=prompt_logprobs)
@@ -450,9 +454,8 @@ class ModelRunner:
         hidden = np.asarray(hidden)
         pad = -len(rows) % _SCORE_CHUNK
         rows, targets = np.pad(rows, (0, pad)), np.pad(targets, (0, pad))
-        self._note_compile(("score_prompt", num_top))
-        chunks = [self._score_prompt(self.head_leaves, hidden[rows[c:c + _SCORE_CHUNK]], targets[c:c + _SCORE_CHUNK],
-                                     num_top) for c in range(0, len(rows), _SCORE_CHUNK)]
+        chunks = [self._programs(("score_prompt", num_top), self.head_leaves, hidden[rows[c:c + _SCORE_CHUNK]],
+                                 targets[c:c + _SCORE_CHUNK], num_top) for c in range(0, len(rows), _SCORE_CHUNK)]
         out = [np.concatenate([np.asarray(chunk[k]) for chunk in chunks]) for k in range(4)]
         return {i: PromptLogprobs(positions, *(a[at:at + len(positions)] for a in out))
                 for i, positions, at in wanted}
@@ -478,10 +481,9 @@ class ModelRunner:
         limits = np.zeros(t_b, np.int32)
         limits[:len(scheduled)] = [s.limit for s in scheduled]
         all_greedy = _all_greedy(scheduled)
-        self._note_compile(_loop_key(t_b, self.decode_steps, all_greedy))
-        out, self.k, self.v, nonfinite = self._decode_loop(self.leaves, self.k, self.v, tokens, positions, token_seq,
-                                                           tables, limits, params, self.decode_steps, lora_ids,
-                                                           all_greedy)
+        out, self.k, self.v, nonfinite = self._programs(_loop_key(t_b, self.decode_steps, all_greedy), self.leaves,
+                                                        self.k, self.v, tokens, positions, token_seq, tables, limits,
+                                                        params, self.decode_steps, lora_ids, all_greedy)
         return self._result(out, nonfinite, len(scheduled), steps_axis=True)
 
     @staticmethod

@@ -21,8 +21,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
+
+# Pallas (and its Triton backend) is imported where a kernel is traced, not with this module: the import
+# costs ~0.1 s, a twentieth of a warm `generate`, which on a CPU host never traces this kernel.
 
 
 def _pow2(n: int) -> bool:
@@ -35,6 +36,8 @@ def supported(k_cache) -> bool:
 
 
 def _kernel(seq_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, scale, softcap, window):
+    from jax.experimental import pallas as pl
+
     t, h = pl.program_id(0), pl.program_id(1)
     num_blocks, block_size = k_ref.shape[0], k_ref.shape[1]
     max_blocks = tables_ref.shape[1]
@@ -77,6 +80,9 @@ def _kernel(seq_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, scale, 
 def paged_attention_pallas(q, k_cache, v_cache, block_tables, token_seq, token_pos, *, scale: float,
                            softcap: float | None = None, window: int | None = None, interpret: bool = False):
     """The op's forward as a Pallas kernel; arguments as `paged_attention`'s (checked there)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pl_triton
+
     t, heads, d = q.shape
     kv = k_cache.shape[2]
     group = heads // kv

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from tunix_rt.models.config import ModelConfig
 from tunix_rt.models.kv_cache import DenseKVCache, PagedKVCache
@@ -18,6 +19,7 @@ from tunix_rt.models.quant_layers import QuantEmbed, QuantLinear
 from tunix_rt.models.remat import recompute_in_backward, tie
 from tunix_rt.models.rope import apply_rope, inverse_frequencies
 from tunix_rt.ops import attention, grouped_matmul, permute, rms_norm, router_topk, unpermute
+from tunix_rt.ops.attention import SAVED_NAMES as ATTENTION_SAVED
 from tunix_rt.ops.fused_head import head_logprobs
 from tunix_rt.ops.matmul import invariant_dot_general, matmul
 from tunix_rt.ops.quant import dequantize
@@ -96,6 +98,7 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         if cache is None:
+            q, k, v = (checkpoint_name(a, name) for a, name in zip((q, k, v), ("attention_q", "attention_k", "attention_v")))
             out = attention(q, k, v, positions, segment_ids, scale=self.scale, window=self.window, softcap=self.softcap)
         else:
             cache, out = cache.attend(layer, q, k, v, positions, window=self.window, scale=self.scale,
@@ -112,7 +115,8 @@ class MLP(nnx.Module):
         self.act = _ACT[cfg.activation]
 
     def __call__(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = checkpoint_name(self.gate_proj(x), "mlp_gate"), checkpoint_name(self.up_proj(x), "mlp_up")
+        return self.down_proj(self.act(gate) * up)
 
 
 class Experts(nnx.Module):
@@ -154,8 +158,8 @@ class MoEMLP(nnx.Module):
         weights, ids = router_topk(logits, self.top_k, renormalize=self.renormalize)
         rows, row_of, group_sizes = permute(flat, ids, self.num_experts)
         ex = self.experts
-        gate = _experts_matmul(rows, ex.gate_proj.get_value(), group_sizes)
-        up = _experts_matmul(rows, ex.up_proj.get_value(), group_sizes)
+        gate = checkpoint_name(_experts_matmul(rows, ex.gate_proj.get_value(), group_sizes), "mlp_gate")
+        up = checkpoint_name(_experts_matmul(rows, ex.up_proj.get_value(), group_sizes), "mlp_up")
         out = unpermute(_experts_matmul(self.act(gate) * up, ex.down_proj.get_value(), group_sizes), row_of, weights)
         if self.shared:  # the product behind a barrier: no FMA with the add, whatever the fusion
             out = out + jax.lax.optimization_barrier(jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat))
@@ -173,6 +177,11 @@ def _experts_matmul(rows, w, group_sizes):
     return grouped_matmul(rows, w.stack.reshape(layers * experts, *w.stack.shape[2:]), sizes)
 
 
+# What a training layer keeps for its backward (named by checkpoint_name; LayerStack recomputes the rest): the
+# products and the attention kernel's results, not the norms, activations and LoRA products made from them.
+SAVED_IN_TRAINING = ("attention_q", "attention_k", "attention_v", *ATTENTION_SAVED, "residual", "mlp_gate", "mlp_up")
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
@@ -188,7 +197,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, cache, segment_ids=None, layer=None):
         """`layer`: the layer's index in the decoder (a traced int32 in a scanned segment), which the cache needs."""
         attn, cache = self.attn(self.input_norm(x), positions, cache, segment_ids, layer)
-        x = x + (self.post_attn_norm(attn) if self.sandwich else attn)
+        x = checkpoint_name(x + (self.post_attn_norm(attn) if self.sandwich else attn), "residual")
         mlp = self.mlp(self.pre_mlp_norm(x))
         return x + (self.post_mlp_norm(mlp) if self.sandwich else mlp), cache
 
@@ -208,7 +217,7 @@ class Decoder(nnx.Module):
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs,
                                embedding_init=nnx.initializers.normal(0.02))
         self.layers = LayerStack(lambda i, rngs: DecoderLayer(cfg, i, dtype=dtype, rngs=rngs),
-                                 [cfg.layer_kind(i) for i in range(cfg.num_layers)], rngs=rngs)
+                                 [cfg.layer_kind(i) for i in range(cfg.num_layers)], rngs=rngs, saved=SAVED_IN_TRAINING)
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(dtype, rngs, cfg.hidden_size, cfg.vocab_size, False)

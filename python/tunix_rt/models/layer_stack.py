@@ -14,6 +14,12 @@ materialised), which a weight-bound decode step cannot afford. So a stack runs o
 - in place (`read_in_place`, the engine: never differentiated): every weight stays one stacked buffer,
   the body gets views (`LayerView`, a QuantizedTensor with its `layer` set) that the kernels index
   directly; what has no indexing kernel reads its slice, which only small tensors do.
+
+What a scanned layer keeps for its backward is stacked too: each value is written into a zeroed buffer over
+the layers and sliced out again, three passes over memory that an unrolled layer does not make. So when
+differentiated a scanned layer keeps only the values its model names in `saved` (jax.checkpoint's
+save_only_these_names: the products and the attention kernel's results) and recomputes the cheap rest
+(norms, activations, LoRA's rank-r products): the default model's f32 LoRA step went 1.76 -> 1.54 s.
 """
 
 from __future__ import annotations
@@ -133,7 +139,8 @@ class LayerStack(nnx.Module):
     `kinds` (the stacked modules, one per kind), `kind_of[i]` and `index_in_kind[i]` say where layer i
     lives: checkpoints and adapters address a layer through `locate`."""
 
-    def __init__(self, make: Callable[[int, nnx.Rngs], nnx.Module], kinds: Sequence[Hashable], *, rngs: nnx.Rngs):
+    def __init__(self, make: Callable[[int, nnx.Rngs], nnx.Module], kinds: Sequence[Hashable], *, rngs: nnx.Rngs,
+                 saved: Sequence[str] = ()):
         if not kinds:
             raise ValueError("a layer stack needs at least one layer")
         places = layer_places(kinds)
@@ -142,6 +149,7 @@ class LayerStack(nnx.Module):
         self.kinds = nnx.List([_make_stack(make, self.kind_of.index(kind), self.kind_of.count(kind), rngs)
                                for kind in range(max(self.kind_of) + 1)])
         self.segments = plan_segments(self.kind_of)
+        self.saved = tuple(saved)  # checkpoint names of what a scanned layer keeps for its backward
         self.read_in_place = False
 
     def __len__(self) -> int:
@@ -196,6 +204,8 @@ class LayerStack(nnx.Module):
             self._sow(sown, stacked=False)
             return carry, rngs
         xs = None if self.read_in_place else [_slice(stacks[k], i, seg.repeats, s) for k, i, s in zip(kinds, first, step)]
+        if self.saved and not self.read_in_place:
+            group = jax.checkpoint(group, policy=jax.checkpoint_policies.save_only_these_names(*self.saved))
         (carry, rngs), sown = jax.lax.scan(lambda state, x: group(state, x[0], x[1]), (carry, rngs),
                                            (jnp.arange(seg.repeats, dtype=jnp.int32), xs))
         self._sow(sown, stacked=True)

@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from tunix_rt.ops._ffi import platform_dispatch, require_array
 
@@ -119,6 +120,9 @@ def _fwd_call(q, k, v, positions, segment_ids, attrs, out_dtype):
     return jax.ffi.ffi_call(_FWD, out, vmap_method="sequential")(q, k, v, positions, segment_ids, **attrs)
 
 
+SAVED_NAMES = ("attention_out_f32", "attention_lse")  # the forward's residuals, as checkpoint names
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _attention_ffi(q, k, v, positions, segment_ids, attrs_key):
     return _fwd_call(q, k, v, positions, segment_ids, dict(attrs_key), q.dtype)[0]
@@ -126,8 +130,11 @@ def _attention_ffi(q, k, v, positions, segment_ids, attrs_key):
 
 def _vjp_fwd(q, k, v, positions, segment_ids, attrs_key):
     """The output in f32 for the backward's D = rowsum(dO * O): rounded to bf16 first, its error would
-    land in every score gradient where one key takes all the mass."""
+    land in every score gradient where one key takes all the mass. The output and the log-sum-exps are
+    named (SAVED_NAMES) so that a rematerialisation policy can keep them: without them the backward would
+    run the forward kernel again."""
     out, lse = _fwd_call(q, k, v, positions, segment_ids, dict(attrs_key), jnp.float32)
+    out, lse = checkpoint_name(out, SAVED_NAMES[0]), checkpoint_name(lse, SAVED_NAMES[1])
     return out.astype(q.dtype), (q, k, v, positions, segment_ids, out, lse)
 
 

@@ -183,3 +183,36 @@ def test_the_engine_step_copies_no_weight_and_no_pool():
             assert shape_of(line) not in layer_shapes, line
         if " copy(" in line:
             assert shape_of(line) != tuple(runner.k.shape), line
+
+
+def _scan_residuals(model: Decoder) -> int:
+    """How many arrays the forward scan of a LoRA training step hands its backward (stacked over the layers)."""
+    tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % model.config.vocab_size
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+    def loss(adapters):
+        return jnp.sum(nnx.merge(graphdef, adapters, rest).hidden_states(tokens, positions)[0] ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(adapters).jaxpr
+    scans = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]
+    forward = scans[0]
+    return len(forward.outvars) - forward.params["num_carry"]
+
+
+def test_a_trained_scanned_layer_keeps_only_its_named_values():
+    """In training a scanned layer hands its backward only the values the decoder names (the products and the
+    attention kernel's results), stacked over the layers; without the names it hands every intermediate."""
+    cfg = _config(architecture="llama", sandwich_norms=False, layer_types=(FULL,) * 4, num_layers=4)
+    model = apply_lora(Decoder(cfg, rngs=nnx.Rngs(3)), rank=4, alpha=8.0)
+    named = _scan_residuals(model)
+    everything = model.layers.saved
+    model.layers.saved = ()
+    try:
+        unnamed = _scan_residuals(model)
+    finally:
+        model.layers.saved = everything
+    assert named < unnamed
+    from tunix_rt.models.decoder import SAVED_IN_TRAINING
+
+    assert named <= len(SAVED_IN_TRAINING) + 2  # and the layer's input, the positions

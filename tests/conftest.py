@@ -1,10 +1,20 @@
-"""What every test module may use: one Hypothesis profile for every property test (no per-example deadline, as
-a first example pays XLA's compile; no health-check failures for slow or large draws, as op tests draw whole
-arrays), and XLA's cheap compile mode for modules whose programs are small and compiled once per example."""
+"""What every test module may use: a compilation cache per test process, one Hypothesis profile for every
+property test (no per-example deadline, as a first example pays XLA's compile; no health-check failures for
+slow or large draws, as op tests draw whole arrays), and XLA's cheap compile mode for modules whose programs
+are small and compiled once per example."""
 
-import jax
-import pytest
-from hypothesis import HealthCheck, settings
+import os
+import tempfile
+
+# Each test process (an xdist worker, or the main one) and the CLI processes it starts keep their compilation
+# caches in a directory of their own (compile_cache.DEFAULT_DIR follows XDG_CACHE_HOME): JAX writes a cache entry
+# in place, so a process loading the entry another is still writing reads half of it, and XLA aborts.
+os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.gettempdir(), f"tunix-rt-tests-{os.getuid()}",
+                                            os.environ.get("PYTEST_XDIST_WORKER", "main"))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile("tunix-rt", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -8,13 +8,19 @@ part that fails or hangs is recorded and the rest still run:
             head dims 64/128/256 x GQA 1/4/8 (window and softcap on some), f32 and bf16, decode and mixed
             steps; and one decode step's time (64 sequences x 2048 tokens, GQA 4, head dim 128, bf16),
             kernel against reference.
+  quant     the Pallas quantized-matmul kernel against its reference (dequantize, then XLA's dot) on the
+            device: max error for every format and group, f32 and bf16, 1 to 100 rows; and the time of a
+            Llama-1B-shaped projection (K 2048, N 8192; q4_1 and q8_0, bf16 and f32) at 1, 16 and 512 rows,
+            with the packed weight's bytes per second (quant_matmul runs the kernel for bf16 x only; the
+            f32 rows say whether f32 should).
   engine    per model and kernel mode (native: the Pallas kernels; reference: the pure-JAX references):
             load time, the first generate's time (its compiles), decode tokens/s at 1 and 16 streams,
             prefill tokens/s of a 512-token prompt, and the greedy tokens of fixed prompts (compared across
             the two modes).
   train     per model: one LoRA SFT step and one GRPO step (2 steps each: the first compiles).
 Models: SmolLM2-135M-shaped (the default model's shape; its GGUF is too large to carry to the device)
-and Llama-3.2-1B-shaped, random bf16 weights written here as HF directories with a tiny tokenizer.
+and Llama-3.2-1B-shaped, random bf16 weights written here as HF directories with a tiny tokenizer; the engine
+also runs each quantized to q4_1 (`tunix-rt quantize`), the kind of weight the default model has.
 """
 
 from __future__ import annotations
@@ -125,6 +131,55 @@ def part_kernels() -> dict:
                                  kernel_gb_per_s=cache_bytes / kernel_s / 1e9))
 
 
+def part_quant(interpret: bool = False) -> dict:
+    """The quantized-matmul kernel on the device (interpret: on any host, smaller timing shapes, to try the
+    part itself)."""
+    import functools
+    import itertools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tests.ops.test_quant_matmul_pallas import FMT_GROUPS, random_weight
+    from tunix_rt.ops.quant import quant_matmul_reference
+    from tunix_rt.ops.quant_matmul_pallas import quant_matmul_pallas
+
+    def kernel_fn(qt):
+        return jax.jit(functools.partial(quant_matmul_pallas, fmt=qt.fmt, k=qt.shape[0], n=qt.shape[1],
+                                         group=qt.group, interpret=interpret))
+
+    reference = jax.jit(quant_matmul_reference)
+    rng = np.random.default_rng(0)
+    cases = []
+    for fmt, group in FMT_GROUPS:
+        qt = random_weight(rng, fmt, group, 1024, 192)
+        kernel = kernel_fn(qt)
+        for rows in (1, 16, 100):
+            for dtype in (jnp.float32, jnp.bfloat16):
+                x = jnp.asarray(rng.standard_normal((rows, 1024)), dtype)
+                out = np.asarray(kernel(x, qt.qs, qt.scales, qt.mins, None).astype(jnp.float32))
+                ref = np.asarray(reference(x, qt).astype(jnp.float32))
+                cases.append(dict(fmt=fmt, group=group, rows=rows, dtype=jnp.dtype(dtype).name,
+                                  max_abs_err=float(np.abs(out - ref).max()), max_abs=float(np.abs(ref).max())))
+    worst = {dt: max(c["max_abs_err"] / c["max_abs"] for c in cases if c["dtype"] == dt) for dt in ("float32", "bfloat16")}
+    k, n = (2048, 8192) if not interpret else (256, 64)
+    timings = []
+    for fmt in ("q4_1", "q8_0"):
+        qt = random_weight(rng, fmt, 32, k, n)
+        kernel = kernel_fn(qt)
+        weight_bytes = qt.nbytes
+        for rows, dtype in itertools.product((1, 16, 512), (jnp.bfloat16, jnp.float32)):
+            x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+            kernel_s = _median_seconds(functools.partial(kernel, x, qt.qs, qt.scales, qt.mins, None))
+            reference_s = _median_seconds(functools.partial(reference, x, qt))
+            timings.append(dict(fmt=fmt, rows=rows, dtype=jnp.dtype(dtype).name, k=k, n=n, kernel_ms=kernel_s * 1e3,
+                                reference_ms=reference_s * 1e3,
+                                kernel_over_reference=reference_s / kernel_s,
+                                kernel_weight_gb_per_s=weight_bytes / kernel_s / 1e9))
+    return dict(cases=cases, worst_relative_err=worst, timings=timings)
+
+
 def part_engine(model_dir: str) -> dict:
     import numpy as np
 
@@ -224,7 +279,7 @@ def _device_memory() -> dict:
 
 
 def run_part(args) -> None:
-    part = {"kernels": lambda: part_kernels(), "engine": lambda: part_engine(args.model_dir),
+    part = {"kernels": lambda: part_kernels(), "quant": lambda: part_quant(), "engine": lambda: part_engine(args.model_dir),
             "train": lambda: part_train(args.model_dir)}[args.part]
     result = part()
     result.update(_device_memory())
@@ -245,13 +300,27 @@ def _subprocess(argv: list[str], env: dict, timeout: float) -> dict:
     return result
 
 
+def _engine_runs(directory: str, env: dict, timeout: float) -> dict:
+    """The engine part with the device's kernels (native) and with the pure-JAX references, and whether their
+    greedy tokens agree."""
+    runs = {mode: _subprocess(["--part", "engine", "--model-dir", directory], dict(env, TUNIX_RT_KERNELS=mode), timeout)
+            for mode in ("native", "reference")}
+    native, reference = runs["native"].get("greedy_tokens"), runs["reference"].get("greedy_tokens")
+    if native and reference:
+        same = sum(a == b for x, y in zip(native, reference) for a, b in zip(x, y))
+        runs["greedy_tokens_equal"] = f"{same}/{sum(len(x) for x in native)}"
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="device_check.json")
-    parser.add_argument("--part", choices=("kernels", "engine", "train"), help=argparse.SUPPRESS)
+    parser.add_argument("--part", choices=("kernels", "quant", "engine", "train"), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--skip-1b", action="store_true", help="only the SmolLM2-135M-shaped model")
-    parser.add_argument("--parts", default="kernels,engine,train", help="which parts to run (comma-separated)")
+    parser.add_argument("--parts", default="kernels,quant,engine,train", help="which parts to run (comma-separated)")
+    parser.add_argument("--engine-weights", default="bf16,q4_1",
+                        help="which weights the engine part runs each model with (comma-separated: bf16, q4_1)")
     parser.add_argument("--part-timeout", type=float, default=240.0, help="seconds each part may take")
     args = parser.parse_args()
     sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
@@ -270,23 +339,27 @@ def main() -> None:
         print(f"{key}: {json.dumps(value)[:1500]}", flush=True)
 
     parts = set(args.parts.split(","))
-    if "kernels" in parts:
-        record("kernels", _subprocess(["--part", "kernels"], env, args.part_timeout))
+    for kernels in ("kernels", "quant"):
+        if kernels in parts:
+            record(kernels, _subprocess(["--part", kernels], env, args.part_timeout))
     models = dict(MODELS) if args.skip_1b else {**MODELS, "llama-3.2-1b-shape": _llama_1b()}
     with tempfile.TemporaryDirectory() as tmp:
         for name, config in models.items():
             start = time.perf_counter()
             directory = str(write_model(config, Path(tmp) / name))
             report.setdefault("model_write_s", {})[name] = time.perf_counter() - start
-            if "engine" in parts:
-                runs = {mode: _subprocess(["--part", "engine", "--model-dir", directory],
-                                          dict(env, TUNIX_RT_KERNELS=mode), args.part_timeout)
-                        for mode in ("native", "reference")}
-                native, reference = runs["native"].get("greedy_tokens"), runs["reference"].get("greedy_tokens")
-                if native and reference:
-                    same = sum(a == b for x, y in zip(native, reference) for a, b in zip(x, y))
-                    runs["greedy_tokens_equal"] = f"{same}/{sum(len(x) for x in native)}"
-                record(f"engine/{name}", runs)
+            weights = set(args.engine_weights.split(","))
+            if "engine" in parts and "bf16" in weights:
+                record(f"engine/{name}", _engine_runs(directory, env, args.part_timeout))
+            if "engine" in parts and "q4_1" in weights:
+                quantized = str(Path(tmp) / f"{name}-q4_1")
+                start = time.perf_counter()
+                quantize = subprocess.run([sys.executable, "-m", "tunix_rt.cli", "quantize", "--model", directory,
+                                           "--format", "q4_1", "--output", quantized], env=dict(env, JAX_PLATFORMS="cpu"),
+                                          capture_output=True, text=True, timeout=args.part_timeout)
+                report.setdefault("model_quantize_s", {})[name] = time.perf_counter() - start
+                record(f"engine/{name}-q4_1", _engine_runs(quantized, env, args.part_timeout) if quantize.returncode == 0
+                       else {"error": "tunix-rt quantize failed", "stderr_tail": quantize.stderr[-3000:]})
             if "train" in parts:
                 record(f"train/{name}", _subprocess(["--part", "train", "--model-dir", directory], env,
                                                     args.part_timeout))

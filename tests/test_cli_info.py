@@ -27,11 +27,13 @@ def test_info_lists_the_kernel_of_each_op_family_per_platform():
     out = _info("native").stdout
     assert "kernels (TUNIX_RT_KERNELS=native" in out
     assert "  paged attention: cpu C++ FFI (" in out and "cuda Pallas/Triton paged_attention_pallas" in out
-    assert "  quantized matmul: cpu C++ FFI (" in out
+    assert "  quantized matmul: cpu C++ FFI (" in out and "cuda Pallas/Triton quant_matmul_pallas" in out
     interpret = _info("interpret").stdout
     assert ("  paged attention: cpu Pallas/Triton paged_attention_pallas (interpret mode); "
             "cuda Pallas/Triton paged_attention_pallas (interpret mode)") in interpret
-    assert "  quantized matmul: cpu pure-JAX reference (XLA); cuda pure-JAX reference (XLA)" in interpret
+    kernel = "Pallas/Triton quant_matmul_pallas (bf16 activations; f32, quantize, dequantize: XLA) (interpret mode)"
+    assert f"  quantized matmul: cpu {kernel}; cuda {kernel}" in interpret
+    assert "  rms norm: cpu pure-JAX reference (XLA); cuda pure-JAX reference (XLA)" in interpret
 
 
 def test_info_names_an_unknown_kernel_mode():

@@ -580,9 +580,9 @@ def test_warmup_options_compiles_the_samplers_request_options_pick(llama):
         assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
 
 
-def _quantized_llama() -> Decoder:
+def _quantized_llama(dtype=jnp.float32) -> Decoder:
     """The tiny llama with every projection quantized to q4_0 (as GGUF weights load)."""
-    model = Decoder(_llama_config(intermediate_size=64), rngs=nnx.Rngs(2))
+    model = Decoder(_llama_config(intermediate_size=64), dtype=dtype, rngs=nnx.Rngs(2))
     for layer in model.layers.kinds:
         for parent, names in ((layer.attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
                               (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
@@ -604,6 +604,20 @@ def test_quantized_model_compiles_one_forward_per_bucket():
         together = engine.generate(prompts, SamplingParams(max_tokens=10, **GREEDY))
     assert not events and engine.stats().num_compiles == compiled
     assert all(len(o.token_ids) == 10 for o in together)
+    assert_idle(engine)
+
+
+@pytest.mark.accelerator_path
+def test_quantized_greedy_matches_reference():
+    """Packed q4_0 projections (the GGUF default model's kind of weight) under chunked prefill, bf16: on the
+    CPU path the int8 kernels, on the accelerator path the Pallas quantized matmul, in the engine as in the
+    reference generator."""
+    model = _quantized_llama(jnp.bfloat16)
+    engine = _engine(model, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+                     num_kv_blocks=64)
+    prompts = _prompts(22, [2, 9, 19, 33])
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
+    assert [o.token_ids for o in outs] == _reference(model, prompts, 8)
     assert_idle(engine)
 
 

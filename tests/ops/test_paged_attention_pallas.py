@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.ops.conftest import kernels
 from tests.ops.test_paged_attention import BF16, DTYPE_PAIRS, F32, _f32, _fwd_tol, build_case, dense_oracle
 from tunix_rt.ops import _ffi, paged_attention, paged_attention_reference
 from tunix_rt.ops.paged_attention_pallas import paged_attention_pallas, supported
@@ -137,21 +138,11 @@ def test_gradients_are_the_reference_gradients():
 
 
 def _ffi_mode_attention(mode: str):
-    """paged_attention as traced under TUNIX_RT_KERNELS=mode (the mode is read once per process, so the
-    cache is cleared around the trace)."""
+    """paged_attention as traced under TUNIX_RT_KERNELS=mode."""
 
     def attend(*args, **kw):
-        old = os.environ.get("TUNIX_RT_KERNELS")
-        os.environ["TUNIX_RT_KERNELS"] = mode
-        _ffi.kernel_mode.cache_clear()
-        try:
+        with kernels(mode):
             return paged_attention(*args, **kw)
-        finally:
-            if old is None:
-                os.environ.pop("TUNIX_RT_KERNELS")
-            else:
-                os.environ["TUNIX_RT_KERNELS"] = old
-            _ffi.kernel_mode.cache_clear()
 
     return attend
 

@@ -8,7 +8,8 @@ quantizes x to int8 per 32-block and uses integer dot products, as llama.cpp doe
 of a row never depend on the other rows of the call; `invariant=True` makes exact ones so too. Its
 gradient with respect to x is exact (dy @ dequantize(qt).T) and the weights stay frozen, which is
 what QLoRA needs. Each FFI op has a pure-JAX reference with the same signature; quantize and
-dequantize references reproduce gguf.quants bit for bit.
+dequantize references reproduce gguf.quants bit for bit. On CUDA GPUs the matmul of bf16 activations is a
+Pallas kernel that reads the packed weight (quant_matmul_pallas), with the same gradient.
 
 A QuantizedTensor with a `layer` is a stack of weights (every array on a leading layer axis) standing for
 its layer `layer`: quant_matmul reads that layer in place, where a scanned decoder's slice of the stack
@@ -27,6 +28,8 @@ import numpy as np
 
 from tunix_rt.ops._ffi import platform_dispatch, zero_cotangent
 from tunix_rt.ops.matmul import check_layer
+from tunix_rt.ops.quant_matmul_pallas import quant_matmul_pallas
+from tunix_rt.ops.quant_matmul_pallas import supported as pallas_supported
 
 _QUANTIZE, _DEQUANTIZE, _MATMUL = "tunix_rt_quantize", "tunix_rt_dequantize", "tunix_rt_quant_matmul"
 SUB_BLOCK = 32  # nibble packing and activation blocks
@@ -405,24 +408,38 @@ def _ffi_matmul(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route):
                 route=np.int32(route))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _matmul(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route):
-    return _ffi_matmul(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route)
+def _with_dequantized_vjp(forward):
+    """`forward` (the FFI op or the Pallas kernel, neither differentiable) with x's gradient through the
+    dequantized weight; the weight's arrays get none (quantized weights are frozen)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+    def matmul(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route):
+        return forward(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route)
+
+    def fwd(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route):
+        residuals = (qs, scales, mins, lanes, layer)
+        return forward(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route), residuals
+
+    def bwd(fmt, k, n, group, route, residuals, dy):
+        qs, scales, mins, lanes, layer = residuals
+        w = dequantize(QuantizedTensor(qs, scales, mins, fmt, (k, n), group, layer=layer))
+        dx = jnp.matmul(dy.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST).astype(dy.dtype)
+        return dx, *map(zero_cotangent, residuals)
+
+    matmul.defvjp(fwd, bwd)
+    return matmul
 
 
-def _matmul_fwd(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route):
-    residuals = (qs, scales, mins, lanes, layer)
-    return _ffi_matmul(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route), residuals
+_matmul = _with_dequantized_vjp(_ffi_matmul)
 
 
-def _matmul_bwd(fmt, k, n, group, route, residuals, dy):
-    qs, scales, mins, lanes, layer = residuals
-    w = dequantize(QuantizedTensor(qs, scales, mins, fmt, (k, n), group, layer=layer))
-    dx = jnp.matmul(dy.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST).astype(dy.dtype)
-    return dx, *map(zero_cotangent, residuals)
+@functools.cache
+def _pallas_matmul(interpret: bool):
+    def forward(x2, qs, scales, mins, lanes, layer, fmt, k, n, group, route):
+        del lanes, route  # the CPU GEMV's scale layout and int8 route: the kernel multiplies in x's precision
+        return quant_matmul_pallas(x2, qs, scales, mins, layer, fmt=fmt, k=k, n=n, group=group, interpret=interpret)
 
-
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+    return _with_dequantized_vjp(forward)
 
 
 def quant_matmul(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False, int8_rows: int | None = GEMV_ROWS,
@@ -439,6 +456,9 @@ def quant_matmul(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False, int8
     exact=True with invariant=True (int8 activations would flip a small model's argmax); training
     and scoring keep the fastest exact products. A stacked qt (`layer` set) multiplies by its layer
     `layer`, read in place; a layer outside the stack is an error when the op runs.
+
+    On CUDA GPUs (and under TUNIX_RT_KERNELS=interpret) bf16 x multiplies through the Pallas kernel in bf16
+    whatever `exact` and `int8_rows` say, where N is a multiple of 16; elsewhere the reference runs.
     """
     _check_matmul(x, qt)
     _check_int8_rows(int8_rows)
@@ -455,5 +475,10 @@ def quant_matmul(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False, int8
         return quant_matmul_reference(x2, dataclasses.replace(qt, qs=qs, scales=scales, mins=mins, lanes=None,
                                                               layer=layer))
 
-    y = platform_dispatch(_MATMUL, compiled, reference, x2, qt.qs, qt.scales, qt.mins, qt.lanes, layer)
+    pallas = None
+    if pallas_supported(n, x.dtype):
+        def pallas(*args, interpret):
+            return _pallas_matmul(interpret)(*args, qt.fmt, k, n, qt.group, route)
+
+    y = platform_dispatch(_MATMUL, compiled, reference, x2, qt.qs, qt.scales, qt.mins, qt.lanes, layer, cuda=pallas)
     return y.reshape(*lead, n)

@@ -58,6 +58,11 @@ void QuantizeActivationRow(const float* x, int64_t k, int interleave, bool exact
 using TileFn = void (*)(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols,
                         float* y);
 constexpr int kTileRows = 4, kTileCols = 1, kMaxTileCols = 16;  // kernels may take more columns (SelectGemv)
+constexpr int kAvx2TileCols = 2;  // the AVX2 kernels' columns: each activation load serves two of them
+// Columns are walked in blocks of about this many weight bytes, every row tile passing over a block before
+// the next: the block stays in L2 and a row tile's activations in L1, where walking all M rows per column
+// streamed every row's activations from L2 once per column (the AVX2 kernels were bound by it at M = 64).
+constexpr int64_t kColumnBlockBytes = 128 << 10;
 
 // Every kernel computes, per weight group g and activation block b in g:
 //   d_w[g] * d_x[b] * sum(code * xq)  +  correction,
@@ -275,10 +280,21 @@ void ByRows(const Weights& w, const QuantizedActivations& a, int64_t col, int64_
   kTable[rows - 1](w, a, col, r0, rows, cols, y);
 }
 
+template <int kBits, bool kOffset8, bool kHasMin, bool kF16, int C>
+constexpr TileFn kAvx2Rows =
+    ByRows<Tile<kBits, kOffset8, kHasMin, kF16, 1, C>(), Tile<kBits, kOffset8, kHasMin, kF16, 2, C>(),
+           Tile<kBits, kOffset8, kHasMin, kF16, 3, C>(), Tile<kBits, kOffset8, kHasMin, kF16, 4, C>()>;
+
+// kAvx2TileCols columns at a time, one for a last odd column. Every output sums its blocks in the same
+// order in either kernel (its own accumulator, then one horizontal sum): a row's result does not depend
+// on the tile it fell in, nor on the rows beside it.
 template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
-constexpr TileFn kAvx2Tiles =
-    ByRows<Tile<kBits, kOffset8, kHasMin, kF16, 1, kTileCols>(), Tile<kBits, kOffset8, kHasMin, kF16, 2, kTileCols>(),
-           Tile<kBits, kOffset8, kHasMin, kF16, 3, kTileCols>(), Tile<kBits, kOffset8, kHasMin, kF16, 4, kTileCols>()>;
+void Avx2Tiles(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols, float* y) {
+  static_assert(kAvx2TileCols == 2, "one kernel per column count");
+  static constexpr TileFn kByCols[] = {kAvx2Rows<kBits, kOffset8, kHasMin, kF16, 1>,
+                                       kAvx2Rows<kBits, kOffset8, kHasMin, kF16, 2>};
+  kByCols[cols - 1](w, a, col, r0, rows, cols, y);
+}
 
 // ---- AVX-512 VNNI GEMV tiles --------------------------------------------------------------------
 // Sixteen columns ride in the 16 lanes, so each output is summed exactly as VnniGemm sums it, block
@@ -546,14 +562,14 @@ GemvKernel SelectGemv(int32_t fmt) {
   }
   if (isa_level() >= IsaLevel::kAvx2 && cpu_features().f16c) {
     static constexpr TileFn kAvx2[kNumFormats] = {
-        kAvx2Tiles<8, false, false, true>,   // q8_0
-        kAvx2Tiles<4, true, false, true>,    // q4_0
-        kAvx2Tiles<4, false, true, true>,    // q4_1
-        kAvx2Tiles<8, false, false, false>,  // int8
-        kAvx2Tiles<4, true, false, false>,   // int4
+        Avx2Tiles<8, false, false, true>,   // q8_0
+        Avx2Tiles<4, true, false, true>,    // q4_0
+        Avx2Tiles<4, false, true, true>,    // q4_1
+        Avx2Tiles<8, false, false, false>,  // int8
+        Avx2Tiles<4, true, false, false>,   // int4
     };
-    return kFormats[fmt].bits == 4 ? GemvKernel{kAvx2[fmt], 2, kTileCols, PrepPairsAvx2}
-                                   : GemvKernel{kAvx2[fmt], 1, kTileCols, nullptr};
+    return kFormats[fmt].bits == 4 ? GemvKernel{kAvx2[fmt], 2, kAvx2TileCols, PrepPairsAvx2}
+                                   : GemvKernel{kAvx2[fmt], 1, kAvx2TileCols, nullptr};
   }
 #endif
   return GemvKernel{TileScalar, 1, kTileCols, nullptr};
@@ -598,26 +614,27 @@ ffi::Future QuantGemv(ffi::ThreadPool& pool, const Weights& weights, const ffi::
   return ParallelFor(pool, col_tiles, chunks, [=](int64_t, int64_t begin, int64_t end) {
     float tile[kTileRows * kMaxTileCols];
     const int64_t ahead = PrefetchAhead(w.l);
+    const int64_t block_tiles = std::max<int64_t>(1, kColumnBlockBytes / (tile_cols * l.row_bytes()));
     PrefetchColumns(w, begin * tile_cols, ahead);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t c0 = t * tile_cols;
-      const int cols = static_cast<int>(std::min<int64_t>(tile_cols, l.n - c0));
-      PrefetchColumns(w, c0 + ahead, cols);
-      for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
-        tile_fn(w, *act, c0, r0, rows, cols, tile);
-        for (int r = 0; r < rows; ++r) {
-          for (int c = 0; c < cols; ++c) {
-            const int64_t i = (r0 + r) * l.n + c0 + c;
-            if (out_bf16) {
-              static_cast<uint16_t*>(out)[i] = F32ToBf16(tile[r * cols + c]);
-            } else {
-              static_cast<float*>(out)[i] = tile[r * cols + c];
+    for (int64_t t0 = begin; t0 < end; t0 += block_tiles)
+      for (int64_t r0 = 0; r0 < m; r0 += kTileRows)
+        for (int64_t t = t0; t < std::min(end, t0 + block_tiles); ++t) {
+          const int64_t c0 = t * tile_cols;
+          const int cols = static_cast<int>(std::min<int64_t>(tile_cols, l.n - c0));
+          if (r0 == 0) PrefetchColumns(w, c0 + ahead, cols);
+          const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
+          tile_fn(w, *act, c0, r0, rows, cols, tile);
+          for (int r = 0; r < rows; ++r) {
+            for (int c = 0; c < cols; ++c) {
+              const int64_t i = (r0 + r) * l.n + c0 + c;
+              if (out_bf16) {
+                static_cast<uint16_t*>(out)[i] = F32ToBf16(tile[r * cols + c]);
+              } else {
+                static_cast<float*>(out)[i] = tile[r * cols + c];
+              }
             }
           }
         }
-      }
-    }
     return ffi::Error::Success();
   });
 }

@@ -967,6 +967,14 @@ _TIER_SCRIPT = textwrap.dedent(
         qt = quantize(wl, fmt, group)
         for m in (1, 2, 3, 4):
             out[f"{fmt}_long_y{m}"] = np.asarray(quant_matmul(xl[:m], qt))
+    # 64 rows in one call and each row alone (batch invariance), N even and odd (a last one-column tile)
+    wo = jnp.asarray(rng.standard_normal((256, 13)), jnp.float32)
+    for fmt, group in (("q8_0", 32), ("q4_0", 32), ("q4_1", 32), ("int8", 64), ("int4", 128)):
+        for name, weight in (("even", w), ("odd", wo)):
+            qt = quantize(weight, fmt, group)
+            out[f"{fmt}_{name}_rows64"] = np.asarray(quant_matmul(x[:64], qt, int8_rows=None))
+            out[f"{fmt}_{name}_alone"] = np.concatenate(
+                [np.asarray(quant_matmul(x[i:i + 1], qt, int8_rows=None)) for i in range(64)])
     np.savez(sys.argv[1], **out)
     print(json.dumps({"isa": _ffi.isa_level()}))
     """
@@ -1010,6 +1018,18 @@ def test_isa_tier_matches_reference(tier_runs, tier):
             y_ref = _np(quant_matmul_reference(xl[:m], qt_ref))
             _, bound = matmul_error_bound(_np(xl[:m]), qt_ref, F32)
             assert np.all(np.abs(res[f"{fmt}_long_y{m}"] - y_ref) <= bound), (tier, fmt, m)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", TIERS)
+def test_isa_tier_rows_equal_each_row_alone(tier_runs, tier):
+    """On every tier the int8 products of 64 rows in one call (row tiles of 4, column tiles, column blocks)
+    equal each row computed alone, bit for bit: the engine's batch invariance."""
+    _, res = tier_runs[tier]
+    keys = [k for k in res if k.endswith("_rows64")]
+    assert len(keys) == 10
+    for key in keys:
+        assert_bits_equal(res[key], res[key.replace("_rows64", "_alone")], f"{tier} {key}")
 
 
 @pytest.mark.skipif(hardware_tier() == "scalar", reason="needs a SIMD tier to compare with scalar")

@@ -13,7 +13,7 @@ part that fails or hangs is recorded and the rest still run:
             Llama-1B-shaped projection (K 2048, N 8192; q4_1 and q8_0, bf16 and f32) at 1, 16 and 512 rows,
             with the packed weight's bytes per second (quant_matmul runs the kernel for bf16 x only; the
             f32 rows say whether f32 should).
-  engine    per model and kernel mode (native: the Pallas kernels; reference: the pure-JAX references):
+  engine    per model (bf16) and kernel mode (native: the Pallas kernels; reference: the pure-JAX references):
             load time, the first generate's time (its compiles), decode tokens/s at 1 and 16 streams,
             prefill tokens/s of a 512-token prompt, and the greedy tokens of fixed prompts (compared across
             the two modes).
@@ -181,13 +181,16 @@ def part_quant(interpret: bool = False) -> dict:
 
 
 def part_engine(model_dir: str) -> dict:
+    import jax.numpy as jnp
     import numpy as np
 
+    from tunix_rt.checkpoints.loader import load_model
     from tunix_rt.engine.engine import Engine
     from tunix_rt.engine.params import SamplingParams
 
     start = time.perf_counter()
-    engine = Engine(model_dir, max_num_seqs=16)
+    model = load_model(model_dir, dtype=jnp.bfloat16)  # bf16 activations: the dtype the quantized-matmul kernel takes
+    engine = Engine(model.model, model.tokenizer, max_num_seqs=16)
     loaded = time.perf_counter() - start
     vocab = engine.model.config.vocab_size
     rng = np.random.default_rng(0)
@@ -279,7 +282,8 @@ def _device_memory() -> dict:
 
 
 def run_part(args) -> None:
-    part = {"kernels": lambda: part_kernels(), "quant": lambda: part_quant(), "engine": lambda: part_engine(args.model_dir),
+    part = {"kernels": lambda: part_kernels(), "quant": lambda: part_quant(args.interpret),
+            "engine": lambda: part_engine(args.model_dir),
             "train": lambda: part_train(args.model_dir)}[args.part]
     result = part()
     result.update(_device_memory())
@@ -319,6 +323,8 @@ def main() -> None:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--skip-1b", action="store_true", help="only the SmolLM2-135M-shaped model")
     parser.add_argument("--parts", default="kernels,quant,engine,train", help="which parts to run (comma-separated)")
+    parser.add_argument("--interpret", action="store_true",
+                        help="run the quant part's kernel in interpret mode (small shapes): to try the part on any host")
     parser.add_argument("--engine-weights", default="bf16,q4_1",
                         help="which weights the engine part runs each model with (comma-separated: bf16, q4_1)")
     parser.add_argument("--part-timeout", type=float, default=240.0, help="seconds each part may take")
@@ -341,8 +347,11 @@ def main() -> None:
     parts = set(args.parts.split(","))
     for kernels in ("kernels", "quant"):
         if kernels in parts:
-            record(kernels, _subprocess(["--part", kernels], env, args.part_timeout))
+            record(kernels, _subprocess(["--part", kernels] + (["--interpret"] if args.interpret else []), env,
+                                        args.part_timeout))
     models = dict(MODELS) if args.skip_1b else {**MODELS, "llama-3.2-1b-shape": _llama_1b()}
+    if not parts & {"engine", "train"}:
+        models = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, config in models.items():
             start = time.perf_counter()

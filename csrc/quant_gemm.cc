@@ -241,12 +241,14 @@ void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, const f
   if (m <= kGemvRows || row_invariant) {  // dequantize a column, dot it with each row
     std::vector<float> column(k);
     const int64_t ahead = PrefetchAhead(w.l);
+    const int64_t block = std::max<int64_t>(1, kColumnBlockBytes / w.l.row_bytes());
     PrefetchColumns(w, c_begin, ahead);
-    for (int64_t c = c_begin; c < c_end; ++c) {
-      PrefetchColumns(w, c + ahead, 1);
+    for (int64_t b0 = c_begin; b0 < c_end; b0 += block)
       for (int64_t r0 = 0; r0 < m; r0 += kGemvRows)
-        g.column_dots(w, c, x + r0 * k, std::min(kGemvRows, m - r0), column.data(), y + r0 * n, n);
-    }
+        for (int64_t c = b0; c < std::min(c_end, b0 + block); ++c) {
+          if (r0 == 0) PrefetchColumns(w, c + ahead, 1);
+          g.column_dots(w, c, x + r0 * k, std::min(kGemvRows, m - r0), column.data(), y + r0 * n, n);
+        }
     return;
   }
   const int64_t row_tiles = (m + kMR - 1) / kMR;

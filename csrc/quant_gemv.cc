@@ -53,16 +53,12 @@ void QuantizeActivationRow(const float* x, int64_t k, int interleave, bool exact
   }
 }
 
-// A tile of outputs: rows r0..r0+rows-1 (rows <= 4) by columns col..col+cols-1 (cols <= 2),
+// A tile of outputs: rows r0..r0+rows-1 (rows <= 4) by columns col..col+cols-1 (cols <= kMaxTileCols),
 // written to y[r * cols + c].
 using TileFn = void (*)(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols,
                         float* y);
 constexpr int kTileRows = 4, kTileCols = 1, kMaxTileCols = 16;  // kernels may take more columns (SelectGemv)
 constexpr int kAvx2TileCols = 2;  // the AVX2 kernels' columns: each activation load serves two of them
-// Columns are walked in blocks of about this many weight bytes, every row tile passing over a block before
-// the next: the block stays in L2 and a row tile's activations in L1, where walking all M rows per column
-// streamed every row's activations from L2 once per column (the AVX2 kernels were bound by it at M = 64).
-constexpr int64_t kColumnBlockBytes = 128 << 10;
 
 // Every kernel computes, per weight group g and activation block b in g:
 //   d_w[g] * d_x[b] * sum(code * xq)  +  correction,

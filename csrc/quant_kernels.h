@@ -21,6 +21,11 @@ namespace tunix_rt {
 namespace quant {
 
 constexpr int64_t kGemvRows = 4;
+// Kernels that take rows a few at a time walk the columns in blocks of about this many weight bytes, every
+// row tile passing over a block before the next: the block stays in L2 and a row tile's activations in L1,
+// where walking all M rows per column streamed every row's activations from L2 once per column (the AVX2
+// int8 kernels and the row-invariant exact products were bound by it at M = 64).
+constexpr int64_t kColumnBlockBytes = 128 << 10;
 enum Route : int32_t { kInt8 = 0, kExact = 1, kExactRowInvariant = 2 };
 
 // int8 activations: the GEMV kernels (any M; the int8 GEMM is faster past kGemvRows rows).

@@ -967,14 +967,19 @@ _TIER_SCRIPT = textwrap.dedent(
         qt = quantize(wl, fmt, group)
         for m in (1, 2, 3, 4):
             out[f"{fmt}_long_y{m}"] = np.asarray(quant_matmul(xl[:m], qt))
-    # 64 rows in one call and each row alone (batch invariance), N even and odd (a last one-column tile)
+    # 64 rows in one call and each row alone (batch invariance), N even and odd (a last one-column tile), and
+    # K = 4096 by N = 1024, whose GEMV chunks span several ~128 KB column blocks
     wo = jnp.asarray(rng.standard_normal((256, 13)), jnp.float32)
+    ww = jnp.asarray(rng.standard_normal((4096, 1024)), jnp.float32)
+    xw = jnp.asarray(rng.standard_normal((64, 4096)), jnp.float32)
     for fmt, group in (("q8_0", 32), ("q4_0", 32), ("q4_1", 32), ("int8", 64), ("int4", 128)):
-        for name, weight in (("even", w), ("odd", wo)):
+        for name, weight, xs in (("even", w, x), ("odd", wo, x), ("wide", ww, xw)):
+            if name == "wide" and fmt not in ("q8_0", "q4_1"):
+                continue
             qt = quantize(weight, fmt, group)
-            out[f"{fmt}_{name}_rows64"] = np.asarray(quant_matmul(x[:64], qt, int8_rows=None))
+            out[f"{fmt}_{name}_rows64"] = np.asarray(quant_matmul(xs[:64], qt, int8_rows=None))
             out[f"{fmt}_{name}_alone"] = np.concatenate(
-                [np.asarray(quant_matmul(x[i:i + 1], qt, int8_rows=None)) for i in range(64)])
+                [np.asarray(quant_matmul(xs[i:i + 1], qt, int8_rows=None)) for i in range(64)])
     np.savez(sys.argv[1], **out)
     print(json.dumps({"isa": _ffi.isa_level()}))
     """
@@ -1023,13 +1028,20 @@ def test_isa_tier_matches_reference(tier_runs, tier):
 @pytest.mark.slow
 @pytest.mark.parametrize("tier", TIERS)
 def test_isa_tier_rows_equal_each_row_alone(tier_runs, tier):
-    """On every tier the int8 products of 64 rows in one call (row tiles of 4, column tiles, column blocks)
-    equal each row computed alone, bit for bit: the engine's batch invariance."""
+    """On every tier the int8 products of 64 rows in one call equal each row computed alone, bit for bit: the
+    engine's batch invariance (scalar and AVX2: GEMV row tiles of 4 over column tiles and column blocks;
+    AVX-512 VNNI: its int8 GEMM against its GEMV). The odd-N products also meet the int8 error bound."""
     _, res = tier_runs[tier]
     keys = [k for k in res if k.endswith("_rows64")]
-    assert len(keys) == 10
+    assert len(keys) == 12
     for key in keys:
         assert_bits_equal(res[key], res[key.replace("_rows64", "_alone")], f"{tier} {key}")
+    rng = np.random.default_rng(99)  # the script's draws, in its order: w, x, wl, xl, wo
+    draws = [rng.standard_normal(shape) for shape in ((256, 40), (65, 256), (1248, 24), (4, 1248), (256, 13))]
+    x64, wo = draws[1][:64].astype(np.float32), jnp.asarray(draws[4], jnp.float32)
+    for fmt, group in (("q8_0", 32), ("q4_0", 32), ("q4_1", 32), ("int8", 64), ("int4", 128)):
+        y_ref, bound = matmul_error_bound(x64, quantize_reference(wo, fmt, group), F32)
+        assert np.all(np.abs(res[f"{fmt}_odd_rows64"] - y_ref) <= bound), (tier, fmt)
 
 
 @pytest.mark.skipif(hardware_tier() == "scalar", reason="needs a SIMD tier to compare with scalar")

@@ -90,24 +90,24 @@ def test_every_format_and_group(fmt, group, m):
 
 @pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (2048, 8192)])
 def test_real_model_shapes(k, n):
-    """SmolLM2-135M's MLP (576 <-> 1536: K tiles of 64 and 512) and a Llama-1B up projection, one decode row."""
+    """SmolLM2-135M's MLP (576 <-> 1536: K tiles of 64 and 256) and a Llama-1B up projection, one decode row."""
     rng = np.random.default_rng(k + n)
     qt = random_weight(rng, "q4_1", 32, k, n)
     check(jnp.asarray(rng.standard_normal((1, k)), jnp.float32), qt)
 
 
-def test_a_stack_reads_its_layer_and_clamps_one_outside_it():
-    """A device kernel cannot raise: a layer past the stack reads the last one (the reference's dynamic
-    index clamps the same way; the CPU op raises)."""
+def test_a_stack_reads_its_layer_and_takes_one_outside_it_as_the_reference_does():
+    """A device kernel cannot raise: a layer outside the stack is taken as the reference's dynamic index takes
+    it (a negative one counts from the end, then it is clamped; the CPU op raises)."""
     rng = np.random.default_rng(3)
     qt = random_weight(rng, "q4_0", 32, 128, 32, layers=3)
     x = jnp.asarray(rng.standard_normal((2, 128)), jnp.float32)
     for layer in range(3):
         check(x, dataclasses.replace(qt, layer=jnp.int32(layer)))
-    np.testing.assert_array_equal(run_kernel(x, dataclasses.replace(qt, layer=jnp.int32(7))),
-                                  run_kernel(x, dataclasses.replace(qt, layer=jnp.int32(2))))
-    np.testing.assert_array_equal(run_kernel(x, dataclasses.replace(qt, layer=jnp.int32(-4))),
-                                  run_kernel(x, dataclasses.replace(qt, layer=jnp.int32(0))))
+    for outside, inside in ((7, 2), (-1, 2), (-3, 0), (-4, 0), (-10, 0)):
+        np.testing.assert_array_equal(run_kernel(x, dataclasses.replace(qt, layer=jnp.int32(outside))),
+                                      run_kernel(x, dataclasses.replace(qt, layer=jnp.int32(inside))))
+        check(x, dataclasses.replace(qt, layer=jnp.int32(outside)))  # against the reference at the same index
 
 
 def test_no_rows_and_non_finite_rows():

@@ -458,7 +458,8 @@ def quant_matmul(x: jax.Array, qt: QuantizedTensor, *, exact: bool = False, int8
     `layer`, read in place; a layer outside the stack is an error when the op runs.
 
     On CUDA GPUs (and under TUNIX_RT_KERNELS=interpret) bf16 x multiplies through the Pallas kernel in bf16
-    whatever `exact` and `int8_rows` say, where N is a multiple of 16; elsewhere the reference runs.
+    whatever `exact`, `int8_rows` and `invariant` say (its sums follow the call's row count, as XLA's dots do
+    there), where N is a multiple of 16; elsewhere the reference runs.
     """
     _check_matmul(x, qt)
     _check_int8_rows(int8_rows)

@@ -12,8 +12,10 @@ one, so the wrapper splits x's columns the same way (each block's first and seco
 takes two dots, low nibbles against the first halves and high nibbles against the second: no interleave
 in the kernel. Grid: (row tiles, column tiles, K splits). A decode step has one row tile and few column
 tiles, too few programs to keep a GPU's streaming multiprocessors busy, so K is split as well and XLA adds
-the splits' partial sums afterwards. A device kernel cannot raise: a layer
-index outside the stack is clamped into it (the CPU op raises; the reference's dynamic index clamps too).
+the splits' partial sums afterwards (so a row's summation order depends on the rows beside it, as XLA's
+dot's does on a GPU). A device kernel cannot raise: a layer index outside the stack is taken as jax's dynamic
+index takes it in the reference (a negative one counts from the end, then it is clamped into the stack; the
+CPU op raises).
 
 Precision: bf16 x multiplies bf16 tiles into f32 accumulators, as XLA's bf16 dot does; f32 x multiplies in
 IEEE f32 (no TF32). Triton needs tiles of at least 16 along each dot dimension and power-of-two shapes; rows
@@ -85,7 +87,9 @@ def _kernel(layer_ref, *refs, bits, offset8, has_min, group, bm, bn, bk, k_tiles
         x_ref, qs_ref, scales_ref, *rest = refs
     mins_ref, o_ref = rest if has_min else (None, *rest)
     i, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = jnp.clip(layer_ref[0], 0, qs_ref.shape[0] - 1)
+    stack = qs_ref.shape[0]
+    layer = layer_ref[0]
+    layer = jnp.clip(jnp.where(layer < 0, layer + stack, layer), 0, stack - 1)  # as jax's dynamic index
     rows, cols = pl.ds(i * bm, bm), pl.ds(j * bn, bn)
 
     def dot(x, w):

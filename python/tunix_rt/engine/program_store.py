@@ -206,6 +206,10 @@ class Programs:
         """The keys of the programs made so far."""
         return self._ready.keys()
 
+    def text(self, key: tuple) -> str:
+        """The optimized HLO of the program `key` (made already): what names its ops in a profile."""
+        return self._ready[key][0].as_text()
+
     def function(self, name: str) -> Callable:
         """The jitted function behind the programs named `name` (to lower it by hand, as tests do)."""
         return self._functions[name][0]

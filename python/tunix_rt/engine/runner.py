@@ -384,6 +384,10 @@ class ModelRunner:
         """The keys of the programs made so far (compiled or loaded from the program store)."""
         return self._programs.keys()
 
+    def program_text(self, key: tuple) -> str:
+        """The optimized HLO of the program `key` (one of `compiled`), e.g. to name a profile's ops."""
+        return self._programs.text(key)
+
     def _is_new(self, key: tuple) -> int:
         """1 when the program `key` is yet to be made (it is, when it runs next), else 0."""
         return int(key not in self._programs.keys())

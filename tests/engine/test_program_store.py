@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -42,6 +43,23 @@ def test_a_second_set_loads_what_the_first_stored(tmp_path):
     assert buffer.is_deleted()  # the stored program donates as the jitted function does
     for a, b in zip(got, expected):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_program_text_is_the_compiled_hlo_whether_compiled_or_loaded(tmp_path):
+    """What names a profile's ops (benchmarks/profile_decode.py): the optimized HLO, the same for a loaded
+    program as for the one compiled and stored."""
+    compiled = _programs(ProgramStore(tmp_path))
+    compiled(("step", 8, 3), *_args(power=3))
+    loaded = _programs(ProgramStore(tmp_path))
+    loaded(("step", 8, 3), *_args(power=3))
+    text = compiled.text(("step", 8, 3))
+    assert text.startswith("HloModule") and "multiply" in text
+    def instructions(hlo):  # names and ops; source locations differ with the caller
+        return re.findall(r"(\S+) = \S+ (\w[\w-]*)\(", hlo)
+
+    assert instructions(loaded.text(("step", 8, 3))) == instructions(text) != []
+    with pytest.raises(KeyError):
+        compiled.text(("step", 8, 2))  # not made
 
 
 def test_what_decides_a_program_is_in_its_key(tmp_path):

@@ -345,6 +345,7 @@ def main() -> None:
         print(f"{key}: {json.dumps(value)[:1500]}", flush=True)
 
     parts = set(args.parts.split(","))
+    weights = set(args.engine_weights.split(","))
     for kernels in ("kernels", "quant"):
         if kernels in parts:
             record(kernels, _subprocess(["--part", kernels] + (["--interpret"] if args.interpret else []), env,
@@ -357,7 +358,6 @@ def main() -> None:
             start = time.perf_counter()
             directory = str(write_model(config, Path(tmp) / name))
             report.setdefault("model_write_s", {})[name] = time.perf_counter() - start
-            weights = set(args.engine_weights.split(","))
             if "engine" in parts and "bf16" in weights:
                 record(f"engine/{name}", _engine_runs(directory, env, args.part_timeout))
             if "engine" in parts and "q4_1" in weights:

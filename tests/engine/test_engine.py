@@ -292,10 +292,14 @@ def test_moe_greedy_matches_reference():
     experts do not depend on what else the step batches."""
     cfg = _llama_config(architecture="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2,
                         moe_intermediate_size=16, norm_topk_prob=True)
-    model = Decoder(cfg, rngs=nnx.Rngs(4))
+    _assert_greedy_matches_reference(Decoder(cfg, rngs=nnx.Rngs(4)), _prompts(7, [3, 11, 20, 37]))
+
+
+def _assert_greedy_matches_reference(model: Decoder, prompts: list[list[int]]) -> None:
+    """8 greedy tokens per prompt from a small engine (4 sequences, 16-token steps: chunked prefill) equal the
+    reference generator's, and the engine ends idle."""
     engine = _engine(model, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
                      num_kv_blocks=64)
-    prompts = _prompts(7, [3, 11, 20, 37])
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
     assert [o.token_ids for o in outs] == _reference(model, prompts, 8)
     assert_idle(engine)
@@ -612,13 +616,7 @@ def test_quantized_greedy_matches_reference():
     """Packed q4_0 projections (the GGUF default model's kind of weight) under chunked prefill, bf16: on the
     CPU path the int8 kernels, on the accelerator path the Pallas quantized matmul, in the engine as in the
     reference generator."""
-    model = _quantized_llama(jnp.bfloat16)
-    engine = _engine(model, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
-                     num_kv_blocks=64)
-    prompts = _prompts(22, [2, 9, 19, 33])
-    outs = engine.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
-    assert [o.token_ids for o in outs] == _reference(model, prompts, 8)
-    assert_idle(engine)
+    _assert_greedy_matches_reference(_quantized_llama(jnp.bfloat16), _prompts(22, [2, 9, 19, 33]))
 
 
 @pytest.mark.parametrize("buckets", [(4, 8), (0, 16), (4.0, 16), ()])

@@ -25,7 +25,7 @@ from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.engine.engine import Engine
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.engine.reference_generator import GenerationConfig, generate
-from tunix_rt.ops._ffi import isa_level
+from tunix_rt.ops._ffi import int8_matmul_kernels, isa_level
 
 PREFILL_LEN = 512
 
@@ -154,8 +154,9 @@ def main() -> None:
     loaded = load_model("default")
     model, vocab = loaded.model, loaded.model.config.vocab_size
     engine = Engine(model, loaded.tokenizer, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024)
-    print(f"default model (SmolLM2-135M-Instruct Q4_1), kernel tier {isa_level()}, {jax.device_count()} device(s), "
-          f"medians of {repeats}")
+    int8 = int8_matmul_kernels() or {"gemv": "none", "gemm": "none"}
+    print(f"default model (SmolLM2-135M-Instruct Q4_1), kernel tier {isa_level()} (int8 GEMV {int8['gemv']}, "
+          f"GEMM {int8['gemm']}), {jax.device_count()} device(s), medians of {repeats}")
 
     ll_decode, ll_prefill = llama_cpp_rates(args.tokens, repeats, vocab)
     print(f"{'':<28}{'engine tok/s':>14}{'reference':>12}{'llama.cpp':>12}{'eng/ref':>9}{'eng/llama':>11}", flush=True)

@@ -54,14 +54,17 @@ CpuFeatures detect() {
 IsaLevel detect_level(const CpuFeatures& f) {
   IsaLevel hw = IsaLevel::kScalar;
   if (f.avx2 && f.fma) hw = IsaLevel::kAvx2;
-  if (hw == IsaLevel::kAvx2 && f.avx512f && f.avx512bw && f.avx512vl) hw = IsaLevel::kAvx512;
+  if (hw == IsaLevel::kAvx2 && f.avxvnni && f.f16c) hw = IsaLevel::kAvxVnni;
+  if (hw >= IsaLevel::kAvx2 && f.avx512f && f.avx512bw && f.avx512vl) hw = IsaLevel::kAvx512;
   const char* cap = std::getenv("TUNIX_RT_ISA");
   if (cap == nullptr) return hw;
   IsaLevel want = hw;
   if (std::strcmp(cap, "scalar") == 0) want = IsaLevel::kScalar;
   if (std::strcmp(cap, "avx2") == 0) want = IsaLevel::kAvx2;
+  if (std::strcmp(cap, "avxvnni") == 0) want = IsaLevel::kAvxVnni;
   if (std::strcmp(cap, "avx512") == 0) want = IsaLevel::kAvx512;
-  return want < hw ? want : hw;
+  if (want >= hw) return hw;
+  return want == IsaLevel::kAvxVnni && !(f.avxvnni && f.f16c) ? IsaLevel::kAvx2 : want;
 }
 
 }  // namespace
@@ -80,6 +83,7 @@ IsaLevel isa_level() {
 const char* isa_level_name(IsaLevel level) {
   switch (level) {
     case IsaLevel::kAvx512: return "avx512";
+    case IsaLevel::kAvxVnni: return "avxvnni";
     case IsaLevel::kAvx2: return "avx2";
     default: return "scalar";
   }

@@ -19,8 +19,11 @@ struct CpuFeatures {
 };
 
 // Kernel tiers, ordered: a kernel family picks the highest tier it implements that is <= the
-// detected one. TUNIX_RT_ISA=scalar|avx2|avx512 caps the tier (tests use it to cover every path).
-enum class IsaLevel { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// detected one. kAvxVnni is AVX2 with AVX-VNNI (vpdpbusd on 256-bit registers, VEX-encoded: Intel
+// Alder Lake and later, AMD Zen 5); a CPU can have AVX-512 without it, so kernels of that tier check
+// cpu_features().avxvnni as well. TUNIX_RT_ISA=scalar|avx2|avxvnni|avx512 caps the tier (tests use it
+// to cover every path); a cap at avxvnni on a CPU without AVX-VNNI gives avx2.
+enum class IsaLevel { kScalar = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512 = 3 };
 
 const CpuFeatures& cpu_features();
 IsaLevel isa_level();

@@ -12,6 +12,8 @@
 #define AVX2_FN __attribute__((target("avx2,fma")))
 // IsaLevel::kAvx2 and cpu_features().f16c (the fp16 scales of quantized weights).
 #define AVX2_F16C_FN __attribute__((target("avx2,fma,f16c")))
+// IsaLevel::kAvxVnni and cpu_features().avxvnni, f16c.
+#define AVX_VNNI_FN __attribute__((target("avx2,fma,f16c,avxvnni")))
 // IsaLevel::kAvx512 (F, BW and VL).
 #define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 // IsaLevel::kAvx512 and cpu_features().f16c.

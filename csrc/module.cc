@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 
 #include "cpu_features.h"
+#include "quant_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -76,4 +77,13 @@ NB_MODULE(_ext, m) {
   });
 
   m.def("isa_level", [] { return tunix_rt::isa_level_name(tunix_rt::isa_level()); });
+
+  // quant_matmul's int8 route on this tier: format id -> its GEMV's and its int8 GEMM's kernel names.
+  m.def("quant_int8_kernels", [](int32_t fmt) {
+    if (fmt < 0 || fmt >= tunix_rt::quant::kNumFormats) throw nb::value_error("quant_int8_kernels: unknown format id");
+    nb::dict d;
+    d["gemv"] = tunix_rt::quant::GemvKernelName(fmt);
+    d["gemm"] = tunix_rt::quant::Int8GemmName(fmt);
+    return d;
+  });
 }

@@ -89,7 +89,7 @@ ffi::Future QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q
                   lanes.element_count() > 0 ? LayerData(lanes, s, at) : nullptr};
   if (route != kInt8) return QuantGemm(pool, w, x, *y, route == kExactRowInvariant);
 #ifdef TUNIX_RT_X86
-  if (m > kGemvRows && HasVnni()) return VnniGemm(pool, w, x, *y);
+  if (m > kGemvRows && HasInt8Gemm()) return Int8Gemm(pool, w, x, *y);
 #endif
   return QuantGemv(pool, w, x, *y);
 }

@@ -2,6 +2,8 @@
 #include "quant_formats.h"
 
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 namespace tunix_rt {
@@ -116,34 +118,102 @@ void DequantizeRange(const Weights& w, int64_t col, int64_t k0, int64_t kk, floa
   }
 }
 
+namespace {
+// A block holding a NaN or an infinity: all codes 0 and a NaN scale (and sum), so every product it enters
+// is NaN, as a float product's would be (not a finite value from codes cast out of range).
+float NonFiniteBlock(int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x) {
+  std::memset(lo, 0, 16);
+  std::memset(hi, 0, 16);
+  *qsum = 0;
+  if (sum_x != nullptr) *sum_x = std::numeric_limits<float>::quiet_NaN();
+  return std::numeric_limits<float>::quiet_NaN();
+}
+}  // namespace
+
 float QuantizeBlock(const float* xb, int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x) {
   float amax = 0.0f;
-  for (int64_t i = 0; i < kSub; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  for (int64_t i = 0; i < kSub; ++i) {
+    const float a = std::fabs(xb[i]);
+    if (!(a <= std::numeric_limits<float>::max())) return NonFiniteBlock(lo, hi, qsum, sum_x);
+    amax = std::max(amax, a);
+  }
   const float d = amax / 127.0f;
   const float id = d != 0.0f ? 1.0f / d : 0.0f;
   int sum = 0;
-  float exact = 0.0f;
   for (int64_t i = 0; i < kSub; ++i) {
-    exact += xb[i];
     const int v = static_cast<int>(std::nearbyint(xb[i] * id));
     (i < 16 ? lo : hi - 16)[i] = static_cast<int8_t>(v);
     sum += v;
   }
   *qsum = sum;
-  if (sum_x != nullptr) *sum_x = exact;
+  if (sum_x != nullptr) {  // halves added lane by lane, then halving widths: QuantizeBlockAvx512's order
+    float s[16];
+    for (int i = 0; i < 16; ++i) s[i] = xb[i] + xb[16 + i];
+    for (int width = 8; width >= 1; width /= 2)
+      for (int i = 0; i < width; ++i) s[i] += s[i + width];
+    *sum_x = s[0];
+  }
   return d;
 }
 
 #ifdef TUNIX_RT_X86
+AVX2_FN float QuantizeBlockAvx2(const float* xb, int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x) {
+  __m256 x[4];
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 finite_max = _mm256_set1_ps(std::numeric_limits<float>::max());
+  __m256 amax = _mm256_setzero_ps(), nonfinite = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(xb + 8 * i);
+    const __m256 a = _mm256_and_ps(x[i], abs_mask);
+    nonfinite = _mm256_or_ps(nonfinite, _mm256_cmp_ps(a, finite_max, _CMP_NLE_UQ));  // > max, or NaN
+    amax = _mm256_max_ps(amax, a);
+  }
+  if (_mm256_movemask_ps(nonfinite) != 0) return NonFiniteBlock(lo, hi, qsum, sum_x);
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float d = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1))) / 127.0f;
+  const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], id));  // round to nearest even
+  // packs interleave 4-code groups across the 128-bit lanes; the permute restores element order
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm256_castsi256_si128(bytes));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm256_extracti128_si256(bytes, 1));
+  const __m256i qs = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(qs), _mm256_extracti128_si256(qs, 1));
+  s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+  *qsum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1)));
+  if (sum_x != nullptr) {  // QuantizeBlock's order: lanes i and i + width added, width 16, 8, 4, 2, 1
+    const __m256 s8 = _mm256_add_ps(_mm256_add_ps(x[0], x[2]), _mm256_add_ps(x[1], x[3]));
+    const __m128 f4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 f2 = _mm_add_ps(f4, _mm_movehl_ps(f4, f4));
+    *sum_x = _mm_cvtss_f32(_mm_add_ss(f2, _mm_shuffle_ps(f2, f2, 1)));
+  }
+  return d;
+}
+
 VNNI_FN float QuantizeBlockAvx512(const float* xb, int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x) {
   const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-  const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1))) / 127.0f;
+  const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+  const __m512 finite_max = _mm512_set1_ps(std::numeric_limits<float>::max());
+  if ((_mm512_cmp_ps_mask(a0, finite_max, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, finite_max, _CMP_NLE_UQ)) != 0)
+    return NonFiniteBlock(lo, hi, qsum, sum_x);
+  const float d = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1)) / 127.0f;
   const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
   const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtepi32_epi8(q1));
   *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-  if (sum_x != nullptr) *sum_x = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+  if (sum_x != nullptr) {  // QuantizeBlock's order: lanes i and i + width added, width 16, 8, 4, 2, 1
+    const __m512 s16 = _mm512_add_ps(x0, x1);
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s16),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s16), 1)));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    *sum_x = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  }
   return d;
 }
 #endif

@@ -138,15 +138,20 @@ void DequantizeRange(const Weights& w, int64_t col, int64_t k0, int64_t kk, floa
 // ---- activations: int8 per 32-block (llama.cpp's q8 scheme) -------------------------------------
 
 // One 32-block of x quantized to int8 codes with scale d = amax / 127 (returned): elements 0..15 go
-// to lo, 16..31 to hi; *qsum gets the sum of the codes and *sum_x, when given, the f32 sum of x.
+// to lo, 16..31 to hi; *qsum gets the sum of the codes and *sum_x, when given, the f32 sum of x (lanes
+// i and i + w added for w = 16, 8, 4, 2, 1). A block holding a NaN or an infinity gets codes 0 and a NaN
+// scale and sum. Every tier's quantizer gives the same bytes, scale and sum.
 using BlockQuantizer = float (*)(const float* xb, int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x);
 
 float QuantizeBlock(const float* xb, int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x);
 
 #ifdef TUNIX_RT_X86
 
-// QuantizeBlock with AVX-512: the same codes and scale (amax, the multiply and the
-// round-to-nearest-even convert are exact); sum_x adds in another order.
+// QuantizeBlock with AVX2: the same codes, scale and sum_x (see QuantizeBlockAvx512).
+AVX2_FN float QuantizeBlockAvx2(const float* xb, int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x);
+
+// QuantizeBlock with AVX-512: the same codes, scale and sum_x (amax, the multiply and the
+// round-to-nearest-even convert are exact, and sum_x adds in QuantizeBlock's order).
 VNNI_FN float QuantizeBlockAvx512(const float* xb, int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x);
 
 // ---- SIMD loads of codes and scales -------------------------------------------------------------

@@ -1,5 +1,5 @@
 // quant_matmul's GEMM routes (see quant_kernels.h): exact f32 products over dequantized weight
-// panels on the shared f32 micro-kernels (gemm_f32.h), and the int8 GEMM with AVX-512 VNNI.
+// panels on the shared f32 micro-kernels (gemm_f32.h), and the int8 GEMMs (AVX-512 VNNI, AVX-VNNI, AVX2).
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -287,11 +287,11 @@ void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, const f
 // at a time. K runs in panels so x's panel stays in L1; the f32 partial sums live in a
 // column-major scratch (16 rows per vector) between panels and are transposed into y at the end.
 constexpr int kLanes = 16;
-constexpr int64_t kVnniPanelBlocks = 8;  // 256-deep K panels
+constexpr int64_t kPanelBlocks = 8;  // 256-deep K panels (every int8 GEMM)
 
 struct RowPackedActivations {
-  int64_t m, nb, groups;     // rows, 32-blocks, groups of 16 rows
-  std::vector<int8_t> x;     // [group][block][quad 8][lane 16][4]
+  int64_t m, nb, groups;     // rows, 32-blocks, groups of `lanes` rows
+  std::vector<int8_t> x;     // [group][block][quad 8][lane][4]
   std::vector<int32_t> off;  // [group][block][lane]: -off * sum(xq)
   std::vector<float> d, s;   // [group][block][lane]: x block scale; exact block sum (formats with mins)
   int64_t at(int64_t g, int64_t b) const { return g * nb + b; }
@@ -299,31 +299,32 @@ struct RowPackedActivations {
 
 #ifdef TUNIX_RT_X86
 
-// x (M, K) quantized per 32-block by QuantizeBlockAvx512, in the row-packed layout.
-VNNI_FN std::shared_ptr<RowPackedActivations> PackRows(const ffi::AnyBuffer& x, const Layout& l) {
+// x (M, K) quantized per 32-block by `quantize` (the tier's GEMV quantizes with the same function), rows
+// packed `lanes` to a vector; `off` is the offset of the codes the kernel multiplies (0: none).
+std::shared_ptr<RowPackedActivations> PackRows(const ffi::AnyBuffer& x, const Layout& l, int64_t lanes,
+                                               BlockQuantizer quantize, int32_t off) {
   auto a = std::make_shared<RowPackedActivations>();
   const int64_t m = x.dimensions()[0], k = l.k, nb = k / kSub;
   a->m = m;
   a->nb = nb;
-  a->groups = (m + kLanes - 1) / kLanes;
-  a->x.assign(a->groups * nb * kSub * kLanes, 0);
-  a->off.assign(a->groups * nb * kLanes, 0);
-  a->d.assign(a->groups * nb * kLanes, 0.0f);
-  a->s.assign(l.f->has_min ? a->groups * nb * kLanes : 0, 0.0f);
-  const int32_t off = l.f->bits == 8 ? 128 : 8;
+  a->groups = (m + lanes - 1) / lanes;
+  a->x.assign(a->groups * nb * kSub * lanes, 0);
+  a->off.assign(a->groups * nb * lanes, 0);
+  a->d.assign(a->groups * nb * lanes, 0.0f);
+  a->s.assign(l.f->has_min ? a->groups * nb * lanes : 0, 0.0f);
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   std::vector<float> scratch(k);
   for (int64_t r = 0; r < m; ++r) {
-    const int64_t g = r / kLanes, lane = r % kLanes;
+    const int64_t g = r / lanes, lane = r % lanes;
     const float* row = RowAsF32(x.untyped_data(), bf16, r, k, scratch.data());
     for (int64_t b = 0; b < nb; ++b) {
       alignas(32) int8_t q[kSub];
       int32_t qsum;
       float sum_x;
-      const float d = QuantizeBlockAvx512(row + b * kSub, q, q + 16, &qsum, l.f->has_min ? &sum_x : nullptr);
-      int8_t* dst = a->x.data() + a->at(g, b) * kSub * kLanes + lane * 4;
-      for (int quad = 0; quad < kSub / 4; ++quad) std::memcpy(dst + quad * kLanes * 4, q + 4 * quad, 4);
-      const int64_t v = a->at(g, b) * kLanes + lane;
+      const float d = quantize(row + b * kSub, q, q + 16, &qsum, l.f->has_min ? &sum_x : nullptr);
+      int8_t* dst = a->x.data() + a->at(g, b) * kSub * lanes + lane * 4;
+      for (int quad = 0; quad < kSub / 4; ++quad) std::memcpy(dst + quad * lanes * 4, q + 4 * quad, 4);
+      const int64_t v = a->at(g, b) * lanes + lane;
       a->off[v] = -off * qsum;
       a->d[v] = d;
       if (l.f->has_min) a->s[v] = sum_x;
@@ -404,33 +405,95 @@ VNNI_FN void VnniColumns(const Weights& w, const RowPackedActivations& a, int64_
     for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc_out + c * ld + g * kLanes, acc[g][c]);
 }
 
-using VnniColumnsFn = void (*)(const Weights&, const RowPackedActivations&, int64_t, const int64_t*, int64_t, int64_t,
+// ---- int8 GEMM with AVX2 or AVX-VNNI: M > kGemvRows where AVX-512 VNNI is not --------------------
+//
+// The VNNI GEMM's scheme on 8 lanes (quant_int8_columns.inc, one copy per tier): rows ride in the lanes of
+// x packed 4 k at a time, each weight column's 4 codes are broadcast. AVX2 multiplies with maddubs
+// (u8 x s8 pairs into int16): 4-bit codes as stored (0..15), whose products over a whole block add in
+// int16 (|lane| <= 16 * 15 * 127) before one madd into int32, minus 8 * sum(xq) from the lanes' start;
+// 8-bit codes as |code| against x with the code's sign moved onto it (a pair's sum fits int16:
+// 2 * 128 * 127 < 2^15), then madd into int32 every 4 k. AVX-VNNI's vpdpbusd sums into int32 directly
+// (8-bit codes plus 128, as the VNNI GEMM). Every tier ends a block with the same exact integer dot, scaled
+// as the VNNI GEMM and the AVX2 GEMV (quant_gemv.cc) scale it, so a row's result never depends on M.
+constexpr int64_t kAvx2Lanes = 8;
+
+#define INT8_COLUMNS_NAME Avx2Columns
+#define INT8_COLUMNS_FN AVX2_F16C_FN
+#define INT8_COLUMNS_VNNI 0
+#include "quant_int8_columns.inc"
+#undef INT8_COLUMNS_NAME
+#undef INT8_COLUMNS_FN
+#undef INT8_COLUMNS_VNNI
+
+#define INT8_COLUMNS_NAME AvxVnniColumns
+#define INT8_COLUMNS_FN AVX_VNNI_FN
+#define INT8_COLUMNS_VNNI 1
+#include "quant_int8_columns.inc"
+#undef INT8_COLUMNS_NAME
+#undef INT8_COLUMNS_FN
+#undef INT8_COLUMNS_VNNI
+
+using Int8ColumnsFn = void (*)(const Weights&, const RowPackedActivations&, int64_t, const int64_t*, int64_t, int64_t,
                                float*, int64_t);
-// One call covers `cols` columns and two row groups (`pair`), or one (`single`, for an odd last
-// group): 8 int32 and 8 f32 accumulators plus the broadcast codes fit the 32 vector registers.
-struct VnniKernel {
-  VnniColumnsFn pair, single;
+// A tier's int8 GEMM: one call covers `cols` columns and two row groups (`pair`), or one (`single`, for
+// an odd last group); `lanes` rows per group, x quantized by `quantize`, 8-bit codes offset by `off8`.
+// AVX-512 VNNI: 8 int32 and 8 f32 accumulators plus the broadcast codes fit its 32 vector registers;
+// AVX2: 8 integer accumulators, two x vectors and a broadcast fit its 16 (f32 sums go through L1).
+struct Int8Kernel {
+  const char* name;
+  Int8ColumnsFn pair, single;
   int cols;
+  int64_t lanes;
+  BlockQuantizer quantize;
+  int32_t off8;
 };
 
-template <int kBits, bool kHasMin, bool kF16>
-VnniKernel VnniFor(int64_t groups) {
-  if (groups == 1) return {nullptr, VnniColumns<1, 8, kBits, kHasMin, kF16>, 8};
-  return {VnniColumns<2, 4, kBits, kHasMin, kF16>, VnniColumns<1, 4, kBits, kHasMin, kF16>, 4};
+// Two row groups by 4 columns per call, an odd last group alone; a single group takes 8 columns at a time.
+Int8Kernel MakeInt8(const char* name, int64_t groups, Int8ColumnsFn pair4, Int8ColumnsFn single4, Int8ColumnsFn single8,
+                    int64_t lanes, BlockQuantizer quantize, int32_t off8) {
+  if (groups == 1) return {name, nullptr, single8, 8, lanes, quantize, off8};
+  return {name, pair4, single4, 4, lanes, quantize, off8};
 }
 
-VnniKernel SelectVnni(int32_t fmt, int64_t groups) {
+template <int kBits, bool kHasMin, bool kF16>
+Int8Kernel VnniFor(int64_t groups) {
+  return MakeInt8("avx512-vnni", groups, VnniColumns<2, 4, kBits, kHasMin, kF16>,
+                  VnniColumns<1, 4, kBits, kHasMin, kF16>, VnniColumns<1, 8, kBits, kHasMin, kF16>, kLanes,
+                  QuantizeBlockAvx512, 128);
+}
+
+template <int kBits, bool kHasMin, bool kF16>
+Int8Kernel Avx2For(int64_t groups) {
+  if (HasAvxVnni())
+    return MakeInt8("avx-vnni", groups, AvxVnniColumns<2, 4, kBits, kHasMin, kF16>,
+                    AvxVnniColumns<1, 4, kBits, kHasMin, kF16>, AvxVnniColumns<1, 8, kBits, kHasMin, kF16>, kAvx2Lanes,
+                    QuantizeBlockAvx2, 128);
+  return MakeInt8("avx2", groups, Avx2Columns<2, 4, kBits, kHasMin, kF16>, Avx2Columns<1, 4, kBits, kHasMin, kF16>,
+                  Avx2Columns<1, 8, kBits, kHasMin, kF16>, kAvx2Lanes, QuantizeBlockAvx2, 0);
+}
+
+// The int8 GEMM kernel of a format for the detected tier (groups: of the tier's lanes, over M rows).
+Int8Kernel SelectInt8(int32_t fmt, int64_t m) {
+  const bool vnni = HasVnni();
+  const int64_t groups = (m + (vnni ? kLanes : kAvx2Lanes) - 1) / (vnni ? kLanes : kAvx2Lanes);
   switch (fmt) {
-    case 0: return VnniFor<8, false, true>(groups);    // q8_0
-    case 1: return VnniFor<4, false, true>(groups);    // q4_0
-    case 2: return VnniFor<4, true, true>(groups);     // q4_1
-    case 3: return VnniFor<8, false, false>(groups);   // int8
-    default: return VnniFor<4, false, false>(groups);  // int4
+    case 0: return vnni ? VnniFor<8, false, true>(groups) : Avx2For<8, false, true>(groups);     // q8_0
+    case 1: return vnni ? VnniFor<4, false, true>(groups) : Avx2For<4, false, true>(groups);     // q4_0
+    case 2: return vnni ? VnniFor<4, true, true>(groups) : Avx2For<4, true, true>(groups);       // q4_1
+    case 3: return vnni ? VnniFor<8, false, false>(groups) : Avx2For<8, false, false>(groups);   // int8
+    default: return vnni ? VnniFor<4, false, false>(groups) : Avx2For<4, false, false>(groups);  // int4
   }
 }
 #endif
 
 }  // namespace
+
+const char* Int8GemmName(int32_t fmt) {
+#ifdef TUNIX_RT_X86
+  if (HasInt8Gemm()) return SelectInt8(fmt, kGemvRows + 1).name;
+#endif
+  return "none";
+}
 
 DequantFn DequantizerFor(int32_t fmt) {
 #ifdef TUNIX_RT_X86
@@ -479,10 +542,11 @@ ffi::Future QuantGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuf
 }
 
 #ifdef TUNIX_RT_X86
-ffi::Future VnniGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuffer& x, ffi::AnyBuffer y) {
-  const std::shared_ptr<RowPackedActivations> a = PackRows(x, w.l);
-  const VnniKernel kernel = SelectVnni(w.l.format_id(), a->groups);
-  const int64_t n = w.l.n, m = a->m, ld = a->groups * kLanes, nb = a->nb;
+ffi::Future Int8Gemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuffer& x, ffi::AnyBuffer y) {
+  const Int8Kernel kernel = SelectInt8(w.l.format_id(), x.dimensions()[0]);
+  const std::shared_ptr<RowPackedActivations> a = PackRows(x, w.l, kernel.lanes, kernel.quantize,
+                                                           w.l.f->bits == 8 ? kernel.off8 : 8);
+  const int64_t n = w.l.n, m = a->m, ld = a->groups * kernel.lanes, nb = a->nb;
   void* out = y.untyped_data();
   const bool out_bf16 = y.element_type() == ffi::DataType::BF16;
   const int64_t tiles = (n + kernel.cols - 1) / kernel.cols;
@@ -492,8 +556,8 @@ ffi::Future VnniGemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuff
     const int64_t c_begin = begin * kernel.cols, c_end = std::min(n, end * kernel.cols);
     std::vector<float> acc((end - begin) * kernel.cols * ld, 0.0f);
     int64_t cols[8];
-    for (int64_t p0 = 0; p0 < nb; p0 += kVnniPanelBlocks) {
-      const int64_t p1 = std::min(nb, p0 + kVnniPanelBlocks);
+    for (int64_t p0 = 0; p0 < nb; p0 += kPanelBlocks) {
+      const int64_t p1 = std::min(nb, p0 + kPanelBlocks);
       for (int64_t t = begin; t < end; ++t) {
         // a short last tile repeats its last column (into scratch columns nobody reads)
         for (int c = 0; c < kernel.cols; ++c) cols[c] = std::min(n - 1, t * kernel.cols + c);

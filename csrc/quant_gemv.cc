@@ -1,6 +1,7 @@
 // quant_matmul's GEMV route (see quant_kernels.h): x quantized to int8 per 32-block, integer dot
 // products with the weight codes, per ISA tier (scalar, AVX2, AVX-512 VNNI).
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -17,28 +18,25 @@ namespace tunix_rt {
 namespace quant {
 namespace {
 
-// Activations quantized per 32-block: x ~= xd[b] * xq[b*32 + i]; xs[b] = xd[b] * sum(xq in block).
-// s[b] is the block's sum of x: exact for formats with mins (m * sum(x) needs no quantized x), and
-// d * sum(q) for offset formats, whose -8 * sum must cancel against the quantized dot exactly.
-// e[b] (formats with mins) is exact - d * sum(q): q4_1 codes are 0..15, all of one sign, so the
-// kernels take the dot on q - 8 (centred, as accurate as q4_0) by adding 8 * d_w * e.
-// qsum[b] is sum(q) itself, from which the SIMD kernels' integer corrections come.
-// With `interleave` P (2 for AVX2, 4 for AVX-512), each run of P blocks is stored as
+// Activations quantized per 32-block: x ~= d[b] * q[b*32 + i]. s[b] (formats with mins) is the block's
+// exact sum of x, which q4_1's mins multiply (m * sum(x) needs no quantized x); qsum[b] is sum(q), from
+// which the kernels' integer corrections come (4-bit codes are centred: minus 8 * qsum).
+// With `interleave` P (for 4-bit formats: 2 for AVX2, 4 for AVX-512 VNNI), each run of P blocks is stored as
 // [x0[0:16] .. xP-1[0:16] x0[16:32] .. xP-1[16:32]]: the order in which one load of P 4-bit weight
 // blocks unpacks (low nibbles, then high ones), so P blocks take one unpack. A last, shorter run
-// is interleaved by its own length (one block: natural order). pd and pc are the AVX2 kernel's lanes
-// of scales and integer corrections (its prep function fills them).
+// is interleaved by its own length (one block: natural order).
 struct QuantizedActivations {
   int64_t m, k;
   std::vector<int8_t> q;
-  std::vector<float> d, s, e, pd;
-  std::vector<int32_t> qsum, pc;
+  std::vector<float> d, s;
+  std::vector<int32_t> qsum;
   int64_t blocks() const { return k / kSub; }
 };
 
-// x (M, K) rows quantized per 32-block by quantize_block, in the layout above.
-void QuantizeActivationRow(const float* x, int64_t k, int interleave, bool exact_sums, BlockQuantizer quantize_block,
-                           int8_t* q, float* d, float* s, float* e, int32_t* qsum) {
+// One row of x (K values) quantized per 32-block by quantize_block, in the layout above; s (formats with
+// mins, else null) gets the blocks' exact sums.
+void QuantizeActivationRow(const float* x, int64_t k, int interleave, BlockQuantizer quantize_block, int8_t* q,
+                           float* d, float* s, int32_t* qsum) {
   const int64_t nb = k / kSub;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t run = b - b % interleave;                          // first block of b's run
@@ -46,10 +44,7 @@ void QuantizeActivationRow(const float* x, int64_t k, int interleave, bool exact
     // the j-th block of a run of P blocks has its halves at run * 32 + j * 16 and 16 P further
     int8_t* lo = q + run * kSub + (b - run) * 16;
     int8_t* hi = lo + 16 * length;
-    float exact = 0.0f;
-    d[b] = quantize_block(x + b * kSub, lo, hi, &qsum[b], exact_sums ? &exact : nullptr);
-    s[b] = exact_sums ? exact : d[b] * static_cast<float>(qsum[b]);
-    if (exact_sums) e[b] = exact - d[b] * static_cast<float>(qsum[b]);
+    d[b] = quantize_block(x + b * kSub, lo, hi, &qsum[b], s != nullptr ? &s[b] : nullptr);
   }
 }
 
@@ -58,217 +53,36 @@ void QuantizeActivationRow(const float* x, int64_t k, int interleave, bool exact
 using TileFn = void (*)(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols,
                         float* y);
 constexpr int kTileRows = 4, kTileCols = 1, kMaxTileCols = 16;  // kernels may take more columns (SelectGemv)
-constexpr int kAvx2TileCols = 2;  // the AVX2 kernels' columns: each activation load serves two of them
 
-// Every kernel computes, per weight group g and activation block b in g:
-//   d_w[g] * d_x[b] * sum(code * xq)  +  correction,
-// where codes are the stored integers (0..15 for 4-bit formats) and the correction is
-// -8 * d_w[g] * xs[b] for offset formats (q4_0, int4) and m[g] * xs[b] for q4_1.
+// Every tier's kernels compute each output the same way, so the int8 route gives the same bits on every
+// tier, for every M: per activation block b, the exact integer dot of the block's codes (4-bit ones
+// centred, minus 8) with its int8 activations, then acc = fma(float(dot_b), d_x[b] * d_w, acc) and, for
+// q4_1, acc = fma(s_x[b], m + 8 d_w, acc), block after block. The scalar kernel does it one output at a
+// time (std::fma: one rounding, as the SIMD kernels' fused multiply-adds).
 void TileScalar(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols,
                 float* y) {
-  const int64_t per_group = w.l.group / kSub;
+  const int64_t per_group = w.l.group / kSub, nb = a.blocks();
+  const bool centred = w.l.f->bits == 4, has_min = w.l.f->has_min;
   for (int c = 0; c < cols; ++c) {
     const uint8_t* row = w.row(col + c);
     for (int r = 0; r < rows; ++r) {
       const int8_t* xq = a.q.data() + (r0 + r) * a.k;  // natural order: the scalar tier never pairs
-      const float* xd = a.d.data() + (r0 + r) * a.blocks();
-      const float* xs = a.s.data() + (r0 + r) * a.blocks();
-      const float* xe = w.l.f->has_min ? a.e.data() + (r0 + r) * a.blocks() : nullptr;
-      float acc = 0.0f, corr = 0.0f;
-      for (int64_t b = 0; b < a.blocks(); ++b) {
+      const int64_t at = (r0 + r) * nb;
+      float acc = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
         int32_t dot = 0;
         for (int64_t i = 0; i < kSub; ++i) dot += Code(w.l, row, b * kSub + i) * xq[b * kSub + i];
+        if (centred) dot -= 8 * a.qsum[at + b];
         const float dw = w.scale(col + c, b / per_group);
-        acc += dw * xd[b] * static_cast<float>(dot);
-        if (w.l.f->offset8) corr -= 8.0f * dw * xs[b];
-        if (w.l.f->has_min) corr += w.min(col + c, b / per_group) * xs[b] + 8.0f * dw * xe[b];
+        acc = std::fma(static_cast<float>(dot), a.d[at + b] * dw, acc);
+        if (has_min) acc = std::fma(a.s[at + b], w.min(col + c, b / per_group) + 8.0f * dw, acc);
       }
-      y[r * cols + c] = acc + corr;
+      y[r * cols + c] = acc;
     }
   }
 }
 
 #ifdef TUNIX_RT_X86
-template <int kBits, bool kOffset8, bool kHasMin, bool kF16, int R, int C>
-AVX2_F16C_FN void TileAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int,
-                           float* y) {
-  const int64_t nb = a.blocks(), per_group = w.l.group / kSub, groups = w.l.groups();
-  (void)nb;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][C];
-  float corr[R][C];
-  const uint8_t* wrow[C];
-  const int8_t* xq[R];
-  const float *xd[R], *xs[R];
-  for (int c = 0; c < C; ++c) wrow[c] = w.row(col + c);
-  for (int r = 0; r < R; ++r) {
-    xq[r] = a.q.data() + (r0 + r) * a.k;
-    xd[r] = a.d.data() + (r0 + r) * nb;
-    xs[r] = a.s.data() + (r0 + r) * nb;
-    for (int c = 0; c < C; ++c) {
-      acc[r][c] = _mm256_setzero_ps();
-      corr[r][c] = 0.0f;
-    }
-  }
-  for (int64_t g = 0; g < groups; ++g) {
-    float dw[C], mw[C];
-    for (int c = 0; c < C; ++c) {
-      dw[c] = ScaleAt<kF16>(w.scales, (col + c) * groups + g);
-      mw[c] = kHasMin ? _cvtsh_ss(w.mins[(col + c) * groups + g]) : 0.0f;
-    }
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      __m256i codes[C], wu[C];
-      for (int c = 0; c < C; ++c) {
-        codes[c] = LoadCodes<kBits>(wrow[c], b);
-        // maddubs multiplies unsigned by signed bytes: signed codes move their signs onto x.
-        wu[c] = kBits == 8 ? _mm256_sign_epi8(codes[c], codes[c]) : codes[c];
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * kSub));
-        const float xdb = xd[r][b], xsb = xs[r][b];
-        for (int c = 0; c < C; ++c) {
-          const __m256i xsgn = kBits == 8 ? _mm256_sign_epi8(xv, codes[c]) : xv;
-          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu[c], xsgn), ones);
-          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw[c] * xdb), acc[r][c]);
-          if constexpr (kOffset8) corr[r][c] += dw[c] * xsb;
-          if constexpr (kHasMin) corr[r][c] += mw[c] * xsb;
-        }
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * C + c] = HSum8(acc[r][c]) + (kOffset8 ? -8.0f * corr[r][c] : corr[r][c]);
-}
-
-// q4_1's correction for one column and activation row: the sum over blocks of m * s + 8 * d * e
-// (see QuantizedActivations), eight blocks per step.
-AVX2_F16C_FN inline float MinCorrectionAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t row) {
-  const int64_t nb = a.blocks(), groups = w.l.groups();
-  const int shift = GroupShift(w.l.group);
-  const float* xs = a.s.data() + row * nb;
-  const float* xe = a.e.data() + row * nb;
-  const uint16_t* mc = w.mins + col * groups;
-  const uint16_t* dc = static_cast<const uint16_t*>(w.scales) + col * groups;
-  __m256 v = _mm256_setzero_ps();
-  int64_t b = 0;
-  if (shift == 0)
-    for (; b + 8 <= nb; b += 8) {
-      const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mc + b)));
-      const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dc + b)));
-      v = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + b), v);
-      v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), d8), _mm256_loadu_ps(xe + b), v);
-    }
-  float tail = 0.0f;
-  for (; b < nb; ++b) tail += _cvtsh_ss(mc[b >> shift]) * xs[b] + 8.0f * _cvtsh_ss(dc[b >> shift]) * xe[b];
-  return HSum8(v) + tail;
-}
-
-// 4-bit formats over paired activations: one 32-byte load unpacks two weight blocks; both
-// blocks' int16 products add before one madd (|sum| <= 4 * 15 * 127, no saturation), and the
-// per-block scales multiply the 8 int32 lanes as [s0 x4, s1 x4].
-template <bool kOffset8, bool kHasMin, bool kF16, int R, int C>
-AVX2_F16C_FN void TilePairsAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int, int,
-                                float* y) {
-  const int64_t nb = a.blocks(), groups = w.l.groups();
-  const int shift = GroupShift(w.l.group);  // block -> group: b >> shift
-  const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0f);
-  __m256 acc[R][C];
-  float corr[R][C];
-  const uint8_t* wrow[C];
-  const int8_t* xq[R];
-  const float *xs[R], *xd[R], *pd[R];
-  const int32_t* pc[R];
-  for (int c = 0; c < C; ++c) wrow[c] = w.row(col + c);
-  for (int r = 0; r < R; ++r) {
-    xq[r] = a.q.data() + (r0 + r) * a.k;
-    xd[r] = a.d.data() + (r0 + r) * nb;
-    xs[r] = a.s.data() + (r0 + r) * nb;
-    pd[r] = a.pd.data() + (r0 + r) * nb * 4;
-    pc[r] = kOffset8 ? a.pc.data() + (r0 + r) * nb * 4 : nullptr;
-    for (int c = 0; c < C; ++c) {
-      acc[r][c] = _mm256_setzero_ps();
-      corr[r][c] = 0.0f;
-    }
-  }
-  const int64_t pairs = nb / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t b0 = 2 * p, b1 = b0 + 1;
-    __m256i lo[C], hi[C];
-    __m256 dw[C];
-    for (int c = 0; c < C; ++c) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[c] + p * kSub));
-      lo[c] = _mm256_and_si256(raw, mask);
-      hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-      const int64_t s0 = (col + c) * groups + (b0 >> shift), s1 = (col + c) * groups + (b1 >> shift);
-      if (kF16 && shift == 0) {  // two adjacent halves: one load, one conversion, one permute
-        uint32_t both;
-        std::memcpy(&both, static_cast<const uint16_t*>(w.scales) + s0, sizeof(both));
-        dw[c] = _mm256_permutevar8x32_ps(
-            _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(both)))),
-            _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-      } else {
-        dw[c] = _mm256_set_m128(_mm_set1_ps(ScaleAt<kF16>(w.scales, s1)), _mm_set1_ps(ScaleAt<kF16>(w.scales, s0)));
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 2 * kSub));
-      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 2 * kSub + kSub));
-      const __m256 xdv = _mm256_loadu_ps(pd[r] + p * 8);
-      __m256i pcv = _mm256_setzero_si256();
-      if constexpr (kOffset8) pcv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc[r] + p * 8));
-      for (int c = 0; c < C; ++c) {
-        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], xlo), _mm256_maddubs_epi16(hi[c], xhi));
-        __m256i dot = _mm256_madd_epi16(s16, ones);
-        if constexpr (kOffset8) dot = _mm256_sub_epi32(dot, pcv);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw[c], xdv), acc[r][c]);
-      }
-    }
-  }
-  if (nb % 2) {  // the last, unpaired block (natural order)
-    const int64_t b = nb - 1;
-    for (int c = 0; c < C; ++c) {
-      const __m256i codes = LoadCodes<4>(wrow[c], b);
-      const float d = ScaleAt<kF16>(w.scales, (col + c) * groups + (b >> shift));
-      for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * kSub));
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), ones);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[r][b]), acc[r][c]);
-        if constexpr (kOffset8) corr[r][c] += d * xs[r][b];
-      }
-    }
-  }
-  if constexpr (kHasMin)
-    for (int c = 0; c < C; ++c)
-      for (int r = 0; r < R; ++r) corr[r][c] = MinCorrectionAvx2(w, a, col + c, r0 + r);
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * C + c] = HSum8(acc[r][c]) + (kOffset8 ? -8.0f * corr[r][c] : corr[r][c]);
-}
-
-// TilePairsAvx2's lanes: pd[b * 4 + j] = d[b] (j < 4), the scales as its 8 lanes hold a pair's
-// blocks; pc (offset formats) [8 qsum[b], 0, 0, 0] per block, subtracted from the integer dot:
-// sum((code - 8) * q) exactly, with no scalar correction.
-void PrepPairsAvx2(QuantizedActivations& a, bool offset8) {
-  const int64_t nb = a.blocks(), paired = nb / 2 * 2;
-  a.pd.assign(a.m * nb * 4, 0.0f);
-  a.pc.assign(offset8 ? a.m * nb * 4 : 0, 0);
-  for (int64_t r = 0; r < a.m; ++r)
-    for (int64_t b = 0; b < paired; ++b) {
-      const int64_t i = r * nb + b;
-      std::fill_n(a.pd.data() + i * 4, 4, a.d[i]);
-      if (offset8) a.pc[i * 4] = 8 * a.qsum[i];
-    }
-}
-
-// The AVX2 kernel of a format for R rows by C columns.
-template <int kBits, bool kOffset8, bool kHasMin, bool kF16, int R, int C>
-constexpr TileFn Tile() {
-  if constexpr (kBits == 8) {
-    return TileAvx2<kBits, kOffset8, kHasMin, kF16, R, C>;
-  } else {
-    return TilePairsAvx2<kOffset8, kHasMin, kF16, R, C>;
-  }
-}
-
 // One kernel per row count (1..kTileRows), dispatched at run time by the tile's shape.
 template <TileFn... kRows>
 void ByRows(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols, float* y) {
@@ -276,27 +90,179 @@ void ByRows(const Weights& w, const QuantizedActivations& a, int64_t col, int64_
   kTable[rows - 1](w, a, col, r0, rows, cols, y);
 }
 
-template <int kBits, bool kOffset8, bool kHasMin, bool kF16, int C>
-constexpr TileFn kAvx2Rows =
-    ByRows<Tile<kBits, kOffset8, kHasMin, kF16, 1, C>(), Tile<kBits, kOffset8, kHasMin, kF16, 2, C>(),
-           Tile<kBits, kOffset8, kHasMin, kF16, 3, C>(), Tile<kBits, kOffset8, kHasMin, kF16, 4, C>()>;
+// ---- AVX2 GEMV tiles ----------------------------------------------------------------------------
+// Eight columns ride in the 8 lanes, so each output is summed exactly as the AVX2 int8 GEMM sums it
+// (quant_gemm.cc), block after block: acc = fma(float(dot_b), d_x[b] * d_w[b], acc), then for q4_1
+// acc = fma(s_x[b], m + 8 d_w, acc), where dot_b is the whole block's centred integer dot (4-bit codes
+// minus 8; 8-bit codes as they are). A row's result thus never depends on the route its call took
+// (GEMV up to kGemvRows rows, the GEMM past them) or on the rows beside it. Per block, each column's
+// products come from maddubs (u8 x s8 pairs into int16: 4-bit codes as stored; 8-bit ones as |code|
+// against x carrying the code's sign, so a pair's sum fits, |2 * 128 * 127| < 2^15), and the eight
+// columns' partial sums fold into one vector of block dots by horizontal adds: for 4-bit in int16
+// (|lane| <= 16 * 15 * 127 after three levels), for 8-bit in int32 after madd.
 
-// kAvx2TileCols columns at a time, one for a last odd column. Every output sums its blocks in the same
-// order in either kernel (its own accumulator, then one horizontal sum): a row's result does not depend
-// on the tile it fell in, nor on the rows beside it.
-template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
-void Avx2Tiles(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols, float* y) {
-  static_assert(kAvx2TileCols == 2, "one kernel per column count");
-  static constexpr TileFn kByCols[] = {kAvx2Rows<kBits, kOffset8, kHasMin, kF16, 1>,
-                                       kAvx2Rows<kBits, kOffset8, kHasMin, kF16, 2>};
-  kByCols[cols - 1](w, a, col, r0, rows, cols, y);
+constexpr int kAvx2Columns = 8;  // columns per tile: the lanes
+
+// dw lane c = d_w of column cols[c] at block b and, with mins, mw lane c = m + 8 d_w (the GEMM's
+// correction factor, rounded once). From the weight's column-lane scales where it has them (tile
+// `col` / 8 is one half of a 16-column lane tile), else gathered column by column.
+template <bool kHasMin, bool kF16>
+AVX2_F16C_FN inline void BlockColumnScales(const Weights& w, int64_t col, const int64_t* cols, int64_t b, __m256* dw,
+                                           __m256* mw) {
+  const int64_t g = b >> GroupShift(w.l.group), groups = w.l.groups();
+  if (w.lanes != nullptr) {
+    constexpr int64_t kWidth = kLaneColumns * (kHasMin ? 2 : 1);
+    const int64_t at = ((col / kLaneColumns) * groups + g) * kWidth + col % kLaneColumns;
+    if constexpr (kF16) {
+      const uint16_t* lane = static_cast<const uint16_t*>(w.lanes) + at;
+      *dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lane)));
+      if constexpr (kHasMin) {
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lane + kLaneColumns)));
+        *mw = _mm256_fmadd_ps(_mm256_set1_ps(8.0f), *dw, m);
+      }
+    } else {
+      *dw = _mm256_loadu_ps(static_cast<const float*>(w.lanes) + at);
+    }
+    return;
+  }
+  alignas(32) float d[kAvx2Columns], m[kAvx2Columns];
+  for (int c = 0; c < kAvx2Columns; ++c) {
+    d[c] = ScaleAt<kF16>(w.scales, cols[c] * groups + g);
+    if constexpr (kHasMin) m[c] = _cvtsh_ss(w.mins[cols[c] * groups + g]) + 8.0f * d[c];
+  }
+  *dw = _mm256_load_ps(d);
+  if constexpr (kHasMin) *mw = _mm256_load_ps(m);
 }
 
+// The eight columns' integer dots of one activation block (xv: its 32 codes, natural order): 4-bit
+// codes[c] are 0..15 (uncentred dots); 8-bit ones are |code| with signs[c] the codes themselves.
+template <int kBits>
+AVX2_F16C_FN inline __m256i BlockDots(const uint8_t (*codes)[kSub], const int8_t (*signs)[kSub], __m256i xv) {
+  __m256i p[kAvx2Columns];
+  for (int c = 0; c < kAvx2Columns; ++c) {
+    const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[c]));
+    if constexpr (kBits == 4) {
+      p[c] = _mm256_maddubs_epi16(u, xv);
+    } else {
+      const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(signs[c]));
+      p[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(xv, s)), _mm256_set1_epi16(1));
+    }
+  }
+  if constexpr (kBits == 4) {  // int16: [columns 0..7 over bytes 0..15 | over bytes 16..31]
+    const __m256i h = _mm256_hadd_epi16(
+        _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3])),
+        _mm256_hadd_epi16(_mm256_hadd_epi16(p[4], p[5]), _mm256_hadd_epi16(p[6], p[7])));
+    return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(h)),
+                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(h, 1)));
+  } else {  // int32: [columns 0..3 | 0..3] and [4..7 | 4..7] over the halves, then the halves added
+    const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+  }
+}
+
+// Two 4-bit blocks' dots with the eight columns at once, over activations interleaved by 2: lo[c] and
+// hi[c] hold one 32-byte load of column c's two blocks (low nibbles: elements 0..15 of each block, high
+// ones: 16..31), xlo and xhi the run's matching halves, so 128-bit lane j of every product is block j.
+// Two horizontal levels in int16 (|lane| <= 16 * 15 * 127), then madd into int32 and a 128-bit regroup.
+AVX2_F16C_FN inline void PairDots4(const uint8_t (*lo)[kSub], const uint8_t (*hi)[kSub], __m256i xlo, __m256i xhi,
+                                   __m256i dots[2]) {
+  __m256i p[kAvx2Columns];
+  for (int c = 0; c < kAvx2Columns; ++c)
+    p[c] = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(lo[c])), xlo),
+                            _mm256_maddubs_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(hi[c])), xhi));
+  const __m256i ones = _mm256_set1_epi16(1);
+  // lane j: columns 0..3 (then 4..7) of block j
+  const __m256i m0 = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3])),
+                                       ones);
+  const __m256i m1 = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[4], p[5]), _mm256_hadd_epi16(p[6], p[7])),
+                                       ones);
+  dots[0] = _mm256_permute2x128_si256(m0, m1, 0x20);
+  dots[1] = _mm256_permute2x128_si256(m0, m1, 0x31);
+}
+
+// acc += one block's products for a row (dot: its uncentred integer dots with the eight columns).
+template <int kBits, bool kHasMin>
+AVX2_F16C_FN inline __m256 AddBlock(const QuantizedActivations& a, int64_t at, __m256i dot, __m256 dw, __m256 mw,
+                                    __m256 acc) {
+  if constexpr (kBits == 4) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * a.qsum[at]));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_set1_ps(a.d[at]), dw), acc);
+  if constexpr (kHasMin) acc = _mm256_fmadd_ps(_mm256_set1_ps(a.s[at]), mw, acc);
+  return acc;
+}
+
+// 4-bit formats read activations interleaved by 2 (SelectGemv) and take two blocks per step; a last odd
+// block, stored in natural order, goes alone. 8-bit ones read them in natural order, a block per step.
+template <int kBits, bool kHasMin, bool kF16, int R>
+AVX2_F16C_FN void TileColumnsAvx2(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int,
+                                  int cols, float* y) {
+  const int64_t nb = a.blocks();
+  int64_t colv[kAvx2Columns];
+  const uint8_t* wrow[kAvx2Columns];
+  for (int c = 0; c < kAvx2Columns; ++c) {  // a short tile repeats its last column (lanes nobody reads)
+    colv[c] = col + std::min(c, cols - 1);
+    wrow[c] = w.row(colv[c]);
+  }
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  alignas(32) uint8_t codes[kAvx2Columns][kSub], high[kBits == 4 ? kAvx2Columns : 1][kSub];
+  alignas(32) int8_t signs[kBits == 8 ? kAvx2Columns : 1][kSub];
+  int64_t b = 0;
+  if constexpr (kBits == 4) {
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    for (; b + 2 <= nb; b += 2) {
+      for (int c = 0; c < kAvx2Columns; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[c] + b * kSub / 2));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[c]), _mm256_and_si256(raw, mask));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(high[c]), _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
+      }
+      __m256 dw[2], mw[2];
+      BlockColumnScales<kHasMin, kF16>(w, col, colv, b, &dw[0], &mw[0]);
+      BlockColumnScales<kHasMin, kF16>(w, col, colv, b + 1, &dw[1], &mw[1]);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = a.q.data() + (r0 + r) * a.k + b * kSub;
+        __m256i dots[2];
+        PairDots4(codes, high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)),
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + kSub)), dots);
+        const int64_t at = (r0 + r) * nb + b;
+        acc[r] = AddBlock<4, kHasMin>(a, at, dots[0], dw[0], mw[0], acc[r]);
+        acc[r] = AddBlock<4, kHasMin>(a, at + 1, dots[1], dw[1], mw[1], acc[r]);
+      }
+    }
+  }
+  for (; b < nb; ++b) {
+    for (int c = 0; c < kAvx2Columns; ++c) {
+      const __m256i raw = LoadCodes<kBits>(wrow[c], b);
+      if constexpr (kBits == 8) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[c]), _mm256_sign_epi8(raw, raw));  // -128: 128 as u8
+        _mm256_store_si256(reinterpret_cast<__m256i*>(signs[c]), raw);
+      } else {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[c]), raw);
+      }
+    }
+    __m256 dw, mw;
+    BlockColumnScales<kHasMin, kF16>(w, col, colv, b, &dw, &mw);
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (r0 + r) * a.k + b * kSub));
+      acc[r] = AddBlock<kBits, kHasMin>(a, (r0 + r) * nb + b, BlockDots<kBits>(codes, signs, xv), dw, mw, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[kAvx2Columns];
+    _mm256_store_ps(out, acc[r]);
+    std::memcpy(y + r * cols, out, cols * sizeof(float));
+  }
+}
+
+template <int kBits, bool kHasMin, bool kF16>
+constexpr TileFn kAvx2Columns8 =
+    ByRows<TileColumnsAvx2<kBits, kHasMin, kF16, 1>, TileColumnsAvx2<kBits, kHasMin, kF16, 2>,
+           TileColumnsAvx2<kBits, kHasMin, kF16, 3>, TileColumnsAvx2<kBits, kHasMin, kF16, 4>>;
 // ---- AVX-512 VNNI GEMV tiles --------------------------------------------------------------------
-// Sixteen columns ride in the 16 lanes, so each output is summed exactly as VnniGemm sums it, block
+// Sixteen columns ride in the 16 lanes, so each output is summed exactly as the VNNI int8 GEMM sums it, block
 // after block: acc = fma(float(dot_b), d_x[b] * d_w[b], acc), then for q4_1 acc = fma(s_x[b], m + 8 d_w,
 // acc), where dot_b is the whole block's centred integer dot (codes minus 8 or 128). A row's result
-// thus never depends on the route its call took (GEMV up to kGemvRows rows, VnniGemm past them) or
+// thus never depends on the route its call took (GEMV up to kGemvRows rows, the GEMM past them) or
 // on the rows beside it. Weights are read as stored: one 64-byte load holds four 4-bit blocks (two
 // 8-bit ones) of one column, and the integer partial sums of 16 columns are folded into one vector
 // of whole-block dots per block by packs/madds (4-bit: |lane| <= 8 * 15 * 127 fits int16) or int32
@@ -340,7 +306,7 @@ VNNI_FN inline void Transpose16(__m512 r[16]) {
 }
 
 // Per block of the stripe [b0, b0 + count): dw[j] lane c = d_w of column cols[c] at block b0 + j and,
-// with mins, mw[j] lane c = m + 8 d_w (VnniGemm's correction factor, rounded once). From the weight's
+// with mins, mw[j] lane c = m + 8 d_w (the GEMM's correction factor, rounded once). From the weight's
 // column-lane scales where it has them (tile: the columns' tile), else by transposing the columns'.
 template <bool kHasMin, bool kF16>
 VNNI_FN void StripeColumnScales(const Weights& w, int64_t tile, const int64_t* cols, int64_t b0, int64_t count,
@@ -402,7 +368,7 @@ VNNI_FN inline void Transpose128(const __m512i v[4], __m512i out[4]) {
 }
 
 // acc += the blocks [b0, b0 + nq) of one row, dots[j] lane c holding block b0 + j's uncentred dot
-// with column c: VnniGemm's per-block arithmetic, column by column in the lanes.
+// with column c: the GEMM's per-block arithmetic, column by column in the lanes.
 template <bool kHasMin>
 VNNI_FN inline __m512 AddBlocks(const QuantizedActivations& a, int64_t row, int64_t b0, int64_t nq, int32_t off,
                                 const __m512i* dots, const __m512* dw, const __m512* mw, __m512 acc) {
@@ -533,13 +499,13 @@ constexpr TileFn kColumns8 =
     ByRows<TileColumns8<kF16, 1>, TileColumns8<kF16, 2>, TileColumns8<kF16, 3>, TileColumns8<kF16, 4>>;
 #endif
 
-// The GEMV kernel of a format for the detected ISA tier, with the activation layout it reads:
-// `interleave` for QuantizeActivationRow, and `prep` (or none) to fill its pd / pc lanes.
+// The GEMV kernel of a format for the detected ISA tier, with the activation layout it reads
+// (`interleave` for QuantizeActivationRow) and the block quantizer the tier's int8 GEMM uses too.
 struct GemvKernel {
+  const char* name;
   TileFn tile;
   int interleave;
   int tile_cols;
-  void (*prep)(QuantizedActivations& a, bool offset8);
   BlockQuantizer quantize_block = QuantizeBlock;
   bool reads_lanes = false;  // the weight's column-lane scales, where it has them
 };
@@ -554,24 +520,26 @@ GemvKernel SelectGemv(int32_t fmt) {
         kColumns8<false>,         // int8
         kColumns4<false, false>,  // int4
     };
-    return GemvKernel{kVnni[fmt], kFormats[fmt].bits == 4 ? 4 : 1, kColumnTile, nullptr, QuantizeBlockAvx512, true};
+    return GemvKernel{"avx512-vnni", kVnni[fmt],          kFormats[fmt].bits == 4 ? 4 : 1,
+                      kColumnTile,   QuantizeBlockAvx512, true};
   }
   if (isa_level() >= IsaLevel::kAvx2 && cpu_features().f16c) {
     static constexpr TileFn kAvx2[kNumFormats] = {
-        Avx2Tiles<8, false, false, true>,   // q8_0
-        Avx2Tiles<4, true, false, true>,    // q4_0
-        Avx2Tiles<4, false, true, true>,    // q4_1
-        Avx2Tiles<8, false, false, false>,  // int8
-        Avx2Tiles<4, true, false, false>,   // int4
+        kAvx2Columns8<8, false, true>,   // q8_0
+        kAvx2Columns8<4, false, true>,   // q4_0
+        kAvx2Columns8<4, true, true>,    // q4_1
+        kAvx2Columns8<8, false, false>,  // int8
+        kAvx2Columns8<4, false, false>,  // int4
     };
-    return kFormats[fmt].bits == 4 ? GemvKernel{kAvx2[fmt], 2, kAvx2TileCols, PrepPairsAvx2}
-                                   : GemvKernel{kAvx2[fmt], 1, kAvx2TileCols, nullptr};
+    return GemvKernel{"avx2", kAvx2[fmt], kFormats[fmt].bits == 4 ? 2 : 1, kAvx2Columns, QuantizeBlockAvx2, true};
   }
 #endif
-  return GemvKernel{TileScalar, 1, kTileCols, nullptr};
+  return GemvKernel{"scalar", TileScalar, 1, kTileCols};
 }
 
 }  // namespace
+
+const char* GemvKernelName(int32_t fmt) { return SelectGemv(fmt).name; }
 
 ffi::Future QuantGemv(ffi::ThreadPool& pool, const Weights& weights, const ffi::AnyBuffer& x, ffi::AnyBuffer y) {
   const Layout& l = weights.l;
@@ -586,8 +554,7 @@ ffi::Future QuantGemv(ffi::ThreadPool& pool, const Weights& weights, const ffi::
   act->k = l.k;
   act->q.resize(m * l.k);
   act->d.resize(m * act->blocks());
-  act->s.resize(m * act->blocks());
-  act->e.resize(l.f->has_min ? m * act->blocks() : 0);
+  act->s.resize(l.f->has_min ? m * act->blocks() : 0);
   act->qsum.resize(m * act->blocks());
   {
     const bool bf16 = x.element_type() == ffi::DataType::BF16;
@@ -595,11 +562,10 @@ ffi::Future QuantGemv(ffi::ThreadPool& pool, const Weights& weights, const ffi::
     for (int64_t r = 0; r < m; ++r) {
       const int64_t b0 = r * act->blocks();
       QuantizeActivationRow(RowAsF32(x.untyped_data(), bf16, r, l.k, scratch.data()), l.k, kernel.interleave,
-                            l.f->has_min, kernel.quantize_block, act->q.data() + r * l.k, act->d.data() + b0,
-                            act->s.data() + b0, l.f->has_min ? act->e.data() + b0 : nullptr, act->qsum.data() + b0);
+                            kernel.quantize_block, act->q.data() + r * l.k, act->d.data() + b0,
+                            l.f->has_min ? act->s.data() + b0 : nullptr, act->qsum.data() + b0);
     }
   }
-  if (kernel.prep != nullptr) kernel.prep(*act, l.f->offset8);
   void* out = y.untyped_data();
   const bool out_bf16 = y.element_type() == ffi::DataType::BF16;
   const int64_t col_tiles = (l.n + tile_cols - 1) / tile_cols;

@@ -154,6 +154,7 @@ const RowKernels& Kernels() {
 #ifdef TUNIX_RT_X86
     switch (isa_level()) {
       case IsaLevel::kAvx512: return RowKernels{SumSqAvx512, Dot3Avx512, FwdAvx512, BwdAvx512};
+      case IsaLevel::kAvxVnni:  // no integer dots here: AVX2's
       case IsaLevel::kAvx2: return RowKernels{SumSqAvx2, Dot3Avx2, FwdAvx2, BwdAvx2};
       default: break;
     }

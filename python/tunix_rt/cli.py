@@ -243,6 +243,8 @@ def _info(args) -> int:
     feats = _ffi.cpu_features()
     print("cpu isa: " + (" ".join(f"{k}={'yes' if v else 'no'}" for k, v in feats.items()) or "unknown (extension not built)"))
     print(f"kernel tier: {_ffi.isa_level() or 'none (extension not built: pure-JAX references are used)'}")
+    if (int8 := _ffi.int8_matmul_kernels()) is not None:
+        print(f"int8 quantized matmul: GEMV {int8['gemv']} (1-4 rows), GEMM {int8['gemm']} (more rows)")
     targets = sorted(_ffi.cpu_targets())
     api = _ffi.ffi_api_version()
     print(f"ffi targets (cpu{', XLA FFI API ' + '.'.join(map(str, api)) if api else ''}): {', '.join(targets) or 'none'}")

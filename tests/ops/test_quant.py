@@ -33,7 +33,7 @@ from gguf import GGMLQuantizationType
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.isa_tiers import TIERS, expected_tier, hardware_tier, run_tiers
+from tests.isa_tiers import ALL_TIERS, expected_tier, hardware_tier, has_avx_vnni, run_tiers
 from tunix_rt.ops import (
     FORMATS,
     QuantizedTensor,
@@ -980,20 +980,33 @@ _TIER_SCRIPT = textwrap.dedent(
             out[f"{fmt}_{name}_rows64"] = np.asarray(quant_matmul(xs[:64], qt, int8_rows=None))
             out[f"{fmt}_{name}_alone"] = np.concatenate(
                 [np.asarray(quant_matmul(xs[i:i + 1], qt, int8_rows=None)) for i in range(64)])
+    # adversarial activations, every 32-block one case: zeros, one value, halves that round to even
+    # (amax 127: scale 1), signed zeros, subnormals, huge values, a block of equal values, a NaN, an infinity
+    blocks = [np.zeros(32), np.eye(32)[5] * -3.0, np.r_[127.0, np.arange(31) - 15.5], np.r_[-0.0, np.zeros(31)],
+              np.full(32, 1e-40), np.linspace(-3e30, 3e30, 32), np.full(32, -2.5), rng.standard_normal(32),
+              np.r_[np.zeros(9), np.nan, np.ones(22)], np.r_[np.ones(31), -np.inf]]
+    xa = np.stack([np.concatenate([blocks[(r + j) % len(blocks)] for j in range(8)]) for r in range(64)])
+    xa = jnp.asarray(xa, jnp.float32)
+    out["adv_nonfinite_rows"] = ~np.isfinite(np.asarray(xa)).all(axis=1)
+    wa = jnp.asarray(rng.standard_normal((256, 24)), jnp.float32)
+    for fmt, group in (("q8_0", 32), ("q4_0", 32), ("q4_1", 32), ("int8", 64), ("int4", 128)):
+        qt = quantize(wa, fmt, group)
+        out[f"{fmt}_adv_rows64"] = np.asarray(quant_matmul(xa, qt, int8_rows=None))
+        out[f"{fmt}_adv_alone"] = np.concatenate([np.asarray(quant_matmul(xa[i:i + 1], qt, int8_rows=None))
+                                                  for i in range(64)])
     np.savez(sys.argv[1], **out)
-    print(json.dumps({"isa": _ffi.isa_level()}))
+    print(json.dumps({"isa": _ffi.isa_level(), "int8_kernels": [_ffi.int8_matmul_kernels(i) for i in range(5)]}))
     """
 )
 
 
-
 @pytest.fixture(scope="module")
 def tier_runs(tmp_path_factory):
-    return run_tiers(TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("quant_isa"))
+    return run_tiers(ALL_TIERS, _TIER_SCRIPT, tmp_path_factory.mktemp("quant_isa"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", ALL_TIERS)
 def test_isa_tier_matches_reference(tier_runs, tier):
     report, res = tier_runs[tier]
     assert report["isa"] == expected_tier(tier)
@@ -1026,16 +1039,23 @@ def test_isa_tier_matches_reference(tier_runs, tier):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", ALL_TIERS)
 def test_isa_tier_rows_equal_each_row_alone(tier_runs, tier):
     """On every tier the int8 products of 64 rows in one call equal each row computed alone, bit for bit: the
-    engine's batch invariance (scalar and AVX2: GEMV row tiles of 4 over column tiles and column blocks;
-    AVX-512 VNNI: its int8 GEMM against its GEMV). The odd-N products also meet the int8 error bound."""
+    engine's batch invariance (scalar: GEMV row tiles of 4 over column tiles and column blocks; AVX2 and
+    AVX-VNNI: the 8-lane int8 GEMM against the AVX2 GEMV; AVX-512 VNNI: its int8 GEMM against its GEMV). The
+    odd-N products also meet the int8 error bound."""
     _, res = tier_runs[tier]
     keys = [k for k in res if k.endswith("_rows64")]
-    assert len(keys) == 12
+    assert len(keys) == 17
     for key in keys:
         assert_bits_equal(res[key], res[key.replace("_rows64", "_alone")], f"{tier} {key}")
+    # a row with a NaN or an infinity comes out NaN, as a float product would; the rows beside it are finite
+    bad = res["adv_nonfinite_rows"]
+    assert 0 < bad.sum() < 64
+    for fmt in ("q8_0", "q4_0", "q4_1", "int8", "int4"):
+        y = res[f"{fmt}_adv_rows64"]
+        assert np.isnan(y[bad]).all() and np.isfinite(y[~bad]).all(), (tier, fmt)
     rng = np.random.default_rng(99)  # the script's draws, in its order: w, x, wl, xl, wo
     draws = [rng.standard_normal(shape) for shape in ((256, 40), (65, 256), (1248, 24), (4, 1248), (256, 13))]
     x64, wo = draws[1][:64].astype(np.float32), jnp.asarray(draws[4], jnp.float32)
@@ -1044,36 +1064,44 @@ def test_isa_tier_rows_equal_each_row_alone(tier_runs, tier):
         assert np.all(np.abs(res[f"{fmt}_odd_rows64"] - y_ref) <= bound), (tier, fmt)
 
 
+def _is_exact_route(key: str) -> bool:
+    return key.endswith(("_y65", "_yexact3"))  # f32 products over dequantized weights, not int8
+
+
 @pytest.mark.skipif(hardware_tier() == "scalar", reason="needs a SIMD tier to compare with scalar")
-@pytest.mark.parametrize("tier", TIERS[1:])
+@pytest.mark.parametrize("tier", ALL_TIERS[1:])
 def test_isa_tiers_agree(tier_runs, tier):
-    """Same integer dots (the VNNI tier quantizes x with vector code to the same bytes and scales);
-    only the f32 accumulation order/FMA differ."""
+    """The int8 route gives the same bits on every tier (the same integer dots, scaled and summed in one
+    order: a rollout's logits do not depend on the host's CPU); the exact route's f32 products differ
+    only in summation order."""
     _, scalar = tier_runs["scalar"]
     _, simd = tier_runs[tier]
     for key in scalar:
-        if key.endswith(("_qs", "_scales", "_deq")):
-            assert_bits_equal(simd[key], scalar[key], key)
-        elif key.endswith("_ybf16"):
-            np.testing.assert_allclose(simd[key], scalar[key], rtol=2.0**-7, atol=1e-5 * np.abs(scalar[key]).max())
+        if key.endswith(("_qs", "_scales", "_deq")) or not _is_exact_route(key):
+            assert_bits_equal(simd[key], scalar[key], f"{tier} {key}")
         else:
             rel = np.linalg.norm(simd[key] - scalar[key]) / np.linalg.norm(scalar[key])
             assert rel <= 1e-5, (key, rel)
-    # the cap selects a different kernel, not only a different name: the f32 accumulation orders
-    # differ (scalar adds block by block, AVX2 fuses multiply-adds in 8 lanes), so some bits do
-    assert any(not np.array_equal(simd[k], scalar[k]) for k in scalar if "_y" in k)
+    # the cap selects different exact-route kernels too: scalar adds in one order, the SIMD tiers in lanes
+    assert any(not np.array_equal(simd[k], scalar[k]) for k in scalar if _is_exact_route(k))
 
 
-@pytest.mark.skipif(not _ffi.cpu_features().get("avx512_vnni") or hardware_tier() != "avx512",
-                    reason="needs AVX-512 VNNI to run the VNNI kernels")
-def test_vnni_tier_runs_its_own_kernels(tier_runs):
-    """The avx512 cap takes the VNNI GEMVs (1..4 rows) and int8 GEMM (5..64 rows), not AVX2's."""
-    _, avx2 = tier_runs["avx2"]
-    _, vnni = tier_runs["avx512"]
-    for fmt in ("q8_0", "q4_0", "q4_1", "int8", "int4"):
-        assert not np.array_equal(vnni[f"{fmt}_long_y1"], avx2[f"{fmt}_long_y1"]), fmt
-    for fmt in ("q8_0", "q4_0", "q4_1", "int8", "int4"):
-        assert not np.array_equal(vnni[f"{fmt}_y17"], avx2[f"{fmt}_y17"]), fmt
+def _int8_kernels_expected(tier: str) -> dict[str, str]:
+    f = _ffi.cpu_features()
+    if tier == "scalar":
+        return {"gemv": "scalar", "gemm": "none"}
+    if tier == "avx512" and f.get("avx512_vnni"):
+        return {"gemv": "avx512-vnni", "gemm": "avx512-vnni"}
+    return {"gemv": "avx2", "gemm": "avx-vnni" if tier != "avx2" and has_avx_vnni() else "avx2"}
+
+
+@pytest.mark.parametrize("tier", ALL_TIERS)
+def test_isa_cap_selects_the_tiers_int8_kernels(tier_runs, tier):
+    """Each cap runs its own tier's int8 kernels (their results are the same bits, so the outputs cannot
+    tell): AVX-512 VNNI's GEMV and GEMM, AVX2's GEMV with the AVX-VNNI or AVX2 GEMM, or the scalar GEMV."""
+    report, _ = tier_runs[tier]
+    want = _int8_kernels_expected(report["isa"])
+    assert report["int8_kernels"] == [want] * 5, (tier, report)
 
 
 # ----------------------------------------------------------------------------------------------

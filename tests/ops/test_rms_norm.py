@@ -444,7 +444,7 @@ def test_cpu_targets_registered():
     targets = _ffi.cpu_targets()
     assert {FWD_TARGET, BWD_TARGET} <= set(targets)
     assert _ffi.has_cpu_target(FWD_TARGET) and _ffi.has_cpu_target(BWD_TARGET)
-    assert _ffi.isa_level() in ("scalar", "avx2", "avx512")
+    assert _ffi.isa_level() in ("scalar", "avx2", "avxvnni", "avx512")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -616,7 +616,7 @@ def test_isa_cap_changes_the_kernels(tier_runs):
     """The cap must select different kernels, not only a different name: the scalar and SIMD
     reductions sum in different orders, so some f32 output bits differ on D=300 rows."""
     _, scalar = tier_runs["scalar"]
-    _, simd = tier_runs[hardware_tier()]
+    _, simd = tier_runs["avx2"]  # the lowest SIMD tier every SIMD host runs
     assert any(not np.array_equal(scalar[k], simd[k]) for k in scalar)
 
 

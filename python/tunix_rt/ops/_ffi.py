@@ -83,8 +83,14 @@ def cpu_features() -> dict[str, bool]:
 
 
 def isa_level() -> str | None:
-    """The kernel tier the extension dispatches to (scalar, avx2, avx512), None without it."""
+    """The kernel tier the extension dispatches to (scalar, avx2, avxvnni, avx512), None without it."""
     return _ext.isa_level() if _ext is not None else None
+
+
+def int8_matmul_kernels(fmt_id: int = 0) -> dict[str, str] | None:
+    """The kernels quant_matmul's int8 route runs on this tier for a format id (ops.quant.FORMATS order):
+    {"gemv": up to 4 rows, "gemm": past them ("none": the GEMV's for every M)}; None without the extension."""
+    return dict(_ext.quant_int8_kernels(fmt_id)) if _ext is not None else None
 
 
 def require_array(op: str, name: str, value):

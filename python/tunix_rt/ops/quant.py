@@ -72,9 +72,9 @@ class QuantizedTensor:
     element j low and j+16 high); scales: (N, K/group); mins: (N, K/group) for q4_1, else None.
     N leads every array, so sharding over output features splits all three alike.
 
-    lanes (optional, `with_lane_scales`): the same scales (and mins) laid out for the VNNI GEMV, 16 columns
-    side by side per group; a copy the engine makes once per weight so decode does not transpose them on
-    every call. Products are the same with or without it.
+    lanes (optional, `with_lane_scales`): the same scales (and mins) laid out for the SIMD GEMVs, 16 columns
+    side by side per group (AVX-512 VNNI reads a tile, AVX2 half of one); a copy the engine makes once per
+    weight so decode does not gather them on every call. Products are the same with or without it.
 
     layer (optional, an integer scalar): the arrays are a stack of S such weights on one more leading axis,
     and the tensor stands for the weight at `layer` (`shape` is still one layer's); quant_matmul reads that
@@ -289,7 +289,7 @@ def _lanes_spec(f: QuantFormat, k: int, n: int, group: int) -> jax.ShapeDtypeStr
 
 def lane_scales(qt: QuantizedTensor) -> jax.Array:
     """qt's scales (then mins) per tile of 16 columns, the tile's columns side by side per group: the
-    layout the VNNI GEMV reads (columns past N are zeros); a stack's for each of its layers."""
+    layout the SIMD GEMVs read (columns past N are zeros); a stack's for each of its layers."""
     f = check_quantized(qt)
     parts = [qt.scales] + ([qt.mins] if f.has_min else [])
     *stack, n, groups = qt.scales.shape

@@ -42,11 +42,13 @@ MOE_GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen
 # hf_tiny's configs, adjusted only where a GGUF file cannot say what the HF config says:
 # - llama: rope_type llama3 becomes a `rope_freqs.weight` tensor in llama.cpp, which we reject (tested
 #   below); linear scaling has metadata keys (rope.scaling.type / .factor), so use that instead.
+# - qwen3: its YaRN rope has GGUF keys we do not read yet, so plain rope.
 # - gemma2: llama.cpp has no key for query_pre_attn_scalar; it scales queries by head_dim ** -0.5
 #   (n_embd / n_head for the 27B), so the model must use query_pre_attn_scalar == head_dim.
 GGUF_FAMILIES = {
     **{family: cfg for family, cfg in hf_tiny.FAMILIES.items() if family in GGUF_ARCH},
     "llama": {**hf_tiny.FAMILIES["llama"], "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "qwen3": {k: v for k, v in hf_tiny.FAMILIES["qwen3"].items() if k != "rope_scaling"},
     "gemma2": {**hf_tiny.FAMILIES["gemma2"], "query_pre_attn_scalar": 16},
 }
 

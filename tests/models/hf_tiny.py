@@ -14,7 +14,10 @@ FAMILIES = {
                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                     original_max_position_embeddings=64)),
     "qwen2": dict(tie_word_embeddings=True, rope_theta=10000.0),
-    "qwen3": dict(tie_word_embeddings=False, head_dim=32, rope_theta=10000.0),
+    # Qwen3's long-context rope (YaRN): the pretraining length 64 of the 256 positions, so every region of
+    # the ramp (kept, interpolated, blended frequencies) and the attention factor (1.139) are exercised
+    "qwen3": dict(tie_word_embeddings=False, head_dim=32, rope_theta=10000.0,
+                  rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
     "gemma2": dict(num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh"),
     "gemma3_text": dict(num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,

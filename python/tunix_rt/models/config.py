@@ -26,9 +26,13 @@ class UnsupportedArchitecture(ValueError):
     """The checkpoint's model_type (or a feature of it) is not one the decoder implements."""
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class RopeConfig:
-    """Rotary embedding of one layer type: HF's default, linear and llama3 rope types."""
+    """Rotary embedding of one layer type: HF's default, linear, llama3 and yarn rope types (HF's names and
+    defaults; yarn's attention_factor None means HF's, derived from factor and mscale / mscale_all_dim)."""
 
     theta: float
     rope_type: str = "default"
@@ -36,12 +40,27 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
     def __post_init__(self):
-        if self.rope_type not in ("default", "linear", "llama3"):
-            raise UnsupportedArchitecture(f"unsupported rope_type {self.rope_type!r} (supported: default, linear, llama3)")
+        if self.rope_type not in ROPE_TYPES:
+            raise UnsupportedArchitecture(f"unsupported rope_type {self.rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
         if not self.theta > 0:
             raise ValueError(f"rope theta must be positive, got {self.theta}")
+        if not self.factor > 0:
+            raise ValueError(f"rope scaling factor must be positive, got {self.factor}")
+        if not self.original_max_position_embeddings > 0:
+            raise ValueError(f"rope original_max_position_embeddings must be positive, got "
+                             f"{self.original_max_position_embeddings}")
+        if self.rope_type == "yarn" and not self.beta_fast > self.beta_slow > 0:
+            raise ValueError(f"yarn rope needs beta_fast > beta_slow > 0, got {self.beta_fast} and {self.beta_slow}")
+        if self.attention_factor is not None and not self.attention_factor > 0:
+            raise ValueError(f"rope attention_factor must be positive, got {self.attention_factor}")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -230,22 +249,31 @@ def _parse(model_type: str, d: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _rope_from(params: dict[str, Any] | None, theta: float) -> RopeConfig:
+_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+              "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+
+
+def _rope_from(params: dict[str, Any] | None, theta: float, max_positions: int) -> RopeConfig:
     params = dict(params or {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    kw = {k: params[k] for k in names if k in params}
+    kw = {k: params[k] for k in _ROPE_KEYS if params.get(k) is not None}
+    if rope_type == "yarn":  # as transformers: the pretraining length defaults to the model's, and the factor
+        kw.setdefault("original_max_position_embeddings", max_positions)  # to the ratio of the two
+        kw.setdefault("factor", max_positions / kw["original_max_position_embeddings"])
+        kw["beta_fast"] = kw.get("beta_fast") or 32.0  # transformers reads a 0 as "unset" too
+        kw["beta_slow"] = kw.get("beta_slow") or 1.0
     return RopeConfig(theta=float(params.get("rope_theta", theta)), rope_type=rope_type, **kw)
 
 
 def _rope_by_layer_type(arch: str, d: dict[str, Any], kinds: set[str]) -> tuple[tuple[str, RopeConfig], ...]:
     params = d.get("rope_parameters")
+    max_positions = int(d.get("max_position_embeddings", 8192))
     if isinstance(params, dict) and (FULL in params or SLIDING in params):  # transformers 5, per layer type
         global_theta = params.get(FULL, {}).get("rope_theta", d.get("rope_theta", 10000.0))
-        return tuple((kind, _rope_from(params.get(kind), global_theta)) for kind in sorted(kinds))
+        return tuple((kind, _rope_from(params.get(kind), global_theta, max_positions)) for kind in sorted(kinds))
     theta = float(d.get("rope_theta", 1_000_000.0 if arch == "gemma3_text" else 10000.0))
     scaling = params if isinstance(params, dict) else d.get("rope_scaling")
-    rope = {FULL: _rope_from(scaling, theta)}
+    rope = {FULL: _rope_from(scaling, theta, max_positions)}
     if SLIDING in kinds:
         if arch == "gemma3_text":  # local layers: their own base, never scaled
             rope[SLIDING] = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF's rotate-half layout) for default, linear and llama3 rope types."""
+"""Rotary position embeddings (HF's rotate-half layout) for default, linear, llama3 and yarn rope types."""
 
 from __future__ import annotations
 
@@ -27,11 +27,52 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
+    if rope.rope_type == "yarn":
+        return _yarn_inverse_frequencies(rope, head_dim, (np.float32(rope.theta) ** exponents).astype(np.float32))
     return inv_freq
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate x of shape (B, T, H, D) by angle positions * inv_freq (positions: (B, T)).
+def _yarn_inverse_frequencies(rope: RopeConfig, dim: int, pos_freqs: np.ndarray) -> np.ndarray:
+    """YaRN (arXiv 2309.00071) as transformers computes it: the original frequencies above the fast boundary
+    (beta_fast rotations over the pretraining length), frequencies divided by `factor` below the slow one, a
+    linear ramp over the dimensions between; float32 where transformers uses float32."""
+    base, length = rope.theta, rope.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(length / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = (np.float32(1) - ramp).astype(np.float32)
+    interpolation = (np.float32(1) / (np.float32(rope.factor) * pos_freqs)).astype(np.float32)
+    extrapolated = (np.float32(1) / pos_freqs).astype(np.float32)
+    return (interpolation * (np.float32(1) - extrapolation) + extrapolated * extrapolation).astype(np.float32)
+
+
+def attention_scaling(rope: RopeConfig) -> float:
+    """The factor transformers multiplies cos and sin by: yarn's attention_factor (given, or derived from
+    factor and mscale / mscale_all_dim as transformers derives it); 1 for every other rope type."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return float(rope.attention_factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
+    return mscale(rope.factor)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scaling: float = 1.0) -> jax.Array:
+    """Rotate x of shape (B, T, H, D) by angle positions * inv_freq (positions: (B, T)), cos and sin times
+    `scaling` (attention_scaling: yarn's, else 1).
 
     The angles, their cos/sin and the two products sit behind optimization barriers: XLA:CPU contracts a
     multiply feeding an add into an FMA wherever the two land in one fusion, and fusion follows the program
@@ -39,7 +80,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     in the trainer's (the exact mode needs them equal)."""
     angles = jax.lax.optimization_barrier(positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq))
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # (B, T, 1, D)
-    cos, sin = jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scaling != 1.0:
+        cos, sin = cos * np.float32(scaling), sin * np.float32(scaling)
+    cos, sin = jax.lax.optimization_barrier((cos, sin))
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)

@@ -1,0 +1,68 @@
+"""Rope frequencies and cos/sin scaling against transformers' own rope functions (the decoder's logits parity
+with transformers, tests/models/test_hf_parity.py, covers every rope type a tiny family uses)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tunix_rt.models.config import ModelConfig, RopeConfig, UnsupportedArchitecture
+from tunix_rt.models.rope import attention_scaling, inverse_frequencies
+
+transformers = pytest.importorskip("transformers")
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096)
+
+YARN = [  # Qwen2.5 / Qwen3 style, DeepSeek style (mscale), a given attention factor, no truncation, beta defaults
+    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024),
+    dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=128, beta_fast=32, beta_slow=1, mscale=1.0,
+         mscale_all_dim=0.707),
+    dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=512, attention_factor=0.9, truncate=False),
+    dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=2048, beta_fast=0, beta_slow=0),
+]
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("theta,head_dim", [(10000.0, 32), (1_000_000.0, 128)])
+@pytest.mark.parametrize("scaling", YARN, ids=range(len(YARN)))
+def test_yarn_matches_transformers(scaling, theta, head_dim):
+    cfg = transformers.Qwen3Config(**BASE, head_dim=head_dim, rope_theta=theta, rope_scaling=dict(scaling))
+    inv_ref, att_ref = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    d = cfg.to_dict() | {"model_type": "qwen3"}
+    rope = ModelConfig.from_hf_dict(d).rope_for(0)
+    assert rope.rope_type == "yarn"
+    got = inverse_frequencies(rope, head_dim)
+    assert got.dtype == np.float32
+    # float32 powers round alike but for an ulp now and then (numpy's and torch's pow), as for the default rope
+    np.testing.assert_allclose(got, inv_ref.numpy(), rtol=2.5e-7, atol=0)
+    assert attention_scaling(rope) == pytest.approx(att_ref, rel=1e-12)
+
+
+def test_yarn_defaults_follow_transformers():
+    """No original length: the model's own; no factor: the ratio of the two (transformers' rules)."""
+    d = dict(BASE, model_type="qwen3", head_dim=32, rope_theta=10000.0, max_position_embeddings=4096,
+             rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 1024})
+    rope = ModelConfig.from_hf_dict(d).rope_for(0)
+    assert rope.factor == 4.0 and rope.beta_fast == 32.0 and rope.beta_slow == 1.0
+    d["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0}
+    assert ModelConfig.from_hf_dict(d).rope_for(0).original_max_position_embeddings == 4096
+
+
+def test_other_rope_types_do_not_scale_cos_sin():
+    for rope in (RopeConfig(theta=1e4), RopeConfig(theta=1e4, rope_type="linear", factor=2.0),
+                 RopeConfig(theta=1e4, rope_type="llama3", factor=8.0)):
+        assert attention_scaling(rope) == 1.0
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(rope_type="dynamic"), "unsupported rope_type 'dynamic'"),
+    (dict(rope_type="yarn", factor=0.0), "factor must be positive"),
+    (dict(rope_type="yarn", beta_fast=1.0, beta_slow=32.0), "beta_fast > beta_slow"),
+    (dict(rope_type="yarn", attention_factor=-1.0), "attention_factor must be positive"),
+    (dict(rope_type="yarn", original_max_position_embeddings=0), "original_max_position_embeddings"),
+])
+def test_bad_rope_parameters_are_named(kw, match):
+    with pytest.raises((ValueError, UnsupportedArchitecture), match=match):
+        RopeConfig(theta=1e4, **kw)

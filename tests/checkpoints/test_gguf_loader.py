@@ -12,6 +12,7 @@ log-probs; the F32 files must also reproduce the original HF model.
 from __future__ import annotations
 
 import math
+import types
 from unittest import mock
 
 import jax
@@ -40,8 +41,8 @@ GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "ge
 MOE_GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 # hf_tiny's configs, adjusted only where a GGUF file cannot say what the HF config says:
-# - llama: rope_type llama3 becomes a `rope_freqs.weight` tensor in llama.cpp, which we reject (tested
-#   below); linear scaling has metadata keys (rope.scaling.type / .factor), so use that instead.
+# - llama: rope_type llama3 becomes a `rope_freqs.weight` tensor in llama.cpp, which transformers' GGUF loader
+#   drops (ours reads it: tested below); linear scaling has metadata keys (rope.scaling.type / .factor).
 # - qwen3: its YaRN rope has GGUF keys we do not read yet, so plain rope.
 # - gemma2: llama.cpp has no key for query_pre_attn_scalar; it scales queries by head_dim ** -0.5
 #   (n_embd / n_head for the 27B), so the model must use query_pre_attn_scalar == head_dim.
@@ -118,6 +119,8 @@ def write_gguf(hf, path, qtype=None):
     if full_rope.get("rope_type", "default") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(full_rope["factor"])
+    elif full_rope.get("rope_type", "default") == "llama3":  # LlamaModel.generate_extra_tensors
+        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
     elif full_rope.get("rope_type", "default") != "default":
         raise NotImplementedError(full_rope)
     if family in MOE_GGUF_ARCH:
@@ -457,7 +460,7 @@ def test_quantized_logprobs_match_transformers_gguf_loader(quantized):
 # --- metadata-only files: what hf_config does with what llama.cpp would write ---------------------------
 
 
-def _metadata_file(path, arch, layers, hidden, heads, head_dim, **extra):
+def _metadata_file(path, arch, layers, hidden, heads, head_dim, tensors=(), **extra):
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
     w.add_embedding_length(hidden)
@@ -469,6 +472,8 @@ def _metadata_file(path, arch, layers, hidden, heads, head_dim, **extra):
     w.add_vocab_size(256)
     for key, value in extra.items():
         getattr(w, f"add_{key}")(value)
+    for name, value in tensors:
+        w.add_tensor(name, np.asarray(value, np.float32))
     w.add_tensor("token_embd.weight", np.zeros((256, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -498,24 +503,43 @@ def test_gemma3_rope_local_base_and_no_sliding_window(tmp_path):
     assert config["layer_types"] == ["full_attention"] * 6 and "sliding_window" not in config
 
 
-def test_llama3_rope_freqs_file_is_rejected(tmp_path):
-    """llama3 rope scaling is stored as a rope_freqs tensor, which we do not read yet: a clear error."""
+def test_llama3_rope_freqs_file_reproduces_the_hf_model(tmp_path):
+    """Llama 3.1+ rope scaling is stored as per-frequency factors (rope_freqs.weight); the loader recovers HF's
+    llama3 parameters from them, so the file is the HF model again (transformers' own GGUF loader drops them)."""
     hf = _make_hf_model("llama", tmp_path / "hf", families=hf_tiny.FAMILIES)
-    assert hf.config.rope_parameters["rope_type"] == "llama3"
-    path = tmp_path / "llama3.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(hf.config.num_hidden_layers)
-    w.add_embedding_length(hf.config.hidden_size)
-    w.add_head_count(hf.config.num_attention_heads)
-    w.add_vocab_size(hf.config.vocab_size)
-    w.add_tensor("rope_freqs.weight", _llama3_rope_factors(hf.config))
-    w.add_tensor("token_embd.weight", hf.model.embed_tokens.weight.detach().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(CheckpointError, match="rope_freqs"):
-        gguf_loader.hf_config(gguf_loader.open_gguf(path))
+    rope = hf.config.rope_parameters
+    assert rope["rope_type"] == "llama3"
+    write_gguf(hf, tmp_path / "llama3.gguf")
+    reader = gguf_loader.open_gguf(tmp_path / "llama3.gguf")
+    assert gguf_loader.hf_config(reader)["rope_scaling"] == {
+        k: rope[k] for k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
+                             "original_max_position_embeddings")}
+    ours = load_model(tmp_path / "llama3.gguf")
+    tokens = _tokens(2)
+    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+    got = _next_logprobs(ours.model(jnp.asarray(tokens), jnp.asarray(positions)), tokens)
+    assert np.abs(got - _torch_logprobs(hf, tokens)).max() <= TOL
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1 / 3.3 and Llama 3.2's scaling on their real shapes
+def test_llama3_rope_scaling_recovered_for_real_llama_shapes(factor):
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg = types.SimpleNamespace(rope_parameters=rope, head_dim=128)
+    got = gguf_loader.llama3_rope_scaling(_llama3_rope_factors(cfg), 500000.0, 128)
+    assert got == {k: v for k, v in rope.items() if k != "rope_theta"}
+
+
+@pytest.mark.parametrize("factors,match", [
+    (np.linspace(1.0, 3.0, 8), "not Llama 3's rope scaling"),  # a ramp over every frequency: no llama3 bands
+    (np.ones(8), "not Llama 3's rope scaling"),
+    (np.full(5, 8.0), "must hold 8 positive factors"),
+    (np.r_[np.ones(7), np.nan], "must hold 8 positive factors"),
+])
+def test_other_rope_freqs_are_refused_by_name(tmp_path, factors, match):
+    reader = _metadata_file(tmp_path / "r.gguf", "llama", 2, 64, 4, 16, tensors=[("rope_freqs.weight", factors)])
+    with pytest.raises(CheckpointError, match=match):
+        gguf_loader.hf_config(reader)
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K])

@@ -11,6 +11,7 @@ ffn_{gate,up,down}_exps (experts, out, in), always dequantized; layers without f
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,8 +85,6 @@ def hf_config(reader: GGUFFile) -> dict:
     hidden = get("embedding_length")
     if heads is None or hidden is None:
         raise CheckpointError(f"GGUF metadata lacks {arch}.attention.head_count or {arch}.embedding_length")
-    if "rope_freqs.weight" in names:
-        raise CheckpointError("GGUF files with a rope_freqs tensor (Llama 3.1 rope scaling) are not supported yet")
     head_dim = get("attention.key_length", hidden // heads)
     vocab = get("vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
     config = {
@@ -103,7 +102,13 @@ def hf_config(reader: GGUFFile) -> dict:
         "tie_word_embeddings": "output.weight" not in names,
     }
     scaling = get("rope.scaling.type")
-    if scaling not in (None, "none"):
+    if "rope_freqs.weight" in names:
+        if scaling not in (None, "none"):
+            raise CheckpointError(f"GGUF file has both a rope_freqs tensor and rope scaling {scaling!r}")
+        factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        config["rope_scaling"] = llama3_rope_scaling(np.asarray(factors.data, np.float32).reshape(-1),
+                                                     config["rope_theta"], head_dim)
+    elif scaling not in (None, "none"):
         if scaling != "linear":
             raise CheckpointError(f"unsupported GGUF rope scaling {scaling!r}")
         config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", 1.0)}
@@ -124,6 +129,45 @@ def hf_config(reader: GGUFFile) -> dict:
         config["attention_bias"] = True
     config.update(_moe_config(reader, arch, get, names, config["num_hidden_layers"]))
     return {k: v for k, v in config.items() if v is not None}
+
+
+# Llama 3.x's rope scaling, as transformers names it: every Llama 3.1 / 3.2 / 3.3 checkpoint uses these two
+# band edges; llama.cpp's converter keeps only the per-frequency factors they give (`rope_freqs.weight`).
+_LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR = 1.0, 4.0
+
+
+def _llama3_factors(theta: float, head_dim: int, factor: float, original: float) -> np.ndarray:
+    """llama.cpp's `rope_freqs.weight` for HF's llama3 rope: 1 above the high band edge, `factor` below the
+    low one, the smoothed inverse between (its converter's arithmetic, float32 frequencies)."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    low, high = _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR
+    wavelen = 2 * math.pi / freqs.astype(np.float64)
+    smooth = (original / wavelen - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium))
+
+
+def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict:
+    """HF's llama3 rope_scaling that gives a GGUF file's rope_freqs factors (Llama 3.1 and later): factor is
+    the largest (the low band's), the pretraining length comes from a factor between the bands (else the
+    length Meta used for every Llama 3, 8192), and the parameters must reproduce every factor."""
+    if factors.shape != (head_dim // 2,) or not np.isfinite(factors).all() or not (factors > 0).all():
+        raise CheckpointError(f"GGUF rope_freqs tensor must hold {head_dim // 2} positive factors, got shape "
+                              f"{factors.shape}")
+    factor, low, high = float(factors.max()), _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR
+    original = 8192.0
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    between = (factors > 1) & (factors < factor)
+    if factor > 1 and between.any():
+        i = int(np.argmax(between))
+        smooth = (1 / float(factors[i]) - 1 / factor) / (1 - 1 / factor)
+        wavelen = 2 * math.pi / float(freqs[i])
+        original = float(round(wavelen * (low + smooth * (high - low))))
+    if factor == 1.0 or not np.allclose(_llama3_factors(theta, head_dim, factor, original), factors, rtol=1e-5, atol=0):
+        raise CheckpointError(f"GGUF rope_freqs tensor is not Llama 3's rope scaling (low/high frequency factors "
+                              f"{low:g}/{high:g}): unsupported")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": int(original)}
 
 
 def _moe_config(reader: GGUFFile, arch: str, get, names: set[str], num_layers: int) -> dict:
@@ -206,6 +250,8 @@ def iter_tensors(
     arch = config["model_type"]
     ffn_norm = "pre_feedforward_layernorm" if arch in ("gemma2", "gemma3_text") else "post_attention_layernorm"
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # read into the config's rope_scaling (hf_config)
+            continue
         name = hf_name(t.name)
         if name is None:
             raise CheckpointError(f"unexpected GGUF tensor {t.name!r} for architecture {arch}")

@@ -43,13 +43,11 @@ MOE_GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen
 # hf_tiny's configs, adjusted only where a GGUF file cannot say what the HF config says:
 # - llama: rope_type llama3 becomes a `rope_freqs.weight` tensor in llama.cpp, which transformers' GGUF loader
 #   drops (ours reads it: tested below); linear scaling has metadata keys (rope.scaling.type / .factor).
-# - qwen3: its YaRN rope has GGUF keys we do not read yet, so plain rope.
 # - gemma2: llama.cpp has no key for query_pre_attn_scalar; it scales queries by head_dim ** -0.5
 #   (n_embd / n_head for the 27B), so the model must use query_pre_attn_scalar == head_dim.
 GGUF_FAMILIES = {
     **{family: cfg for family, cfg in hf_tiny.FAMILIES.items() if family in GGUF_ARCH},
     "llama": {**hf_tiny.FAMILIES["llama"], "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-    "qwen3": {k: v for k, v in hf_tiny.FAMILIES["qwen3"].items() if k != "rope_scaling"},
     "gemma2": {**hf_tiny.FAMILIES["gemma2"], "query_pre_attn_scalar": 16},
 }
 
@@ -119,6 +117,10 @@ def write_gguf(hf, path, qtype=None):
     if full_rope.get("rope_type", "default") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(full_rope["factor"])
+    elif full_rope.get("rope_type", "default") == "yarn":  # TextModel.set_gguf_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(full_rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(full_rope["original_max_position_embeddings"])
     elif full_rope.get("rope_type", "default") == "llama3":  # LlamaModel.generate_extra_tensors
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
     elif full_rope.get("rope_type", "default") != "default":
@@ -218,6 +220,9 @@ def _transformers_from_gguf(path):
     if arch == "llama" and meta("rope.scaling.type") == "linear":  # rope.scaling.* are not mapped for llama
         config.rope_parameters = {**config.rope_parameters, "rope_type": "linear",
                                   "factor": meta("rope.scaling.factor")}
+    if meta("rope.scaling.type") == "yarn":  # rope.scaling.* are not mapped
+        config.rope_parameters = {**config.rope_parameters, "rope_type": "yarn", "factor": meta("rope.scaling.factor"),
+                                  "original_max_position_embeddings": meta("rope.scaling.original_context_length")}
     if arch.startswith("gemma"):  # no GGUF key: llama.cpp uses head_dim (these are not 27B models)
         config.query_pre_attn_scalar = config.head_dim
     if arch == "gemma2":  # softcapping keys are not mapped: Gemma2Config's defaults are 50 and 30
@@ -401,6 +406,9 @@ def test_hf_config_round_trips(f32):
     assert got["rope_theta"] == full["rope_theta"]
     if full.get("rope_type", "default") == "linear":
         assert got["rope_scaling"] == {"rope_type": "linear", "factor": full["factor"]}
+    elif full.get("rope_type", "default") == "yarn":
+        assert got["rope_scaling"] == {"rope_type": "yarn", "factor": full["factor"],
+                                       "original_max_position_embeddings": full["original_max_position_embeddings"]}
     else:
         assert "rope_scaling" not in got
     if cfg.model_type.startswith("gemma"):
@@ -528,6 +536,18 @@ def test_llama3_rope_scaling_recovered_for_real_llama_shapes(factor):
     cfg = types.SimpleNamespace(rope_parameters=rope, head_dim=128)
     got = gguf_loader.llama3_rope_scaling(_llama3_rope_factors(cfg), 500000.0, 128)
     assert got == {k: v for k, v in rope.items() if k != "rope_theta"}
+
+
+@pytest.mark.parametrize("extra,match", [
+    (dict(rope_scaling_type=gguf.RopeScalingType.YARN, rope_scaling_factor=4.0), "original_context_length"),
+    (dict(rope_scaling_type=gguf.RopeScalingType.YARN, rope_scaling_factor=4.0, rope_scaling_orig_ctx_len=64,
+          rope_scaling_yarn_log_mul=0.1), "yarn_log_multiplier"),
+    (dict(rope_scaling_type=gguf.RopeScalingType.LONGROPE), "unsupported GGUF rope scaling 'longrope'"),
+])
+def test_unreadable_rope_scaling_is_refused_by_name(tmp_path, extra, match):
+    reader = _metadata_file(tmp_path / "y.gguf", "qwen3", 2, 64, 4, 16, **extra)
+    with pytest.raises(CheckpointError, match=match):
+        gguf_loader.hf_config(reader)
 
 
 @pytest.mark.parametrize("factors,match", [

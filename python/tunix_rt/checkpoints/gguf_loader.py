@@ -108,9 +108,11 @@ def hf_config(reader: GGUFFile) -> dict:
         factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         config["rope_scaling"] = llama3_rope_scaling(np.asarray(factors.data, np.float32).reshape(-1),
                                                      config["rope_theta"], head_dim)
+    elif scaling == "yarn":
+        config["rope_scaling"] = _yarn_rope_scaling(get)
     elif scaling not in (None, "none"):
         if scaling != "linear":
-            raise CheckpointError(f"unsupported GGUF rope scaling {scaling!r}")
+            raise CheckpointError(f"unsupported GGUF rope scaling {scaling!r} (supported: linear, yarn)")
         config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", 1.0)}
     if arch.startswith("gemma"):
         # GGUF has no key for it: llama.cpp scales queries by head_dim ** -0.5, except for the 27B models
@@ -129,6 +131,22 @@ def hf_config(reader: GGUFFile) -> dict:
         config["attention_bias"] = True
     config.update(_moe_config(reader, arch, get, names, config["num_hidden_layers"]))
     return {k: v for k, v in config.items() if v is not None}
+
+
+def _yarn_rope_scaling(get) -> dict:
+    """HF's yarn rope_scaling from llama.cpp's keys (what its converter writes for Qwen2.5 / Qwen3). llama.cpp's
+    attention-factor keys (DeepSeek's mscale) scale differently from transformers' attention_factor: refused."""
+    for key in ("attn_factor", "yarn_attn_factor", "yarn_log_multiplier", "yarn_ext_factor"):
+        if get(f"rope.scaling.{key}") is not None:
+            raise CheckpointError(f"GGUF yarn rope with rope.scaling.{key} is not supported")
+    factor, original = get("rope.scaling.factor"), get("rope.scaling.original_context_length")
+    if factor is None or original is None:
+        raise CheckpointError("GGUF yarn rope needs rope.scaling.factor and rope.scaling.original_context_length")
+    scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+    for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if (value := get(f"rope.scaling.{key}")) is not None:
+            scaling[name] = float(value)
+    return scaling
 
 
 # Llama 3.x's rope scaling, as transformers names it: every Llama 3.1 / 3.2 / 3.3 checkpoint uses these two

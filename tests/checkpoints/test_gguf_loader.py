@@ -550,11 +550,22 @@ def test_unreadable_rope_scaling_is_refused_by_name(tmp_path, extra, match):
         gguf_loader.hf_config(reader)
 
 
+def test_llama3_rope_freqs_without_a_blended_band():
+    """Factors only 1 and `factor` (no frequency between the bands): any pretraining length the band edges
+    allow gives them; all 1: plain rope."""
+    factors = gguf_loader._llama3_factors(10000.0, 8, 8.0, 40.0)
+    assert set(factors.tolist()) == {1.0, 8.0}
+    got = gguf_loader.llama3_rope_scaling(factors.astype(np.float32), 10000.0, 8)
+    np.testing.assert_array_equal(
+        gguf_loader._llama3_factors(10000.0, 8, 8.0, got["original_max_position_embeddings"]), factors)
+    assert gguf_loader.llama3_rope_scaling(np.ones(4, np.float32), 10000.0, 8) is None
+
+
 @pytest.mark.parametrize("factors,match", [
     (np.linspace(1.0, 3.0, 8), "not Llama 3's rope scaling"),  # a ramp over every frequency: no llama3 bands
-    (np.ones(8), "not Llama 3's rope scaling"),
-    (np.full(5, 8.0), "must hold 8 positive factors"),
-    (np.r_[np.ones(7), np.nan], "must hold 8 positive factors"),
+    (np.full(5, 8.0), "must hold head_dim / 2 = 8 factors, got 5"),
+    (np.r_[np.ones(7), np.nan], "non-finite or non-positive"),
+    (np.ones((2, 8)), "1-D F32 vector"),
 ])
 def test_other_rope_freqs_are_refused_by_name(tmp_path, factors, match):
     reader = _metadata_file(tmp_path / "r.gguf", "llama", 2, 64, 4, 16, tensors=[("rope_freqs.weight", factors)])

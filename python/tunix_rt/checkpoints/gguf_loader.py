@@ -105,9 +105,12 @@ def hf_config(reader: GGUFFile) -> dict:
     if "rope_freqs.weight" in names:
         if scaling not in (None, "none"):
             raise CheckpointError(f"GGUF file has both a rope_freqs tensor and rope scaling {scaling!r}")
-        factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        config["rope_scaling"] = llama3_rope_scaling(np.asarray(factors.data, np.float32).reshape(-1),
-                                                     config["rope_theta"], head_dim)
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        if t.tensor_type.name != "F32" or len(t.shape) != 1:
+            raise CheckpointError(f"GGUF rope_freqs tensor must be a 1-D F32 vector, got {t.tensor_type.name} of shape "
+                                  f"{tuple(int(d) for d in t.shape)}")
+        if (rope := llama3_rope_scaling(np.asarray(t.data, np.float32), config["rope_theta"], head_dim)) is not None:
+            config["rope_scaling"] = rope
     elif scaling == "yarn":
         config["rope_scaling"] = _yarn_rope_scaling(get)
     elif scaling not in (None, "none"):
@@ -165,27 +168,36 @@ def _llama3_factors(theta: float, head_dim: int, factor: float, original: float)
     return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium))
 
 
-def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict:
-    """HF's llama3 rope_scaling that gives a GGUF file's rope_freqs factors (Llama 3.1 and later): factor is
-    the largest (the low band's), the pretraining length comes from a factor between the bands (else the
-    length Meta used for every Llama 3, 8192), and the parameters must reproduce every factor."""
-    if factors.shape != (head_dim // 2,) or not np.isfinite(factors).all() or not (factors > 0).all():
-        raise CheckpointError(f"GGUF rope_freqs tensor must hold {head_dim // 2} positive factors, got shape "
-                              f"{factors.shape}")
+def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict | None:
+    """HF's llama3 rope_scaling that gives a GGUF file's rope_freqs factors (Llama 3.1 and later), None for
+    factors all 1 (plain rope). factor is the largest (the low band's); the pretraining length comes from a
+    factor between the bands, else it is any length the band edges allow (Meta's 8192 where it fits); the
+    parameters must reproduce every factor."""
+    if factors.shape != (head_dim // 2,):
+        raise CheckpointError(f"GGUF rope_freqs tensor must hold head_dim / 2 = {head_dim // 2} factors, got "
+                              f"{factors.shape[0]}")
+    if not np.isfinite(factors).all() or not (factors > 0).all():
+        raise CheckpointError("GGUF rope_freqs tensor holds non-finite or non-positive factors")
     factor, low, high = float(factors.max()), _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR
-    original = 8192.0
+    if factor == 1.0 and (factors == 1.0).all():
+        return None
     freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    wavelen = 2 * math.pi / freqs.astype(np.float64)
     between = (factors > 1) & (factors < factor)
-    if factor > 1 and between.any():
+    if between.any():
         i = int(np.argmax(between))
         smooth = (1 / float(factors[i]) - 1 / factor) / (1 - 1 / factor)
-        wavelen = 2 * math.pi / float(freqs[i])
-        original = float(round(wavelen * (low + smooth * (high - low))))
-    if factor == 1.0 or not np.allclose(_llama3_factors(theta, head_dim, factor, original), factors, rtol=1e-5, atol=0):
-        raise CheckpointError(f"GGUF rope_freqs tensor is not Llama 3's rope scaling (low/high frequency factors "
-                              f"{low:g}/{high:g}): unsupported")
-    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-            "original_max_position_embeddings": int(original)}
+        candidates = [float(round(wavelen[i] * (low + smooth * (high - low))))]
+    else:  # kept frequencies need wavelen < original / high, scaled ones wavelen > original / low
+        shortest = high * float(wavelen[factors == 1.0].max(initial=0.0))
+        longest = low * float(wavelen[factors == factor].min(initial=np.inf))
+        candidates = [8192.0] + ([float(math.floor((shortest + longest) / 2))] if np.isfinite(longest) else [])
+    for original in candidates:
+        if original > 0 and np.allclose(_llama3_factors(theta, head_dim, factor, original), factors, rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": int(original)}
+    raise CheckpointError(f"GGUF rope_freqs tensor is not Llama 3's rope scaling (low/high frequency factors "
+                          f"{low:g}/{high:g}): unsupported")
 
 
 def _moe_config(reader: GGUFFile, arch: str, get, names: set[str], num_layers: int) -> dict:

@@ -102,6 +102,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"model config: head_dim must be even (rope rotates pairs of dimensions), got {self.head_dim}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")

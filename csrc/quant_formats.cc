@@ -128,6 +128,13 @@ float NonFiniteBlock(int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x) {
   if (sum_x != nullptr) *sum_x = std::numeric_limits<float>::quiet_NaN();
   return std::numeric_limits<float>::quiet_NaN();
 }
+
+// 1 / d for a block's scale d = amax / 127 >= 0, or 0 where d is 0 or so small (subnormal) that 1 / d
+// overflows: that block's codes are all 0 on every tier, never an infinity converted to int8.
+inline float InverseScale(float d) {
+  const float inv = 1.0f / d;
+  return inv <= std::numeric_limits<float>::max() ? inv : 0.0f;
+}
 }  // namespace
 
 float QuantizeBlock(const float* xb, int8_t* lo, int8_t* hi, int32_t* qsum, float* sum_x) {
@@ -138,7 +145,7 @@ float QuantizeBlock(const float* xb, int8_t* lo, int8_t* hi, int32_t* qsum, floa
     amax = std::max(amax, a);
   }
   const float d = amax / 127.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  const float id = InverseScale(d);
   int sum = 0;
   for (int64_t i = 0; i < kSub; ++i) {
     const int v = static_cast<int>(std::nearbyint(xb[i] * id));
@@ -172,7 +179,7 @@ AVX2_FN float QuantizeBlockAvx2(const float* xb, int8_t* lo, int8_t* hi, int32_t
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   const float d = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1))) / 127.0f;
-  const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  const __m256 id = _mm256_set1_ps(InverseScale(d));
   __m256i q[4];
   for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], id));  // round to nearest even
   // packs interleave 4-code groups across the 128-bit lanes; the permute restores element order
@@ -201,7 +208,7 @@ VNNI_FN float QuantizeBlockAvx512(const float* xb, int8_t* lo, int8_t* hi, int32
   if ((_mm512_cmp_ps_mask(a0, finite_max, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, finite_max, _CMP_NLE_UQ)) != 0)
     return NonFiniteBlock(lo, hi, qsum, sum_x);
   const float d = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1)) / 127.0f;
-  const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  const __m512 id = _mm512_set1_ps(InverseScale(d));
   const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtepi32_epi8(q1));

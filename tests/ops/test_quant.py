@@ -994,6 +994,16 @@ _TIER_SCRIPT = textwrap.dedent(
         out[f"{fmt}_adv_rows64"] = np.asarray(quant_matmul(xa, qt, int8_rows=None))
         out[f"{fmt}_adv_alone"] = np.concatenate([np.asarray(quant_matmul(xa[i:i + 1], qt, int8_rows=None))
                                                   for i in range(64)])
+    # rows made only of tiny blocks, whose scale amax / 127 is subnormal (1 / scale overflows: codes 0 on every
+    # tier) or, where the thread flushes subnormals to zero (XLA's CPU threads do), zero
+    tiny = np.array([1e-38, -3e-39, 1e-40, 2e-37])
+    xt = jnp.asarray(np.stack([np.repeat(np.roll(tiny, r), 64) * np.linspace(0.5, 1, 256) for r in range(64)]),
+                     jnp.float32)
+    for fmt, group in (("q8_0", 32), ("q4_0", 32), ("q4_1", 32), ("int8", 64), ("int4", 128)):
+        qt = quantize(wa, fmt, group)
+        out[f"{fmt}_tiny_rows64"] = np.asarray(quant_matmul(xt, qt, int8_rows=None))
+        out[f"{fmt}_tiny_alone"] = np.concatenate([np.asarray(quant_matmul(xt[i:i + 1], qt, int8_rows=None))
+                                                   for i in range(64)])
     np.savez(sys.argv[1], **out)
     print(json.dumps({"isa": _ffi.isa_level(), "int8_kernels": [_ffi.int8_matmul_kernels(i) for i in range(5)]}))
     """
@@ -1047,7 +1057,7 @@ def test_isa_tier_rows_equal_each_row_alone(tier_runs, tier):
     odd-N products also meet the int8 error bound."""
     _, res = tier_runs[tier]
     keys = [k for k in res if k.endswith("_rows64")]
-    assert len(keys) == 17
+    assert len(keys) == 22
     for key in keys:
         assert_bits_equal(res[key], res[key.replace("_rows64", "_alone")], f"{tier} {key}")
     # a row with a NaN or an infinity comes out NaN, as a float product would; the rows beside it are finite
@@ -1056,6 +1066,7 @@ def test_isa_tier_rows_equal_each_row_alone(tier_runs, tier):
     for fmt in ("q8_0", "q4_0", "q4_1", "int8", "int4"):
         y = res[f"{fmt}_adv_rows64"]
         assert np.isnan(y[bad]).all() and np.isfinite(y[~bad]).all(), (tier, fmt)
+        assert np.isfinite(res[f"{fmt}_tiny_rows64"]).all() and np.abs(res[f"{fmt}_tiny_rows64"]).max() < 1e-30
     rng = np.random.default_rng(99)  # the script's draws, in its order: w, x, wl, xl, wo
     draws = [rng.standard_normal(shape) for shape in ((256, 40), (65, 256), (1248, 24), (4, 1248), (256, 13))]
     x64, wo = draws[1][:64].astype(np.float32), jnp.asarray(draws[4], jnp.float32)

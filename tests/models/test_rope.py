@@ -50,6 +50,24 @@ def test_yarn_defaults_follow_transformers():
     assert ModelConfig.from_hf_dict(d).rope_for(0).original_max_position_embeddings == 4096
 
 
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("rope_type", ["llama3", "yarn"])
+@pytest.mark.parametrize("where", ["top level", "absent"])
+def test_pretraining_length_follows_transformers(rope_type, where):
+    """A top-level original_max_position_embeddings (Phi-3 style) takes priority over the rope's; with none at
+    all, the model's max_position_embeddings (transformers' standardize_rope_params)."""
+    scaling = {"rope_type": rope_type, "factor": 4.0}
+    if rope_type == "llama3":
+        scaling |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    extra = {"original_max_position_embeddings": 512} if where == "top level" else {}
+    cfg = transformers.LlamaConfig(**BASE, rope_theta=10000.0, rope_scaling=dict(scaling), **extra)
+    inv_ref, _ = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    rope = ModelConfig.from_hf_dict(dict(BASE, model_type="llama", rope_theta=10000.0, rope_scaling=scaling, **extra)
+                                    ).rope_for(0)
+    assert rope.original_max_position_embeddings == (512 if extra else BASE["max_position_embeddings"])
+    np.testing.assert_allclose(inverse_frequencies(rope, 16), inv_ref.numpy(), rtol=2.5e-7, atol=0)
+
+
 def test_other_rope_types_do_not_scale_cos_sin():
     for rope in (RopeConfig(theta=1e4), RopeConfig(theta=1e4, rope_type="linear", factor=2.0),
                  RopeConfig(theta=1e4, rope_type="llama3", factor=8.0)):

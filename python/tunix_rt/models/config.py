@@ -255,12 +255,19 @@ _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_pos
               "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
 
 
-def _rope_from(params: dict[str, Any] | None, theta: float, max_positions: int) -> RopeConfig:
+def _rope_from(params: dict[str, Any] | None, theta: float, max_positions: int,
+               top_level_original: int | None = None) -> RopeConfig:
+    """A layer type's rope from its HF parameters, with transformers' rules for the pretraining length of the
+    scaled types: a top-level original_max_position_embeddings (Phi-3 style) wins, else the rope's own, else the
+    model's max_position_embeddings; yarn's factor defaults to the ratio of the two lengths."""
     params = dict(params or {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
     kw = {k: params[k] for k in _ROPE_KEYS if params.get(k) is not None}
-    if rope_type == "yarn":  # as transformers: the pretraining length defaults to the model's, and the factor
-        kw.setdefault("original_max_position_embeddings", max_positions)  # to the ratio of the two
+    if rope_type in ("llama3", "yarn"):
+        if top_level_original is not None:
+            kw["original_max_position_embeddings"] = top_level_original
+        kw.setdefault("original_max_position_embeddings", max_positions)
+    if rope_type == "yarn":
         kw.setdefault("factor", max_positions / kw["original_max_position_embeddings"])
         kw["beta_fast"] = kw.get("beta_fast") or 32.0  # transformers reads a 0 as "unset" too
         kw["beta_slow"] = kw.get("beta_slow") or 1.0
@@ -275,7 +282,7 @@ def _rope_by_layer_type(arch: str, d: dict[str, Any], kinds: set[str]) -> tuple[
         return tuple((kind, _rope_from(params.get(kind), global_theta, max_positions)) for kind in sorted(kinds))
     theta = float(d.get("rope_theta", 1_000_000.0 if arch == "gemma3_text" else 10000.0))
     scaling = params if isinstance(params, dict) else d.get("rope_scaling")
-    rope = {FULL: _rope_from(scaling, theta, max_positions)}
+    rope = {FULL: _rope_from(scaling, theta, max_positions, d.get("original_max_position_embeddings"))}
     if SLIDING in kinds:
         if arch == "gemma3_text":  # local layers: their own base, never scaled
             rope[SLIDING] = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))

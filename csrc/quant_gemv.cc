@@ -83,6 +83,16 @@ void TileScalar(const Weights& w, const QuantizedActivations& a, int64_t col, in
 }
 
 #ifdef TUNIX_RT_X86
+// The N columns a column-lane kernel's tile reads from `col` and their code rows: a short tile (cols < N)
+// repeats its last column (into lanes nobody reads).
+template <int N>
+inline void TileColumnRows(const Weights& w, int64_t col, int cols, int64_t colv[N], const uint8_t* wrow[N]) {
+  for (int c = 0; c < N; ++c) {
+    colv[c] = col + std::min(c, cols - 1);
+    wrow[c] = w.row(colv[c]);
+  }
+}
+
 // One kernel per row count (1..kTileRows), dispatched at run time by the tile's shape.
 template <TileFn... kRows>
 void ByRows(const Weights& w, const QuantizedActivations& a, int64_t col, int64_t r0, int rows, int cols, float* y) {
@@ -199,10 +209,7 @@ AVX2_F16C_FN void TileColumnsAvx2(const Weights& w, const QuantizedActivations& 
   const int64_t nb = a.blocks();
   int64_t colv[kAvx2Columns];
   const uint8_t* wrow[kAvx2Columns];
-  for (int c = 0; c < kAvx2Columns; ++c) {  // a short tile repeats its last column (lanes nobody reads)
-    colv[c] = col + std::min(c, cols - 1);
-    wrow[c] = w.row(colv[c]);
-  }
+  TileColumnRows<kAvx2Columns>(w, col, cols, colv, wrow);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   alignas(32) uint8_t codes[kAvx2Columns][kSub], high[kBits == 4 ? kAvx2Columns : 1][kSub];
@@ -389,10 +396,7 @@ VNNI_FN void TileColumns4(const Weights& w, const QuantizedActivations& a, int64
   const __m512i mask = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi16(1);
   int64_t colv[kColumnTile];
   const uint8_t* wrow[kColumnTile];
-  for (int c = 0; c < kColumnTile; ++c) {  // a short tile repeats its last column (lanes nobody reads)
-    colv[c] = col + std::min(c, cols - 1);
-    wrow[c] = w.row(colv[c]);
-  }
+  TileColumnRows<kColumnTile>(w, col, cols, colv, wrow);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   __m512 dw[kStripe], mw[kStripe];
@@ -445,10 +449,7 @@ VNNI_FN void TileColumns8(const Weights& w, const QuantizedActivations& a, int64
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   int64_t colv[kColumnTile];
   const uint8_t* wrow[kColumnTile];
-  for (int c = 0; c < kColumnTile; ++c) {
-    colv[c] = col + std::min(c, cols - 1);
-    wrow[c] = w.row(colv[c]);
-  }
+  TileColumnRows<kColumnTile>(w, col, cols, colv, wrow);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   __m512 dw[kStripe];

@@ -157,12 +157,17 @@ def _yarn_rope_scaling(get) -> dict:
 _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR = 1.0, 4.0
 
 
+def _rope_wavelengths(theta: float, head_dim: int) -> np.ndarray:
+    """Each rotary pair's wavelength in positions, from float32 frequencies as llama.cpp's converter has them."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    return 2 * math.pi / freqs.astype(np.float64)
+
+
 def _llama3_factors(theta: float, head_dim: int, factor: float, original: float) -> np.ndarray:
     """llama.cpp's `rope_freqs.weight` for HF's llama3 rope: 1 above the high band edge, `factor` below the
     low one, the smoothed inverse between (its converter's arithmetic, float32 frequencies)."""
-    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
     low, high = _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR
-    wavelen = 2 * math.pi / freqs.astype(np.float64)
+    wavelen = _rope_wavelengths(theta, head_dim)
     smooth = (original / wavelen - low) / (high - low)
     medium = 1 / ((1 - smooth) / factor + smooth)
     return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium))
@@ -181,8 +186,7 @@ def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dic
     factor, low, high = float(factors.max()), _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR
     if factor == 1.0 and (factors == 1.0).all():
         return None
-    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    wavelen = 2 * math.pi / freqs.astype(np.float64)
+    wavelen = _rope_wavelengths(theta, head_dim)
     between = (factors > 1) & (factors < factor)
     if between.any():
         i = int(np.argmax(between))

@@ -14,7 +14,8 @@ from tunix_rt.models.config import RopeConfig
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """Per-pair inverse frequencies in float32, computed as transformers does."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    inv_freq = (1.0 / (np.float32(rope.theta) ** exponents)).astype(np.float32)
+    pos_freqs = (np.float32(rope.theta) ** exponents).astype(np.float32)
+    inv_freq = (1.0 / pos_freqs).astype(np.float32)
     if rope.rope_type == "linear":
         return (inv_freq / np.float32(rope.factor)).astype(np.float32)
     if rope.rope_type == "llama3":
@@ -28,7 +29,7 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
     if rope.rope_type == "yarn":
-        return _yarn_inverse_frequencies(rope, head_dim, (np.float32(rope.theta) ** exponents).astype(np.float32))
+        return _yarn_inverse_frequencies(rope, head_dim, pos_freqs)
     return inv_freq
 
 

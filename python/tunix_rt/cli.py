@@ -11,6 +11,7 @@ import sys
 import time
 
 from tunix_rt.checkpoints.loader import DEFAULT
+from tunix_rt.console import resume_gc
 from tunix_rt.engine.compile_cache import DEFAULT_DIR as DEFAULT_COMPILE_CACHE
 from tunix_rt.engine.config import EngineConfig
 from tunix_rt.ops.quant import FORMATS
@@ -159,6 +160,7 @@ def _load(args):
         load_adapter(loaded.model, args.lora)
     log.info("loaded %s%s in %.1fs", loaded.source, f" with the adapter {args.lora}" if args.lora else "",
              time.perf_counter() - start)
+    resume_gc()  # the start-up's objects are loaded: see tunix_rt.console
     return loaded
 
 
@@ -390,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
 
         cache = use_compile_cache(args.compile_cache_dir)
         log.info("compilation cache: %s", cache or "off")
+    if _COMMANDS[args.command] not in (_generate, _score):  # these resume it in _load, once the model is in
+        resume_gc()
     try:
         code = _COMMANDS[args.command](args)
     except (ValueError, OSError, DefaultModelMissing, UnsupportedArchitecture, TrainingError) as e:
@@ -398,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:  # Ctrl-C: one line (a training run's says where it can resume), no traceback
         print(f"tunix-rt {args.command}: {str(e) or 'interrupted'}", file=sys.stderr)
         return 130
+    finally:
+        resume_gc()  # where the command failed before its model was in
     if cache:
         requests, hits = cache_stats()
         loaded, stored = store_stats()

@@ -175,8 +175,9 @@ def test_hf_dir_template_in_tokenizer_config(hf_dir, tmp_path):
 # --- tokenizer-only GGUF files written here --------------------------------------------------------------------
 
 
-def _write_gguf(path, arch: str, tokenizer_model: str, tokens, **fields) -> GGUFFile:
-    """A GGUF with tokenizer metadata and the few hyperparameters transformers needs to load it; no tensors."""
+def _write_gguf(path, arch: str, tokenizer_model: str, tokens, arrays: dict | None = None, **fields) -> GGUFFile:
+    """A GGUF with tokenizer metadata and the few hyperparameters transformers needs to load it; no tensors.
+    `arrays`: raw array fields by key, of any item type."""
     writer = gguf.GGUFWriter(path, arch=arch)
     writer.add_block_count(1)
     writer.add_context_length(64)
@@ -190,6 +191,8 @@ def _write_gguf(path, arch: str, tokenizer_model: str, tokens, **fields) -> GGUF
     writer.add_token_list(tokens)
     for name, value in fields.items():
         getattr(writer, f"add_{name}")(value)
+    for key, value in (arrays or {}).items():
+        writer.add_array(key, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -356,3 +359,22 @@ def test_unsupported_pre_tokenizer_is_value_error(tmp_path):
     )
     with pytest.raises(ValueError, match="'not-a-pre'"):
         Tokenizer.from_gguf(reader)
+
+
+def test_token_types_that_are_not_integers_are_value_error(tmp_path):
+    reader = _write_gguf(tmp_path / "types.gguf", "llama", "gpt2", ["a", "b", "ab"], token_merges=["a b"],
+                         arrays={"tokenizer.ggml.token_type": ["normal", "control", "normal"]})
+    with pytest.raises(ValueError, match="token_type is not an array of integers"):
+        Tokenizer.from_gguf(reader)
+
+
+def test_control_and_user_defined_tokens_are_matched_whole(tmp_path):
+    """Control tokens (and the named bos/eos ones) become special tokens, user-defined ones plain added tokens;
+    ids past the types' end are normal, as llama.cpp reads a short type array."""
+    tokens = ["a", "b", "ab", "<s>", "<ctl>", "<user>", "<late>"]
+    types = [gguf.TokenType.NORMAL] * 3 + [gguf.TokenType.NORMAL, gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED]
+    reader = _write_gguf(tmp_path / "types.gguf", "llama", "gpt2", tokens, token_merges=["a b"], token_types=types,
+                         bos_token_id=3)
+    ours = Tokenizer.from_gguf(reader)
+    added = {t.content: t.special for t in ours.backend.get_added_tokens_decoder().values()}
+    assert added == {"<s>": True, "<ctl>": True, "<user>": False}

@@ -16,7 +16,7 @@ _STATS = re.compile(r"compilation cache: (\d+) of (\d+) programs loaded, (\d+) c
 def _run(command: str, *flags: str) -> subprocess.CompletedProcess:
     args = (["score", "--text", "Paris is nice", "--json"] if command == "score"
             else ["generate", "--prompt", "Paris is", "--max-tokens", "4"])
-    proc = subprocess.run([sys.executable, "-m", "tunix_rt.cli", "-v", *args, *flags], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "tunix_rt", "-v", *args, *flags], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
     return proc

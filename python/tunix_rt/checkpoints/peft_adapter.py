@@ -16,17 +16,20 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import regex
 from flax import nnx
 
 from tunix_rt.checkpoints.hf_export import inverse_names
 from tunix_rt.checkpoints.output_dir import check_output_dir, staged_output_dir
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.models.lora import ALL_TARGETS, LoRALinear, lora_targets
+
+if TYPE_CHECKING:
+    import regex
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -167,6 +170,8 @@ class _PatternMatcher:
         self.compiled: dict[str, regex.Pattern] = {}
 
     def value(self, patterns: dict, module: str, default):
+        import regex  # here, not at the top: loading a model without patterns never needs it (9 ms)
+
         for key, value in (patterns or {}).items():
             if key not in self.compiled:
                 try:

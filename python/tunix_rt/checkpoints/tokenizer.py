@@ -9,14 +9,10 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterable
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
@@ -123,7 +119,9 @@ class Tokenizer:
         variables.update({name: value for name, value in special.items() if value is not None})
         variables.update(template_kwargs)
         messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
-        text = _compile_template(self.chat_template).render(
+        from tunix_rt.checkpoints.chat_template import compile_template
+
+        text = compile_template(self.chat_template).render(
             messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables
         )
         # The template already writes BOS where the model wants it, so encode adds nothing more.
@@ -231,48 +229,6 @@ def _default_template(template) -> str | None:
     if isinstance(template, list):
         return {entry["name"]: entry["template"] for entry in template}.get("default")
     return template
-
-
-# --- chat templates -------------------------------------------------------------------------------------------
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Parse transformers' `{% generation %}` block (it marks assistant text for training masks) as plain text."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller):
-        return caller()
-
-
-def _raise_exception(message):
-    raise ValueError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # jinja's own tojson escapes HTML characters and takes no separators; templates expect plain json.dumps.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format):
-    return datetime.now().strftime(format)
-
-
-@functools.lru_cache(maxsize=16)
-def _compile_template(template: str) -> jinja2.Template:
-    """The environment transformers renders chat templates in; templates come from checkpoints, so sandboxed."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(template)
 
 
 # --- GGUF -----------------------------------------------------------------------------------------------------
@@ -429,9 +385,15 @@ def _add_special_tokens(backend: Backend, meta: _GGUFTokenizerMetadata) -> None:
     """Match control tokens (and the bos/eos/unk/pad tokens) whole as special tokens, user-defined ones as plain
     added tokens -- otherwise BPE would cut `<|im_start|>` into pieces."""
     named = {meta.token_id(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "unknown", "padding")}
+    try:  # a vocabulary's worth of types, compared in numpy rather than in a Python loop
+        types = np.asarray(meta.token_types[: len(meta.tokens)], dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError("GGUF tokenizer.ggml.token_type is not an array of integers") from None
+    marked = np.flatnonzero((types == _CONTROL) | (types == _USER_DEFINED)).tolist()
     special, plain = [], []
-    for token_id, token in enumerate(meta.tokens):
-        token_type = meta.token_types[token_id] if token_id < len(meta.token_types) else None
+    for token_id in sorted({*marked, *named} - {None}):
+        token = meta.tokens[token_id]
+        token_type = int(types[token_id]) if token_id < len(types) else None
         if token_type == _CONTROL or token_id in named:
             special.append(AddedToken(token, special=True, normalized=False))
         elif token_type == _USER_DEFINED:

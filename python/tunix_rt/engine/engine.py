@@ -53,7 +53,7 @@ class EngineStats:
     prefix_cache_hits: int  # of which served from cached blocks
     prefix_cache_hit_rate: float
     num_preemptions: int
-    num_compiles: int  # distinct compiled step programs so far
+    num_compiles: int  # distinct programs compiled or loaded so far: the steps' and the empty KV pools'
     prompt_tokens: int  # totals since start
     generation_tokens: int
     num_blocks: int

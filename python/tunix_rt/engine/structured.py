@@ -11,12 +11,22 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.numpy
 import numpy as np
 
 from tunix_rt.engine.errors import InvalidStructuredOutputError
+
+if TYPE_CHECKING:
+    import llguidance
+
+
+def _llguidance():
+    """llguidance, imported on the first constrained request: an engine that never sees one does not load it."""
+    import llguidance
+    import llguidance.numpy
+
+    return llguidance
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -57,6 +67,7 @@ class StructuredOutputsParams:
 
     def grammar_text(self) -> str:
         """The constraint as llguidance's grammar text."""
+        llguidance = _llguidance()
         if self.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
         if self.grammar is not None:
@@ -95,6 +106,7 @@ class GrammarCompiler:
         if self._tokenizer is None:
             raise InvalidStructuredOutputError("structured outputs need the engine's tokenizer")
         if self._index is None:
+            llguidance = _llguidance()
             if not self._eos:
                 raise InvalidStructuredOutputError(
                     "structured outputs need an end-of-sequence token to finish on; the tokenizer defines none")
@@ -112,7 +124,7 @@ class GrammarCompiler:
             text = params.grammar_text()
         except ValueError as e:
             raise InvalidStructuredOutputError(f"structured outputs: the constraint does not compile: {e}") from None
-        matcher = llguidance.LLMatcher(self._index, text)
+        matcher = _llguidance().LLMatcher(self._index, text)
         if matcher.is_error():
             raise InvalidStructuredOutputError(
                 f"structured outputs: the constraint does not compile: {matcher.get_error()}")
@@ -120,6 +132,7 @@ class GrammarCompiler:
 
     def fill_masks(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], batch: int) -> np.ndarray:
         """(batch, ceil(V / 32)) int32 bitmasks: all ones (no constraint) except the given rows."""
+        llguidance = _llguidance()
         masks = llguidance.numpy.allocate_token_bitmask(batch, self.vocab_size)
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, list(matchers), masks)
         return masks

@@ -31,6 +31,9 @@ constexpr int64_t kPanelK = 256;  // a multiple of every group size
 // Stride of the dequantized-column scratch: not a multiple of 1 KiB, so columns 4 apart do not
 // alias in the low 12 address bits (false store-to-load dependencies).
 constexpr int64_t kColStride = kPanelK + 16;
+// Columns the row-invariant route dequantizes together past kGemvRows rows (8 x K floats: L1-sized for
+// model widths up to ~1K, L2 beyond).
+constexpr int64_t kDequantizedColumns = 8;
 
 using TransposeFn = void (*)(const float* colbuf, int64_t kk, float* panel);  // nr columns
 // The exact path's small-M kernel: y[r * ldy + col] = x[r] . dequantize(column col) for r < m,
@@ -45,6 +48,20 @@ void ColumnDotsScalar(const Weights& w, int64_t col, const float* x, int64_t m, 
     float acc = 0.0f;
     for (int64_t i = 0; i < k; ++i) acc += x[r * k + i] * column[i];
     y[r * ldy + col] = acc;
+  }
+}
+
+// The same products and sums as a tier's ColumnDotsFn, from the column's dequantized values (`column`, K
+// floats from DequantizerFor's kernel, which computes each value as the column dots do in registers): for
+// many rows, a column is dequantized once instead of once per kGemvRows rows, and every row's result keeps
+// its bits (the row-invariant route's contract).
+using DequantizedDotsFn = void (*)(const float* column, int64_t k, const float* x, int64_t m, float* y, int64_t ldy);
+
+void DequantizedDotsScalar(const float* column, int64_t k, const float* x, int64_t m, float* y, int64_t ldy) {
+  for (int64_t r = 0; r < m; ++r) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < k; ++i) acc += x[r * k + i] * column[i];
+    y[r * ldy] = acc;
   }
 }
 
@@ -121,16 +138,15 @@ AVX2_F16C_FN void DequantizeRangeAvx2(const Weights& w, int64_t col, int64_t k0,
 
 // Dequantize-and-dot for up to kGemvRows rows: each 32-block's weights are dequantized in
 // registers (DequantBlockAvx2) and multiplied into every row's accumulators.
-template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
-AVX2_F16C_FN void ColumnDotsAvx2(const Weights& w, int64_t col, const float* x, int64_t m, float*, float* y,
-                                 int64_t ldy) {
+template <int kBits, bool kOffset8, bool kHasMin, bool kF16, int R>
+AVX2_F16C_FN void ColumnDotsAvx2Rows(const Weights& w, int64_t col, const float* x, float* y, int64_t ldy) {
   const int64_t k = w.l.k;
-  __m256 acc0[kGemvRows], acc1[kGemvRows];
-  for (int64_t r = 0; r < m; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < k / kSub; ++b) {
     __m256 v[4];
     DequantBlockAvx2<kBits, kOffset8, kHasMin, kF16>(w, col, b, v);
-    for (int64_t r = 0; r < m; ++r) {
+    for (int r = 0; r < R; ++r) {
       const float* xb = x + r * k + b * kSub;
       acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb), v[0], acc0[r]);
       acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), v[1], acc1[r]);
@@ -138,19 +154,54 @@ AVX2_F16C_FN void ColumnDotsAvx2(const Weights& w, int64_t col, const float* x, 
       acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), v[3], acc1[r]);
     }
   }
-  for (int64_t r = 0; r < m; ++r) y[r * ldy + col] = HSum8(_mm256_add_ps(acc0[r], acc1[r]));
+  for (int r = 0; r < R; ++r) y[r * ldy + col] = HSum8(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
+void ColumnDotsAvx2(const Weights& w, int64_t col, const float* x, int64_t m, float*, float* y, int64_t ldy) {
+  using F = void (*)(const Weights&, int64_t, const float*, float*, int64_t);
+  static constexpr F kRows[kGemvRows] = {
+      ColumnDotsAvx2Rows<kBits, kOffset8, kHasMin, kF16, 1>, ColumnDotsAvx2Rows<kBits, kOffset8, kHasMin, kF16, 2>,
+      ColumnDotsAvx2Rows<kBits, kOffset8, kHasMin, kF16, 3>, ColumnDotsAvx2Rows<kBits, kOffset8, kHasMin, kF16, 4>};
+  kRows[m - 1](w, col, x, y, ldy);
+}
+
+// ColumnDotsAvx2's order (two accumulators taking alternate 8-element quarters of each block) from memory,
+// for R rows: a compile-time count keeps every accumulator in a register (a runtime one spills them).
+template <int R>
+AVX2_FN void DequantizedDotsAvx2Rows(const float* column, int64_t k, const float* x, float* y, int64_t ldy) {
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += kSub) {
+    const __m256 v0 = _mm256_loadu_ps(column + i), v1 = _mm256_loadu_ps(column + i + 8);
+    const __m256 v2 = _mm256_loadu_ps(column + i + 16), v3 = _mm256_loadu_ps(column + i + 24);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * k + i;
+      acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb), v0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), v1, acc1[r]);
+      acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), v2, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), v3, acc1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = HSum8(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+void DequantizedDotsAvx2(const float* column, int64_t k, const float* x, int64_t m, float* y, int64_t ldy) {
+  using F = void (*)(const float*, int64_t, const float*, float*, int64_t);
+  static constexpr F kRows[kGemvRows] = {DequantizedDotsAvx2Rows<1>, DequantizedDotsAvx2Rows<2>,
+                                         DequantizedDotsAvx2Rows<3>, DequantizedDotsAvx2Rows<4>};
+  kRows[m - 1](column, k, x, y, ldy);
 }
 
 // ColumnDotsAvx2 with 16 lanes: the same dequantized values (d * q, or d * q + m) from 16 codes
 // at a time; two accumulators per row halve the multiply-add chain.
-template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
-AVX512_F16C_FN void ColumnDotsAvx512(const Weights& w, int64_t col, const float* x, int64_t m, float*, float* y,
-                                     int64_t ldy) {
+template <int kBits, bool kOffset8, bool kHasMin, bool kF16, int R>
+AVX512_F16C_FN void ColumnDotsAvx512Rows(const Weights& w, int64_t col, const float* x, float* y, int64_t ldy) {
   const int64_t k = w.l.k, groups = w.l.groups();
   const int shift = GroupShift(w.l.group);
   const uint8_t* row = w.row(col);
-  __m512 acc0[kGemvRows], acc1[kGemvRows];
-  for (int64_t r = 0; r < m; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < k / kSub; ++b) {
     __m512i c0, c1;
     if constexpr (kBits == 8) {
@@ -176,13 +227,45 @@ AVX512_F16C_FN void ColumnDotsAvx512(const Weights& w, int64_t col, const float*
       v0 = _mm512_add_ps(v0, mn);
       v1 = _mm512_add_ps(v1, mn);
     }
-    for (int64_t r = 0; r < m; ++r) {
+    for (int r = 0; r < R; ++r) {
       const float* xb = x + r * k + b * kSub;
       acc0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), v0, acc0[r]);
       acc1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), v1, acc1[r]);
     }
   }
-  for (int64_t r = 0; r < m; ++r) y[r * ldy + col] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+  for (int r = 0; r < R; ++r) y[r * ldy + col] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+}
+
+template <int kBits, bool kOffset8, bool kHasMin, bool kF16>
+void ColumnDotsAvx512(const Weights& w, int64_t col, const float* x, int64_t m, float*, float* y, int64_t ldy) {
+  using F = void (*)(const Weights&, int64_t, const float*, float*, int64_t);
+  static constexpr F kRows[kGemvRows] = {
+      ColumnDotsAvx512Rows<kBits, kOffset8, kHasMin, kF16, 1>, ColumnDotsAvx512Rows<kBits, kOffset8, kHasMin, kF16, 2>,
+      ColumnDotsAvx512Rows<kBits, kOffset8, kHasMin, kF16, 3>, ColumnDotsAvx512Rows<kBits, kOffset8, kHasMin, kF16, 4>};
+  kRows[m - 1](w, col, x, y, ldy);
+}
+
+// ColumnDotsAvx512's order (each block's two 16-element halves into two accumulators) from memory, R rows.
+template <int R>
+AVX512_FN void DequantizedDotsAvx512Rows(const float* column, int64_t k, const float* x, float* y, int64_t ldy) {
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += kSub) {
+    const __m512 v0 = _mm512_loadu_ps(column + i), v1 = _mm512_loadu_ps(column + i + 16);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * k + i;
+      acc0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), v0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), v1, acc1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+}
+
+void DequantizedDotsAvx512(const float* column, int64_t k, const float* x, int64_t m, float* y, int64_t ldy) {
+  using F = void (*)(const float*, int64_t, const float*, float*, int64_t);
+  static constexpr F kRows[kGemvRows] = {DequantizedDotsAvx512Rows<1>, DequantizedDotsAvx512Rows<2>,
+                                         DequantizedDotsAvx512Rows<3>, DequantizedDotsAvx512Rows<4>};
+  kRows[m - 1](column, k, x, y, ldy);
 }
 #endif
 
@@ -191,11 +274,13 @@ struct GemmKernels {
   TransposeFn transpose;
   MicroFn micro;
   ColumnDotsFn column_dots;
-  int nr;  // panel width
+  DequantizedDotsFn dequantized_dots;  // column_dots' arithmetic from a dequantized column
+  int nr;                              // panel width
 };
 
 GemmKernels SelectGemm(int32_t fmt) {
-  GemmKernels g{DequantizerFor(fmt), TransposePanelScalar, MicroKernelFor(IsaLevel::kScalar).fn, ColumnDotsScalar, kNR};
+  GemmKernels g{DequantizerFor(fmt), TransposePanelScalar,  MicroKernelFor(IsaLevel::kScalar).fn,
+                ColumnDotsScalar,    DequantizedDotsScalar, kNR};
 #ifdef TUNIX_RT_X86
   if (isa_level() >= IsaLevel::kAvx2 && cpu_features().f16c) {
     static constexpr ColumnDotsFn kDots[kNumFormats] = {
@@ -209,8 +294,9 @@ GemmKernels SelectGemm(int32_t fmt) {
         ColumnDotsAvx512<4, true, false, false>,
     };
     const MicroKernel micro = MicroKernelFor(isa_level());
-    g = micro.nr == kMaxNR ? GemmKernels{g.deq, TransposePanelAvx2<kMaxNR>, micro.fn, kDots512[fmt], kMaxNR}
-                           : GemmKernels{g.deq, TransposePanelAvx2<kNR>, micro.fn, kDots[fmt], kNR};
+    g = micro.nr == kMaxNR
+            ? GemmKernels{g.deq, TransposePanelAvx2<kMaxNR>, micro.fn, kDots512[fmt], DequantizedDotsAvx512, kMaxNR}
+            : GemmKernels{g.deq, TransposePanelAvx2<kNR>, micro.fn, kDots[fmt], DequantizedDotsAvx2, kNR};
   }
 #endif
   return g;
@@ -233,22 +319,36 @@ std::vector<float> PackPanels(const float* x, int64_t m, int64_t k) {
 }
 
 // Columns [c_begin, c_end) of y (f32, row stride n, zeroed) from x (M, K) f32, or, past kGemvRows
-// rows and unless `row_invariant`, from x packed by PackPanels. The column dots sum each row alone,
-// four rows at a time, in one order whatever M: the row-invariant route.
+// rows and unless `row_invariant`, from x packed by PackPanels. The column dots sum each row alone, in
+// one order whatever M (past kGemvRows rows from the column dequantized once): the row-invariant route.
 void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, const float* xp_all, int64_t m, float* y,
                  int64_t c_begin, int64_t c_end, bool row_invariant) {
   const int64_t k = w.l.k, n = w.l.n;
-  if (m <= kGemvRows || row_invariant) {  // dequantize a column, dot it with each row
-    std::vector<float> column(k);
+  if (m <= kGemvRows || row_invariant) {
     const int64_t ahead = PrefetchAhead(w.l);
-    const int64_t block = std::max<int64_t>(1, kColumnBlockBytes / w.l.row_bytes());
     PrefetchColumns(w, c_begin, ahead);
-    for (int64_t b0 = c_begin; b0 < c_end; b0 += block)
+    if (m <= kGemvRows) {  // each column dequantized in registers
+      std::vector<float> column(k);
+      for (int64_t c = c_begin; c < c_end; ++c) {
+        PrefetchColumns(w, c + ahead, 1);
+        g.column_dots(w, c, x, m, column.data(), y, n);
+      }
+      return;
+    }
+    // kDequantizedColumns columns dequantized once, then dotted with every row, kGemvRows rows at a time:
+    // those rows of x and the columns stay in L1 while they meet.
+    std::vector<float> columns(kDequantizedColumns * k);
+    for (int64_t c0 = c_begin; c0 < c_end; c0 += kDequantizedColumns) {
+      const int64_t cols = std::min(kDequantizedColumns, c_end - c0);
+      for (int64_t j = 0; j < cols; ++j) {
+        PrefetchColumns(w, c0 + j + ahead, 1);
+        g.deq(w, c0 + j, 0, k, columns.data() + j * k);
+      }
       for (int64_t r0 = 0; r0 < m; r0 += kGemvRows)
-        for (int64_t c = b0; c < std::min(c_end, b0 + block); ++c) {
-          if (r0 == 0) PrefetchColumns(w, c + ahead, 1);
-          g.column_dots(w, c, x + r0 * k, std::min(kGemvRows, m - r0), column.data(), y + r0 * n, n);
-        }
+        for (int64_t j = 0; j < cols; ++j)
+          g.dequantized_dots(columns.data() + j * k, k, x + r0 * k, std::min(kGemvRows, m - r0), y + r0 * n + c0 + j,
+                             n);
+    }
     return;
   }
   const int64_t row_tiles = (m + kMR - 1) / kMR;

@@ -977,9 +977,10 @@ _TIER_SCRIPT = textwrap.dedent(
             if name == "wide" and fmt not in ("q8_0", "q4_1"):
                 continue
             qt = quantize(weight, fmt, group)
-            out[f"{fmt}_{name}_rows64"] = np.asarray(quant_matmul(xs[:64], qt, int8_rows=None))
-            out[f"{fmt}_{name}_alone"] = np.concatenate(
-                [np.asarray(quant_matmul(xs[i:i + 1], qt, int8_rows=None)) for i in range(64)])
+            for route, kw in (("", dict(int8_rows=None)), ("exact_", dict(exact=True, invariant=True))):
+                out[f"{fmt}_{route}{name}_rows64"] = np.asarray(quant_matmul(xs[:64], qt, **kw))
+                out[f"{fmt}_{route}{name}_alone"] = np.concatenate(
+                    [np.asarray(quant_matmul(xs[i:i + 1], qt, **kw)) for i in range(64)])
     # adversarial activations, every 32-block one case: zeros, one value, halves that round to even
     # (amax 127: scale 1), signed zeros, subnormals, huge values, a block of equal values, a NaN, an infinity
     blocks = [np.zeros(32), np.eye(32)[5] * -3.0, np.r_[127.0, np.arange(31) - 15.5], np.r_[-0.0, np.zeros(31)],
@@ -1053,11 +1054,12 @@ def test_isa_tier_matches_reference(tier_runs, tier):
 def test_isa_tier_rows_equal_each_row_alone(tier_runs, tier):
     """On every tier the int8 products of 64 rows in one call equal each row computed alone, bit for bit: the
     engine's batch invariance (scalar: GEMV row tiles of 4 over column tiles and column blocks; AVX2 and
-    AVX-VNNI: the 8-lane int8 GEMM against the AVX2 GEMV; AVX-512 VNNI: its int8 GEMM against its GEMV). The
-    odd-N products also meet the int8 error bound."""
+    AVX-VNNI: the 8-lane int8 GEMM against the AVX2 GEMV; AVX-512 VNNI: its int8 GEMM against its GEMV); so do
+    the exact row-invariant products (output heads: columns dequantized once for 64 rows against the column
+    dots in registers for one). The odd-N products also meet the int8 error bound."""
     _, res = tier_runs[tier]
     keys = [k for k in res if k.endswith("_rows64")]
-    assert len(keys) == 22
+    assert len(keys) == 34
     for key in keys:
         assert_bits_equal(res[key], res[key.replace("_rows64", "_alone")], f"{tier} {key}")
     # a row with a NaN or an infinity comes out NaN, as a float product would; the rows beside it are finite
@@ -1076,7 +1078,7 @@ def test_isa_tier_rows_equal_each_row_alone(tier_runs, tier):
 
 
 def _is_exact_route(key: str) -> bool:
-    return key.endswith(("_y65", "_yexact3"))  # f32 products over dequantized weights, not int8
+    return key.endswith(("_y65", "_yexact3")) or "_exact_" in key  # f32 products over dequantized weights
 
 
 @pytest.mark.skipif(hardware_tier() == "scalar", reason="needs a SIMD tier to compare with scalar")

@@ -1137,3 +1137,20 @@ def test_stats_fields(llama):
     assert stats.prompt_tokens > 0 and stats.generation_tokens > 0
     assert 0 < stats.prefix_cache_hit_rate < 1
     assert stats.prefix_cache_hit_rate == pytest.approx(stats.prefix_cache_hits / stats.prefix_cache_queries)
+
+
+def test_dynamic_rope_generates_what_the_reference_does_past_its_length():
+    """Dynamic NTK rope (a token rotated by its own length once past max_position_embeddings = 12): chunked
+    prefill, batched decode and the reference generator's dense cache give the same greedy tokens, the prompts'
+    prefixes shared or not."""
+    rope = RopeConfig(theta=10000.0, rope_type="dynamic", factor=4.0, original_max_position_embeddings=12)
+    model = Decoder(_llama_config(rope=((FULL, rope),)), rngs=nnx.Rngs(3))
+    engine = _engine(model, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, block_size=4,
+                     num_kv_blocks=64)
+    prompts = _prompts(31, [3, 10, 20, 20])
+    prompts[3] = prompts[2][:16] + prompts[3][16:]  # a cached prefix
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
+    assert [o.token_ids for o in outs] == _reference(model, prompts, 24)
+    assert_idle(engine)
+    plain = Decoder(_llama_config(), rngs=nnx.Rngs(3))  # the same weights under the default rope
+    assert _reference(plain, prompts, 24) != [o.token_ids for o in outs]

@@ -3,6 +3,8 @@ with transformers, tests/models/test_hf_parity.py, covers every rope type a tiny
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
@@ -75,7 +77,7 @@ def test_other_rope_types_do_not_scale_cos_sin():
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(rope_type="dynamic"), "unsupported rope_type 'dynamic'"),
+    (dict(rope_type="longrope"), "unsupported rope_type 'longrope'"),
     (dict(rope_type="yarn", factor=0.0), "factor must be positive"),
     (dict(rope_type="yarn", beta_fast=1.0, beta_slow=32.0), "beta_fast > beta_slow"),
     (dict(rope_type="yarn", attention_factor=-1.0), "attention_factor must be positive"),
@@ -84,3 +86,67 @@ def test_other_rope_types_do_not_scale_cos_sin():
 def test_bad_rope_parameters_are_named(kw, match):
     with pytest.raises((ValueError, UnsupportedArchitecture), match=match):
         RopeConfig(theta=1e4, **kw)
+
+
+@pytest.mark.parametrize("factor", [2.0, 4.0])
+@pytest.mark.parametrize("length", [1, 16, 17, 40, 5000])
+def test_dynamic_frequencies_match_transformers(factor, length):
+    """Per token, the frequencies transformers' dynamic rope computes for a sequence of `length` tokens."""
+    import jax.numpy as jnp
+    import torch
+
+    from tunix_rt.models.rope import dynamic_inverse_frequencies
+
+    d = dict(BASE, model_type="llama", max_position_embeddings=16,
+             rope_scaling={"rope_type": "dynamic", "factor": factor})
+    rope = ModelConfig.from_hf_dict(d).rope_for(0)
+    assert rope.rope_type == "dynamic" and rope.original_max_position_embeddings == 16
+    ref, _ = ROPE_INIT_FUNCTIONS["dynamic"](transformers.LlamaConfig(**d), "cpu", seq_len=torch.tensor(length))
+    got = np.asarray(dynamic_inverse_frequencies(rope, 16, jnp.full((1, 1), length - 1)))[0, 0]
+    np.testing.assert_allclose(got, ref.numpy(), rtol=2e-6)
+    if length <= 16:  # within the model's length: the default rope's frequencies
+        np.testing.assert_allclose(got, inverse_frequencies(rope, 16), rtol=2e-6)
+
+
+def test_dynamic_rope_matches_transformers_generating_past_its_length(tmp_path):
+    """A tiny model with rope_type dynamic (max_position_embeddings 16) fed 40 tokens one at a time through its
+    cache, as transformers generates: every step's log-probs equal the decoder's over the whole sequence at once
+    (each token rotated by its own length), and the decoder's own cached steps agree."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from tests.models.hf_tiny import make_hf_model
+    from tunix_rt.checkpoints import hf_dir
+    from tunix_rt.checkpoints.weights import build_decoder
+
+    hf = make_hf_model("qwen2", tmp_path, max_position_embeddings=16,
+                       rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    ours = build_decoder(hf_dir.read_config(tmp_path), hf_dir.iter_tensors(tmp_path))
+    assert ours.config.rope_for(0).rope_type == "dynamic"
+    tokens = np.random.default_rng(3).integers(0, 256, (1, 40))
+    prompt = 6
+    cache_arg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # 5.x renamed it
+    with torch.no_grad():
+        out = hf(torch.tensor(tokens[:, :prompt]), use_cache=True)
+        steps, past = [out.logits[0]], out.past_key_values
+        for t in range(prompt, 40):
+            out = hf(torch.tensor(tokens[:, t:t + 1]), use_cache=True, position_ids=torch.tensor([[t]]),
+                     **{cache_arg: past})
+            steps.append(out.logits[0])
+            past = out.past_key_values
+    ref = torch.log_softmax(torch.cat(steps).float(), -1).numpy()
+    positions = jnp.arange(40)[None]
+    got = np.asarray(jax.nn.log_softmax(ours(jnp.asarray(tokens), positions), -1))[0]
+    assert np.abs(got - ref).max() <= 1e-4
+    # a one-shot transformers forward rotates the early tokens by the whole length: not what it generates
+    with torch.no_grad():
+        whole = torch.log_softmax(hf(torch.tensor(tokens)).logits[0].float(), -1).numpy()
+    assert np.abs(whole - ref)[:prompt].max() > 1e-3
+    cache = ours.new_cache(1, 40)
+    logits, cache = ours(jnp.asarray(tokens[:, :prompt]), positions[:, :prompt], cache)
+    cached = [np.asarray(jax.nn.log_softmax(logits, -1))[0]]
+    for t in range(prompt, 40):
+        logits, cache = ours(jnp.asarray(tokens[:, t:t + 1]), positions[:, t:t + 1], cache)
+        cached.append(np.asarray(jax.nn.log_softmax(logits, -1))[0])
+    assert np.abs(np.concatenate(cached) - got).max() <= 1e-5

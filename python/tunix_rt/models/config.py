@@ -26,13 +26,15 @@ class UnsupportedArchitecture(ValueError):
     """The checkpoint's model_type (or a feature of it) is not one the decoder implements."""
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class RopeConfig:
-    """Rotary embedding of one layer type: HF's default, linear, llama3 and yarn rope types (HF's names and
-    defaults; yarn's attention_factor None means HF's, derived from factor and mscale / mscale_all_dim)."""
+    """Rotary embedding of one layer type: HF's default, linear, llama3, yarn and dynamic (NTK) rope types (HF's
+    names and defaults; yarn's attention_factor None means HF's, derived from factor and mscale /
+    mscale_all_dim). For dynamic, original_max_position_embeddings holds the model's max_position_embeddings,
+    the length past which transformers grows the base."""
 
     theta: float
     rope_type: str = "default"
@@ -267,6 +269,8 @@ def _rope_from(params: dict[str, Any] | None, theta: float, max_positions: int,
         if top_level_original is not None:
             kw["original_max_position_embeddings"] = top_level_original
         kw.setdefault("original_max_position_embeddings", max_positions)
+    if rope_type == "dynamic":  # transformers scales from the model's length, whatever the rope's own says
+        kw["original_max_position_embeddings"] = max_positions
     if rope_type == "yarn":
         kw.setdefault("factor", max_positions / kw["original_max_position_embeddings"])
         kw["beta_fast"] = kw.get("beta_fast") or 32.0  # transformers reads a 0 as "unset" too

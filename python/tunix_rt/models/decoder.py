@@ -17,7 +17,7 @@ from tunix_rt.models.kv_cache import DenseKVCache, PagedKVCache
 from tunix_rt.models.layer_stack import LayerStack, LayerView
 from tunix_rt.models.quant_layers import QuantEmbed, QuantLinear
 from tunix_rt.models.remat import recompute_in_backward, tie
-from tunix_rt.models.rope import apply_rope, attention_scaling, inverse_frequencies
+from tunix_rt.models.rope import apply_rope, attention_scaling, dynamic_inverse_frequencies, inverse_frequencies
 from tunix_rt.ops import attention, grouped_matmul, permute, rms_norm, router_topk, unpermute
 from tunix_rt.ops.attention import SAVED_NAMES as ATTENTION_SAVED
 from tunix_rt.ops.fused_head import head_logprobs
@@ -94,7 +94,11 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, kv, d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq, scaling = inverse_frequencies(self.rope, d), attention_scaling(self.rope)
+        if self.rope.rope_type == "dynamic":
+            inv_freq = dynamic_inverse_frequencies(self.rope, d, positions)
+        else:
+            inv_freq = inverse_frequencies(self.rope, d)
+        scaling = attention_scaling(self.rope)
         q = apply_rope(q, positions, inv_freq, scaling)
         k = apply_rope(k, positions, inv_freq, scaling)
         if cache is None:

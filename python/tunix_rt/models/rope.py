@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF's rotate-half layout) for default, linear, llama3 and yarn rope types."""
+"""Rotary position embeddings (HF's rotate-half layout) for default, linear, llama3, yarn and dynamic rope types."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from tunix_rt.models.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Per-pair inverse frequencies in float32, computed as transformers does."""
+    """Per-pair inverse frequencies in float32, computed as transformers does (dynamic: those of positions within
+    max_position_embeddings; dynamic_inverse_frequencies gives every position's)."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     pos_freqs = (np.float32(rope.theta) ** exponents).astype(np.float32)
     inv_freq = (1.0 / pos_freqs).astype(np.float32)
@@ -31,6 +32,23 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     if rope.rope_type == "yarn":
         return _yarn_inverse_frequencies(rope, head_dim, pos_freqs)
     return inv_freq
+
+
+def dynamic_inverse_frequencies(rope: RopeConfig, head_dim: int, positions: jax.Array) -> jax.Array:
+    """Dynamic NTK scaling (transformers' "dynamic"): once a sequence runs past the model's
+    max_position_embeddings, the base grows to theta * (factor * L / max - (factor - 1)) ** (d / (d - 2)), in
+    float32 as transformers computes it. L is the token's own position plus one: the length transformers uses
+    for each token as it generates one at a time with its cache, so a key keeps the rotation it was written with
+    whether its sequence was prefilled in chunks, decoded, cached as a prefix or trained on. (A single
+    transformers forward over a whole sequence longer than max_position_embeddings instead rotates every token
+    by the whole sequence's length, which its own generation does not reproduce.) positions (B, T) -> (B, T,
+    head_dim / 2)."""
+    max_len = np.float32(rope.original_max_position_embeddings)
+    factor = np.float32(rope.factor)
+    length = jnp.maximum(positions.astype(jnp.float32) + 1, max_len)
+    base = np.float32(rope.theta) * ((factor * length / max_len) - (factor - 1)) ** np.float32(head_dim / (head_dim - 2))
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    return 1.0 / (base[..., None] ** exponents)
 
 
 def _yarn_inverse_frequencies(rope: RopeConfig, dim: int, pos_freqs: np.ndarray) -> np.ndarray:
@@ -71,9 +89,9 @@ def attention_scaling(rope: RopeConfig) -> float:
     return mscale(rope.factor)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scaling: float = 1.0) -> jax.Array:
-    """Rotate x of shape (B, T, H, D) by angle positions * inv_freq (positions: (B, T)), cos and sin times
-    `scaling` (attention_scaling: yarn's, else 1).
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array, scaling: float = 1.0) -> jax.Array:
+    """Rotate x of shape (B, T, H, D) by angle positions * inv_freq (positions: (B, T); inv_freq: (D / 2,), or
+    (B, T, D / 2) per token for dynamic ropes), cos and sin times `scaling` (attention_scaling: yarn's, else 1).
 
     The angles, their cos/sin and the two products sit behind optimization barriers: XLA:CPU contracts a
     multiply feeding an add into an FMA wherever the two land in one fusion, and fusion follows the program

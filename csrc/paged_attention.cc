@@ -498,7 +498,6 @@ ffi::Future PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   // Each run's kv heads in as few items as still give every worker two: all of them together where the runs
   // alone are enough (one walk over each block), one each for a lone decode.
   const int64_t num_runs = static_cast<int64_t>(runs->size()) - 1;
-  if (num_runs == 0) return ReadyFuture(ffi::Error::Success());  // no query tokens
   const int64_t split = std::clamp<int64_t>((2 * Workers(pool) + num_runs - 1) / num_runs, 1, a.c.kv_heads);
   const int64_t per_item = (a.c.kv_heads + split - 1) / split;
   const int64_t items = num_runs * split;

@@ -324,6 +324,7 @@ std::vector<float> PackPanels(const float* x, int64_t m, int64_t k) {
 void GemmColumns(const Weights& w, const GemmKernels& g, const float* x, const float* xp_all, int64_t m, float* y,
                  int64_t c_begin, int64_t c_end, bool row_invariant) {
   const int64_t k = w.l.k, n = w.l.n;
+  if (m == 0) return;  // the column dots dispatch on a row count of 1 to kGemvRows
   if (m <= kGemvRows || row_invariant) {
     const int64_t ahead = PrefetchAhead(w.l);
     PrefetchColumns(w, c_begin, ahead);

@@ -6,8 +6,10 @@ Writes one JSON report (and prints it part by part), each part in its own subpro
 part that fails or hangs is recorded and the rest still run:
   kernels   the Pallas paged-attention kernel against its pure-JAX reference on the device: max error over
             head dims 64/128/256 x GQA 1/4/8 (window and softcap on some), f32 and bf16, decode and mixed
-            steps; and one decode step's time (64 sequences x 2048 tokens, GQA 4, head dim 128, bf16),
-            kernel against reference.
+            steps.
+  attention the kernel's time per step against the reference (GQA 4, head dim 128, bf16): decode of 64
+            sequences x 2K, 4 x 32K and 1 x 32K tokens, a 512-token prefill chunk over 2K; its own launch
+            shape and a sweep of blocks per loop step x key splits.
   quant     the Pallas quantized-matmul kernel against its reference (dequantize, then XLA's dot) on the
             device: max error for every format and group, f32 and bf16, 1 to 100 rows; and the time of a
             Llama-1B-shaped projection (K 2048, N 8192; q4_1 and q8_0, bf16 and f32) at 1, 16 and 512 rows,
@@ -77,7 +79,6 @@ def _median_seconds(fn, repeats: int = 5) -> float:
 
 
 def part_kernels() -> dict:
-    import functools
 
     import jax
     import jax.numpy as jnp
@@ -109,26 +110,71 @@ def part_kernels() -> dict:
                                       reference_vs_f64=float(np.abs(ref - exact).max()), max_abs=float(np.abs(exact).max())))
     worst = {f"{dt}/{key}": max(c[key] for c in cases if c["dtype"] == dt)
              for dt in ("float32", "bfloat16") for key in ("kernel_vs_reference", "kernel_vs_f64", "reference_vs_f64")}
-    # one decode step: 64 sequences of 2048 tokens, 8 kv heads x 4 (32 query heads), head dim 128, bf16
-    rng = np.random.default_rng(0)
-    seqs, ctx, bs, kv, group, d = 64, 2048, 16, 8, 4, 128
-    per_seq = ctx // bs
+    return dict(cases=cases, worst_abs_err=worst)
+
+
+def _attention_step(rng, seqs: int, context: int, chunk: int, *, bs=16, kv=8, group=4, d=128):
+    """One engine step over `seqs` sequences of `context` tokens each (their blocks shuffled over the pool), the
+    last `chunk` positions of each as queries (1: decode; more: a chunked-prefill step), bf16."""
+    import jax.numpy as jnp
+
+    per_seq = context // bs
     kc = jnp.asarray(rng.standard_normal((seqs * per_seq, bs, kv, d)), jnp.bfloat16)
     vc = jnp.asarray(rng.standard_normal((seqs * per_seq, bs, kv, d)), jnp.bfloat16)
     tables = jnp.asarray(rng.permutation(seqs * per_seq).reshape(seqs, per_seq), jnp.int32)
-    q = jnp.asarray(rng.standard_normal((seqs, kv * group, d)), jnp.bfloat16)
-    token_seq = jnp.arange(seqs, dtype=jnp.int32)
-    token_pos = jnp.full((seqs,), ctx - 1, jnp.int32)
-    step = (q, kc, vc, tables, token_seq, token_pos)
-    kw = dict(scale=d**-0.5)
-    kernel_s = _median_seconds(functools.partial(kernel, *step, **kw))
-    reference_s = _median_seconds(functools.partial(reference, *step, **kw))
-    cache_bytes = 2 * kc.size * kc.dtype.itemsize
-    return dict(cases=cases, worst_abs_err=worst,
-                decode_step=dict(seqs=seqs, context=ctx, kv_heads=kv, heads=kv * group, head_dim=d, dtype="bfloat16",
-                                 kernel_ms=kernel_s * 1e3, reference_ms=reference_s * 1e3,
-                                 kernel_over_reference=reference_s / kernel_s,
-                                 kernel_gb_per_s=cache_bytes / kernel_s / 1e9))
+    q = jnp.asarray(rng.standard_normal((seqs * chunk, kv * group, d)), jnp.bfloat16)
+    token_seq = jnp.repeat(jnp.arange(seqs, dtype=jnp.int32), chunk)
+    token_pos = jnp.tile(jnp.arange(context - chunk, context, dtype=jnp.int32), seqs)
+    return (q, kc, vc, tables, token_seq, token_pos), 2 * kc.size * kc.dtype.itemsize
+
+
+def part_attention(interpret: bool = False) -> dict:
+    """Paged attention's time per engine step on the device, kernel (its own launch shape, and a sweep of
+    blocks per loop step x key splits) against the reference, bf16, GQA 4, head dim 128 (interpret: small
+    shapes, to try the part on any host)."""
+    import functools
+
+    import jax
+    import numpy as np
+
+    from tunix_rt.ops.paged_attention import paged_attention_reference
+    from tunix_rt.ops.paged_attention_pallas import launch_shape, paged_attention_pallas
+
+    kw = dict(scale=128**-0.5)
+    reference = jax.jit(functools.partial(paged_attention_reference, **kw))
+    # (name, sequences, context, query tokens per sequence)
+    steps = [("decode 64 x 2K", 64, 2048, 1), ("decode 4 x 32K", 4, 32768, 1), ("decode 1 x 32K", 1, 32768, 1),
+             ("prefill 512 of 2K", 1, 2048, 512)]
+    if interpret:
+        steps = [("decode 2 x 256", 2, 256, 1), ("prefill 8 of 128", 1, 128, 8)]
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, seqs, context, chunk in steps:
+        step, cache_bytes = _attention_step(rng, seqs, context, chunk)
+        reference_s = _median_seconds(functools.partial(reference, *step))
+        want = np.asarray(reference(*step).astype(np.float32))
+        default = launch_shape(seqs * chunk, 8, 16, context // 16)
+        launches = {default} | {(b, s) for b in (1, 2) for s in (1, 4, 16, 64)}
+        if interpret:
+            launches = {default, (1, 1), (2, 4)}
+        sweep = []
+        for blocks, splits in sorted(launches):
+            kernel = jax.jit(functools.partial(paged_attention_pallas, **kw, blocks_per_step=blocks, splits=splits,
+                                               interpret=interpret))
+            try:
+                err = float(np.abs(np.asarray(kernel(*step).astype(np.float32)) - want).max())
+                seconds = _median_seconds(functools.partial(kernel, *step))
+            except Exception as e:  # a launch shape the device refuses (registers, shared memory) is recorded
+                sweep.append(dict(blocks_per_step=blocks, splits=splits, error=f"{type(e).__name__}: {e}"[:300]))
+                continue
+            sweep.append(dict(blocks_per_step=blocks, splits=splits, ms=seconds * 1e3, max_abs_err=err,
+                              over_reference=reference_s / seconds, cache_gb_per_s=cache_bytes / seconds / 1e9))
+        timed = [r for r in sweep if "ms" in r]
+        best = min(timed, key=lambda r: r["ms"]) if timed else None
+        mine = next((r for r in timed if (r["blocks_per_step"], r["splits"]) == default), None)
+        rows.append(dict(step=name, reference_ms=reference_s * 1e3, cache_bytes=cache_bytes, default=mine, best=best,
+                         sweep=sweep))
+    return dict(steps=rows)
 
 
 def part_quant(interpret: bool = False) -> dict:
@@ -283,6 +329,7 @@ def _device_memory() -> dict:
 
 def run_part(args) -> None:
     part = {"kernels": lambda: part_kernels(), "quant": lambda: part_quant(args.interpret),
+            "attention": lambda: part_attention(args.interpret),
             "engine": lambda: part_engine(args.model_dir),
             "train": lambda: part_train(args.model_dir)}[args.part]
     result = part()
@@ -319,12 +366,14 @@ def _engine_runs(directory: str, env: dict, timeout: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="device_check.json")
-    parser.add_argument("--part", choices=("kernels", "quant", "engine", "train"), help=argparse.SUPPRESS)
+    parser.add_argument("--part", choices=("kernels", "attention", "quant", "engine", "train"), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--skip-1b", action="store_true", help="only the SmolLM2-135M-shaped model")
-    parser.add_argument("--parts", default="kernels,quant,engine,train", help="which parts to run (comma-separated)")
+    parser.add_argument("--parts", default="kernels,attention,quant,engine,train",
+                        help="which parts to run (comma-separated)")
     parser.add_argument("--interpret", action="store_true",
-                        help="run the quant part's kernel in interpret mode (small shapes): to try the part on any host")
+                        help="run the attention and quant parts' kernels in interpret mode (small shapes): to try "
+                             "those parts on any host")
     parser.add_argument("--engine-weights", default="bf16,q4_1",
                         help="which weights the engine part runs each model with (comma-separated: bf16, q4_1)")
     parser.add_argument("--part-timeout", type=float, default=240.0, help="seconds each part may take")
@@ -346,7 +395,7 @@ def main() -> None:
 
     parts = set(args.parts.split(","))
     weights = set(args.engine_weights.split(","))
-    for kernels in ("kernels", "quant"):
+    for kernels in ("kernels", "attention", "quant"):
         if kernels in parts:
             record(kernels, _subprocess(["--part", kernels] + (["--interpret"] if args.interpret else []), env,
                                         args.part_timeout))

@@ -23,16 +23,18 @@ from hypothesis import strategies as st
 from tests.ops.conftest import kernels
 from tests.ops.test_paged_attention import BF16, DTYPE_PAIRS, F32, _f32, _fwd_tol, build_case, dense_oracle
 from tunix_rt.ops import _ffi, paged_attention, paged_attention_reference
-from tunix_rt.ops.paged_attention_pallas import paged_attention_pallas, supported
+from tunix_rt.ops.paged_attention_pallas import launch_shape, paged_attention_pallas, supported
 
 _STATIC = ("scale", "softcap", "window")
-_pallas = jax.jit(functools.partial(paged_attention_pallas, interpret=True), static_argnames=_STATIC)
+_pallas = jax.jit(functools.partial(paged_attention_pallas, interpret=True),
+                  static_argnames=(*_STATIC, "blocks_per_step", "splits"))
 _reference = jax.jit(paged_attention_reference, static_argnames=_STATIC)
 
 
-def check(case, q_dtype=F32, cache_dtype=F32):
+def check(case, q_dtype=F32, cache_dtype=F32, **launch):
+    """launch: the kernel's blocks_per_step / splits, else its own choice."""
     args = case.arrays(q_dtype, cache_dtype)
-    out, ref = _pallas(*args, **case.kw), _reference(*args, **case.kw)
+    out, ref = _pallas(*args, **case.kw, **launch), _reference(*args, **case.kw)
     assert out.shape == ref.shape and out.dtype == ref.dtype == q_dtype
     assert np.all(_f32(out)[case.ts < 0] == 0.0), "padding tokens must give zero output"
     vmax = float(np.abs(_f32(args[2])).max()) if case.vc.size else 1.0
@@ -57,15 +59,53 @@ def pallas_cases(draw):
         softcap=draw(st.one_of(st.none(), st.sampled_from([1.0, 30.0]))),
         window=draw(st.one_of(st.none(), st.just(1), st.integers(1, 90))),
     )
-    return build_case(np.random.default_rng(draw(st.integers(0, 2**32 - 1))), **params), draw(st.sampled_from(DTYPE_PAIRS))
+    launch = dict(blocks_per_step=draw(st.sampled_from([None, 1, 2, 3])), splits=draw(st.sampled_from([None, 1, 2, 3, 8])))
+    case = build_case(np.random.default_rng(draw(st.integers(0, 2**32 - 1))), **params)
+    return case, draw(st.sampled_from(DTYPE_PAIRS)), launch
 
 
 @pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(case_dtypes=pallas_cases())
 def test_matches_reference_and_oracle(case_dtypes):
-    case, dtypes = case_dtypes
-    check(case, *dtypes)
+    case, dtypes, launch = case_dtypes
+    check(case, *dtypes, **launch)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("blocks_per_step", [1, 4])
+def test_split_keys_fold_to_the_same_softmax(splits, blocks_per_step):
+    """Each token's blocks split over several programs (flash-decoding), their partial softmaxes folded after:
+    shares that are empty (more splits than loop steps, or blocks before a window), ragged last shares."""
+    rng = np.random.default_rng(splits * 10 + blocks_per_step)
+    for window in (None, 21):
+        case = build_case(rng, bs=4, d=16, kv=2, group=4, nseq=3, max_blocks=13, mode="mixed", tables="shared",
+                          window=window, max_chunk=3, n_pad=1)
+        check(case, splits=splits, blocks_per_step=blocks_per_step)
+        check(case, BF16, BF16, splits=splits, blocks_per_step=blocks_per_step)
+
+
+def test_position_past_the_table_reads_only_the_table():
+    """A token whose position lies past its row's capacity sees the row's keys only, as the reference does,
+    not the padding a last loop step reads past the row."""
+    case = build_case(np.random.default_rng(13), bs=4, d=16, kv=1, group=2, nseq=2, max_blocks=3, mode="decode",
+                      tables="disjoint")
+    case.tp[case.ts >= 0] = 3 * 4 + 5
+    ref = _reference(*case.arrays(), **case.kw)
+    for launch in (dict(blocks_per_step=2, splits=1), dict(blocks_per_step=1, splits=2)):
+        np.testing.assert_allclose(_f32(_pallas(*case.arrays(), **case.kw, **launch)), _f32(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_launch_shape():
+    """32 keys per loop step (at least a 16-key tile); splits fill ~1024 programs, never more than a row has
+    steps."""
+    assert launch_shape(tokens=1, kv_heads=8, block_size=16, max_blocks=2048) == (2, 128)
+    assert launch_shape(tokens=64, kv_heads=8, block_size=16, max_blocks=128) == (2, 2)
+    assert launch_shape(tokens=2048, kv_heads=8, block_size=16, max_blocks=128) == (2, 1)
+    assert launch_shape(tokens=1, kv_heads=1, block_size=16, max_blocks=6) == (2, 3)
+    assert launch_shape(tokens=1, kv_heads=1, block_size=64, max_blocks=6) == (1, 6)
+    assert launch_shape(tokens=1, kv_heads=8, block_size=16, max_blocks=2048, interpret=True) == (2, 2)
+    assert launch_shape(tokens=1, kv_heads=1, block_size=2, max_blocks=100, blocks_per_step=1, splits=3) == (8, 3)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -168,11 +208,11 @@ def test_unknown_kernel_mode_is_refused():
     assert "TUNIX_RT_KERNELS='fast' is not one of native, reference, interpret" in run.stderr
 
 
-@pytest.mark.parametrize("d,group,dtype", [(64, 3, BF16), (128, 4, BF16), (256, 8, F32)])
-def test_lowers_to_triton_for_cuda(d, group, dtype):
+@pytest.mark.parametrize("d,group,dtype,splits", [(64, 3, BF16, 1), (128, 4, BF16, 2), (256, 8, F32, 1), (64, 1, F32, 3)])
+def test_lowers_to_triton_for_cuda(d, group, dtype, splits):
     """The kernel lowers through Pallas's Triton path (not Mosaic GPU) for CUDA; no GPU is needed for that."""
     case = build_case(np.random.default_rng(2), bs=16, d=d, kv=2, group=group, nseq=2, max_blocks=3,
                       softcap=30.0, window=17)
-    fn = jax.jit(functools.partial(paged_attention_pallas, **case.kw))
+    fn = jax.jit(functools.partial(paged_attention_pallas, **case.kw, splits=splits, blocks_per_step=1))
     text = fn.trace(*case.arrays(dtype, dtype)).lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text and "tunix_rt_paged_attention" in text

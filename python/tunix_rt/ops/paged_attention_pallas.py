@@ -7,12 +7,14 @@ softcap and GQA. JAX's own GPU paged-attention kernel takes one query per sequen
 (kv_heads, pages, page, head_dim) cache; the engine packs prefill chunks and decode tokens into one
 step over a (blocks, block, kv_heads, head_dim) cache, so this kernel walks that layout instead.
 
-One program per (query token, kv head): it loads the token's group of query heads once, walks the
-token's visible blocks with an online softmax in f32, and writes the group's output. A device kernel
+One program per (query token, kv head, split): it loads the token's group of query heads once, walks its
+share of the token's visible blocks a few at a time (`launch_shape`) with an online softmax in f32, and writes
+the group's output, or, where the blocks are split over several programs, its partial softmax for a fold
+after the kernel. A device kernel
 cannot raise, so a block id read from the table is clamped into the pool: never an out-of-bounds read
 (the CPU op raises instead; the engine's own tables only ever hold ids of its pool). Triton needs
 power-of-two tensor shapes: block_size and head_dim must be powers of two (`supported` says whether a cache
-qualifies); the group of query heads is padded to one.
+qualifies); the group of query heads is padded to a tile of Triton's dot.
 """
 
 from __future__ import annotations

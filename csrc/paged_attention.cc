@@ -340,23 +340,27 @@ struct RunScratch {
 
 constexpr int64_t kMaxRun = 16;  // most tokens of a sequence that share one walk over its blocks
 
-// One (run, kv head) item: tokens t0 .. t1 - 1, consecutive in the step and all of one sequence (or a single
-// padding token), each with the `group` query heads sharing kv head h. The run walks the union of its tokens'
-// visible blocks once, so a prefill chunk reads each K/V block once per kv head, not once per token; for each
-// block, every token that sees part of it folds that part into its own online softmax, with the same call a
-// token alone would make. A token's numbers therefore never depend on the run it is in.
-ffi::Error AttendRun(const AttnArgs& a, BlockFn block_fn, int64_t t0, int64_t t1, int64_t h, RunScratch& sc) {
-  const int64_t d = a.c.head_dim, g = a.group, bs = a.c.block_size, r = t1 - t0;
-  sc.f.resize(r * (2 * g * d + 2 * g) + g * bs + 2 * bs * d);
-  sc.q.resize(r);
-  float* qscratch = sc.f.data();  // r x g x d
-  float* acc = qscratch + r * g * d;
-  float* m = acc + r * g * d;  // r x g
-  float* l = m + r * g;
-  float* scores = l + r * g;  // g x bs
+// One (run, kv heads) item: tokens t0 .. t1 - 1, consecutive in the step and all of one sequence (or a single
+// padding token), each with the `group` query heads sharing each kv head of [h0, h1). The run walks the union
+// of its tokens' visible blocks once, so a prefill chunk reads each K/V block once, not once per token, and
+// all the item's kv heads read a block while it is in cache (a block's rows interleave the kv heads: one pass
+// per head would read a third of each row run at a time); for each block and kv head, every token that sees
+// part of the block folds that part into its own online softmax, with the same call a token alone would make.
+// A token's numbers therefore never depend on the run or the heads it is with.
+ffi::Error AttendRun(const AttnArgs& a, BlockFn block_fn, int64_t t0, int64_t t1, int64_t h0, int64_t h1,
+                     RunScratch& sc) {
+  const int64_t d = a.c.head_dim, g = a.group, bs = a.c.block_size, r = t1 - t0, nh = h1 - h0;
+  const int64_t states = r * nh;  // (token, kv head) pairs, token-major
+  sc.f.resize(states * (2 * g * d + 2 * g) + g * bs + 2 * bs * d);
+  sc.q.resize(states);
+  float* qscratch = sc.f.data();  // states x g x d
+  float* acc = qscratch + states * g * d;
+  float* m = acc + states * g * d;  // states x g
+  float* l = m + states * g;
+  float* scores = l + states * g;  // g x bs
   float* kscratch = scores + g * bs;
   float* vscratch = kscratch + bs * d;
-  std::fill(acc, acc + r * g * d, 0.0f);
+  std::fill(acc, acc + states * g * d, 0.0f);
   const int32_t s = a.seq[t0];
   if (s != -1) {
     if (s < -1 || s >= a.seqs)
@@ -368,11 +372,13 @@ ffi::Error AttendRun(const AttnArgs& a, BlockFn block_fn, int64_t t0, int64_t t1
       if (p < 0 || p / bs >= a.max_blocks)
         return InvalidArgument("token_pos[" + std::to_string(t) + "] = " + std::to_string(p) + " is outside [0, " +
                                std::to_string(a.max_blocks * bs) + ") (block_tables width x block size)");
-      const int64_t i = t - t0;
-      // The group's query heads are row t * kv_heads + h of q viewed as (T * kv_heads, group * head_dim).
-      sc.q[i] = RowAsF32(a.q, a.q_bf16, t * a.c.kv_heads + h, g * d, qscratch + i * g * d);
-      std::fill(m + i * g, m + (i + 1) * g, -std::numeric_limits<float>::infinity());
-      std::fill(l + i * g, l + (i + 1) * g, 0.0f);
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t i = (t - t0) * nh + (h - h0);
+        // The group's query heads are row t * kv_heads + h of q viewed as (T * kv_heads, group * head_dim).
+        sc.q[i] = RowAsF32(a.q, a.q_bf16, t * a.c.kv_heads + h, g * d, qscratch + i * g * d);
+        std::fill(m + i * g, m + (i + 1) * g, -std::numeric_limits<float>::infinity());
+        std::fill(l + i * g, l + (i + 1) * g, 0.0f);
+      }
       const int64_t start = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
       first_block = std::min(first_block, start / bs);
       last_block = std::max<int64_t>(last_block, p / bs);
@@ -392,44 +398,47 @@ ffi::Error AttendRun(const AttnArgs& a, BlockFn block_fn, int64_t t0, int64_t t1
       if (block < 0 || block >= a.c.blocks)
         return InvalidArgument("block_tables[" + std::to_string(s) + ", " + std::to_string(b) +
                                "] = " + std::to_string(block) + " is outside [0, " + std::to_string(a.c.blocks) + ")");
-      const int64_t row0 = block * bs * a.c.kv_heads + h;  // the block's first key row for kv head h
-      if (a.cache_bf16)                                    // the rows the run reads, as f32, d apart
-        for (int64_t j = lo_all; j <= hi_all; ++j) {
-          RowAsF32(a.kc, true, row0 + j * a.c.kv_heads, d, kscratch + j * d);
-          RowAsF32(a.vc, true, row0 + j * a.c.kv_heads, d, vscratch + j * d);
-        }
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t p = a.pos[t], start = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
-        if (b < start / bs || b > p / bs) continue;
-        const int64_t lo = std::max<int64_t>(start, b * bs) - b * bs;
-        const int64_t hi = std::min<int64_t>(p, b * bs + bs - 1) - b * bs;  // inclusive
-        const int64_t i = t - t0;
-        float *mi = m + i * g, *li = l + i * g, *ai = acc + i * g * d;
-        if (a.cache_bf16) {
-          block_fn(sc.q[i], kscratch + lo * d, vscratch + lo * d, d, hi - lo + 1, g, d, a.scale, a.softcap, mi, li, ai,
-                   scores);
-        } else {
-          const int64_t first = (row0 + lo * a.c.kv_heads) * d;
-          block_fn(sc.q[i], static_cast<const float*>(a.kc) + first, static_cast<const float*>(a.vc) + first,
-                   a.c.kv_heads * d, hi - lo + 1, g, d, a.scale, a.softcap, mi, li, ai, scores);
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t row0 = block * bs * a.c.kv_heads + h;  // the block's first key row for kv head h
+        if (a.cache_bf16)                                    // the rows the run reads, as f32, d apart
+          for (int64_t j = lo_all; j <= hi_all; ++j) {
+            RowAsF32(a.kc, true, row0 + j * a.c.kv_heads, d, kscratch + j * d);
+            RowAsF32(a.vc, true, row0 + j * a.c.kv_heads, d, vscratch + j * d);
+          }
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t p = a.pos[t], start = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+          if (b < start / bs || b > p / bs) continue;
+          const int64_t lo = std::max<int64_t>(start, b * bs) - b * bs;
+          const int64_t hi = std::min<int64_t>(p, b * bs + bs - 1) - b * bs;  // inclusive
+          const int64_t i = (t - t0) * nh + (h - h0);
+          float *mi = m + i * g, *li = l + i * g, *ai = acc + i * g * d;
+          if (a.cache_bf16) {
+            block_fn(sc.q[i], kscratch + lo * d, vscratch + lo * d, d, hi - lo + 1, g, d, a.scale, a.softcap, mi, li,
+                     ai, scores);
+          } else {
+            const int64_t first = (row0 + lo * a.c.kv_heads) * d;
+            block_fn(sc.q[i], static_cast<const float*>(a.kc) + first, static_cast<const float*>(a.vc) + first,
+                     a.c.kv_heads * d, hi - lo + 1, g, d, a.scale, a.softcap, mi, li, ai, scores);
+          }
         }
       }
     }
-    for (int64_t i = 0; i < r * g; ++i) {  // l >= 1: pos itself is visible
+    for (int64_t i = 0; i < states * g; ++i) {  // l >= 1: pos itself is visible
       const float inv = 1.0f / l[i];
       for (int64_t c = 0; c < d; ++c) acc[i * d + c] *= inv;
     }
   }
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t qrow = (t * a.heads + h * g) * d;
-    const float* src = acc + (t - t0) * g * d;
-    if (a.q_bf16) {
-      uint16_t* o = static_cast<uint16_t*>(a.out) + qrow;
-      for (int64_t i = 0; i < g * d; ++i) o[i] = F32ToBf16(src[i]);
-    } else {
-      std::memcpy(static_cast<float*>(a.out) + qrow, src, g * d * sizeof(float));
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t qrow = (t * a.heads + h * g) * d;
+      const float* src = acc + ((t - t0) * nh + (h - h0)) * g * d;
+      if (a.q_bf16) {
+        uint16_t* o = static_cast<uint16_t*>(a.out) + qrow;
+        for (int64_t i = 0; i < g * d; ++i) o[i] = F32ToBf16(src[i]);
+      } else {
+        std::memcpy(static_cast<float*>(a.out) + qrow, src, g * d * sizeof(float));
+      }
     }
-  }
   return ffi::Error::Success();
 }
 
@@ -486,14 +495,21 @@ ffi::Future PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
     t = end;
   }
   runs->push_back(a.tokens);
-  const int64_t items = (static_cast<int64_t>(runs->size()) - 1) * a.c.kv_heads;
+  // Each run's kv heads in as few items as still give every worker two: all of them together where the runs
+  // alone are enough (one walk over each block), one each for a lone decode.
+  const int64_t num_runs = static_cast<int64_t>(runs->size()) - 1;
+  if (num_runs == 0) return ReadyFuture(ffi::Error::Success());  // no query tokens
+  const int64_t split = std::clamp<int64_t>((2 * Workers(pool) + num_runs - 1) / num_runs, 1, a.c.kv_heads);
+  const int64_t per_item = (a.c.kv_heads + split - 1) / split;
+  const int64_t items = num_runs * split;
   const int64_t chunks = work < (1 << 16) ? 1 : NumChunks(pool, items, 1);
   const BlockFn block_fn = SelectBlockFn();
-  return ParallelFor(pool, items, chunks, [a, block_fn, runs](int64_t, int64_t begin, int64_t end) {
+  return ParallelFor(pool, items, chunks, [a, block_fn, runs, split, per_item](int64_t, int64_t begin, int64_t end) {
     RunScratch scratch;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t run = i / a.c.kv_heads;
-      if (auto err = AttendRun(a, block_fn, (*runs)[run], (*runs)[run + 1], i % a.c.kv_heads, scratch); !err.success())
+      const int64_t run = i / split, h0 = (i % split) * per_item, h1 = std::min(a.c.kv_heads, h0 + per_item);
+      if (h0 >= h1) continue;
+      if (auto err = AttendRun(a, block_fn, (*runs)[run], (*runs)[run + 1], h0, h1, scratch); !err.success())
         return err;
     }
     return ffi::Error::Success();

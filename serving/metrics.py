@@ -53,6 +53,10 @@ class _EngineCollector:
                       stats.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens received.", stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed by speculative decoding.",
+                      stats.spec_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
+                      stats.spec_accepted_tokens)
         yield counter("compiles", "Engine step programs compiled (a lone request's before /health is ready, "
                       "batched steps' while the engine is idle, request options' beside it).", stats.num_compiles)
         yield gauge("warmup_pending", "1 while batched steps' programs are left to compile when the engine is idle.",

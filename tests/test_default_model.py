@@ -91,6 +91,25 @@ def test_cli_generate_json_contract():
     assert len(out["token_ids"]) <= 4
 
 
+def test_cli_generate_with_ngram_drafts_gives_the_same_text():
+    """Greedy speculative decoding through the CLI: the same tokens as plain decoding, on an input the text copies."""
+    args = ("generate", "--prompt", "one two three four, one two three four, one two three four, one two",
+            "--max-tokens", "16", "--json")
+    plain = json.loads(_cli(*args).stdout)
+    spec = json.loads(_cli(*args, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}').stdout)
+    assert spec == plain
+
+
+@pytest.mark.parametrize("value,message", [
+    ("{not json", "argument --speculative-config: not valid JSON"),
+    ("[1, 2]", "argument --speculative-config: must be a JSON object"),
+    ('{"method": "eagle"}', "speculative_config: method must be one of ngram, got 'eagle'"),
+])
+def test_cli_bad_speculative_config_is_one_clear_error(value, message):
+    proc = _cli("generate", "--prompt", "hi", "--speculative-config", value, check=False)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_cli_chat_and_score_json_contract(ours):
     chat = json.loads(_cli("generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "12",
                            "--json").stdout)

@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--json", action="store_true")
+    gen.add_argument("--speculative-config", type=_json_object, default=None,
+                     help=EngineConfig.field("speculative_config").metadata["flag"])
     _add_compile_cache_arg(gen)
 
     score = sub.add_parser("score", help="teacher-forced log-probabilities of a text")
@@ -97,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
         if field.type in (bool, "bool"):
             serve.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
                                help=field.metadata["flag"])
+        elif field.metadata.get("json"):
+            serve.add_argument(flag, type=_json_object, default=field.default, help=field.metadata["flag"])
         else:
             serve.add_argument(flag, type=str if field.type in (str, "str") else int,
                                default=field.metadata.get("serve", field.default), help=field.metadata["flag"])
@@ -164,6 +168,17 @@ def _load(args):
     return loaded
 
 
+def _json_object(text: str) -> dict:
+    """A flag's JSON object (argparse reports the message with the flag's name)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def _generate(args) -> int:
     from tunix_rt.engine.engine import Engine
     from tunix_rt.engine.params import SamplingParams
@@ -181,7 +196,8 @@ def _generate(args) -> int:
     if not prompt_ids:
         raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
     max_len = min(loaded.model.config.max_position_embeddings, len(prompt_ids) + args.max_tokens)
-    engine = Engine(loaded.model, tok, max_model_len=max(max_len, len(prompt_ids) + 1), max_num_seqs=1)
+    engine = Engine(loaded.model, tok, max_model_len=max(max_len, len(prompt_ids) + 1), max_num_seqs=1,
+                    speculative_config=args.speculative_config)
     start = time.perf_counter()
     (out,) = engine.generate([prompt_ids], params)
     log.info("generated %d tokens in %.1fs", len(out.token_ids), time.perf_counter() - start)

@@ -7,7 +7,9 @@ flags are read off its fields, so each default is written here only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+from tunix_rt.engine.speculative import SpeculativeConfig
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names (its *_logits modes are not offered)
 
@@ -39,6 +41,10 @@ class EngineConfig:
         0, "a prompt with more tokens than this left to compute advances at most this many per step and gives way "
         "to other requests' steps (0: off; the server's default keeps one client's long prompt from stalling "
         "the others)", serve=32)
+    speculative_config: SpeculativeConfig | Mapping | None = _flag(
+        None, "speculative decoding of greedy requests, as JSON in vLLM's shape: '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (default: off)",
+        json=True)
     logprobs_mode: str = _flag("raw_logprobs", "log-probs reported: raw_logprobs (the model's distribution) or "
                                "processed_logprobs (the one sampled from: after penalties, temperature, top-k/p)")
 
@@ -64,6 +70,7 @@ class EngineConfig:
                              f"{self.logprobs_mode!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"Engine: seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.token_buckets is not None:
             buckets = tuple(self.token_buckets)
             if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in buckets) or \
@@ -77,6 +84,10 @@ class EngineConfig:
         """The config `tunix-rt serve` starts from: each field's serve default where it has one."""
         return cls(**{**{f.name: f.metadata["serve"] for f in dataclasses.fields(cls) if "serve" in f.metadata},
                       **overrides})
+
+    @classmethod
+    def field(cls, name: str) -> dataclasses.Field:
+        return next(f for f in dataclasses.fields(cls) if f.name == name)
 
     @classmethod
     def flags(cls) -> list[dataclasses.Field]:

@@ -33,7 +33,7 @@ from tunix_rt.engine.lora_manager import Adapter, LoRAManager, LoRARequest
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.request import Request, Status
 from tunix_rt.engine.runner import ModelRunner
-from tunix_rt.engine.scheduler import Scheduler
+from tunix_rt.engine.scheduler import ScheduledRequest, Scheduler
 from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.models.lora import has_lora
@@ -58,6 +58,8 @@ class EngineStats:
     generation_tokens: int
     num_blocks: int
     block_size: int
+    spec_draft_tokens: int = 0  # speculative decoding: drafts proposed, and of them accepted by the target
+    spec_accepted_tokens: int = 0
 
 
 class Engine:
@@ -88,6 +90,7 @@ class Engine:
             raise ValueError(f"Engine: the KV cache needs at least one block of {block_size} tokens, "
                              f"got {num_kv_blocks} (raise kv_cache_memory or num_kv_blocks)")
         self.config = config
+        spec = config.speculative_config
         if config.max_loras:  # the engine's copy gets adapter slots; the caller's model stays as it is
             if has_lora(model):
                 raise ValueError("Engine: a model with LoRA layers cannot take adapter slots (max_loras): merge its "
@@ -103,19 +106,23 @@ class Engine:
                                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                                   grammars=self.grammars, token_buckets=config.token_buckets,
                                   decode_steps=config.decode_steps,
-                                  processed_logprobs=config.logprobs_mode == "processed_logprobs")
+                                  processed_logprobs=config.logprobs_mode == "processed_logprobs",
+                                  max_drafts=spec.num_speculative_tokens if spec else 0)
         self.loras = (LoRAManager(model, self.runner, slots=config.max_loras, rank=config.max_lora_rank,
                                   max_registered=config.max_cpu_loras) if config.max_loras else None)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    decode_steps=config.decode_steps, loras=self.loras,
-                                   long_prefill_token_threshold=config.long_prefill_token_threshold)
+                                   long_prefill_token_threshold=config.long_prefill_token_threshold,
+                                   max_model_len=max_model_len, speculative=spec)
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._draft_tokens = 0
+        self._accepted_drafts = 0
         log.info("engine: %d KV blocks of %d tokens (%.0f MiB), max_model_len %d", num_kv_blocks, block_size,
                  num_kv_blocks * ModelRunner.block_bytes(model, block_size) / 2**20, max_model_len)
 
@@ -251,7 +258,7 @@ class Engine:
             elif req.max_tokens == 0:  # the prompt is scored: nothing is sampled
                 req.finish("length")
             else:
-                self._append_sampled(req, result, i, s.limit)
+                self._append_sampled(req, result, i, s)
             if req.status is Status.FINISHED:
                 self.scheduler.finish(req)
                 self._sequence_done(req)
@@ -262,18 +269,29 @@ class Engine:
                 del self._requests[out.request_id]
         return outputs
 
-    def _append_sampled(self, req: Request, result, i: int, limit: int) -> None:
-        """The tokens step result row `i` sampled for `req`; a multi-step decode's tokens after a stop are dropped."""
+    def _append_sampled(self, req: Request, result, i: int, s: ScheduledRequest) -> None:
+        """The tokens step result row `i` sampled for `req`; a multi-step decode's tokens after a stop are dropped,
+        and so are a speculative step's after the first draft the target disagrees with (that step's own token is
+        kept: 1 to 1 + drafts tokens)."""
         k = req.params.logprobs
-        for step in range(limit):
+        for step in range(s.limit):
             top = None
             if k:
                 top = dict(zip(result.top_ids[step, i, :k].tolist(), result.top_logprobs[step, i, :k].tolist()))
-            req.append(int(result.tokens[step, i]), float(result.logprobs[step, i]), top)
+            token = int(result.tokens[step, i])
+            req.append(token, float(result.logprobs[step, i]), top)
             self._generation_tokens += 1
+            kept = step < len(s.draft) and token == s.draft[step]  # the draft at `step` is what the target chose
+            self._accepted_drafts += kept
             if req.status is Status.FINISHED:
                 break
-            req.num_computed_tokens += step < limit - 1  # the loop computed the token it sampled
+            if s.draft:
+                if not kept:
+                    self.scheduler.reject_drafts(req, len(s.draft) - step)
+                    break
+            else:
+                req.num_computed_tokens += step < s.limit - 1  # the loop computed the token it sampled
+        self._draft_tokens += len(s.draft)
 
     def _sequence_done(self, req: Request) -> None:
         if req.lora is not None:
@@ -428,4 +446,5 @@ class Engine:
             prefix_cache_hit_rate=self.kv.hit_rate(), num_preemptions=self.scheduler.num_preemptions,
             num_compiles=len(self.runner.compiled), prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens, num_blocks=self.kv.pool.num_blocks,
-            block_size=self.kv.block_size)
+            block_size=self.kv.block_size, spec_draft_tokens=self._draft_tokens,
+            spec_accepted_tokens=self._accepted_drafts)

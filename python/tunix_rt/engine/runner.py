@@ -229,7 +229,7 @@ class ModelRunner:
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, grammars: GrammarCompiler | None = None,
                  token_buckets: tuple[int, ...] | None = None, decode_steps: int = 1,
-                 processed_logprobs: bool = False):
+                 processed_logprobs: bool = False, max_drafts: int = 0):
         self.graphdef, state = nnx.split(model)
         self._lane_scales = _LaneScales()
         self.leaves, self.treedef = jax.tree.flatten(self._lane_scales.apply(state))
@@ -250,7 +250,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.token_buckets = buckets(1, max_num_batched_tokens) if token_buckets is None else tuple(token_buckets)
-        self.seq_buckets = buckets(1, max_num_seqs)
+        self.max_drafts = max_drafts
+        self.seq_buckets = buckets(1, max_num_seqs * (1 + max_drafts))  # rows sampled: each request's drafts too
         self.k: jax.Array | None = None  # every layer's pool, layer after layer (models/kv_cache.py)
         self.v: jax.Array | None = None
         self.grammars = grammars
@@ -293,9 +294,9 @@ class ModelRunner:
             self.leaves[i] = new
 
     def reachable_shapes(self) -> list[tuple[int, int]]:
-        """(token bucket, sequence bucket) pairs a step can land in: s sequences bring at least s tokens."""
+        """(token bucket, row bucket) pairs a step can land in: each sampled row is one of the step's tokens."""
         return [(t, b) for t in self.token_buckets for b in self.seq_buckets
-                if b <= _fit(min(t, self.max_num_seqs), self.seq_buckets)]
+                if b <= _fit(min(t, self.seq_buckets[-1]), self.seq_buckets)]
 
     def warmup(self, stop: Callable[[], bool] = lambda: False, *, max_rows: int | None = None,
                greedy: bool = True) -> int:
@@ -308,9 +309,10 @@ class ModelRunner:
         false, not the all-greedy steps' programs. It ends early, between two compiles, once `stop()` is true;
         a later call goes on where it stopped."""
         compiled = 0  # by this call (another thread may compile meanwhile)
-        rows_cap = self.max_num_seqs if max_rows is None else max_rows
+        seqs_cap = self.max_num_seqs if max_rows is None else max_rows
+        rows_cap = seqs_cap * (1 + self.max_drafts)  # rows sampled: a speculating request's drafts too
         variants = (False, True) if greedy else (False,)  # all_greedy of the samplers and decode loops
-        decode_buckets = {_fit(n, self.token_buckets) for n in range(1, min(rows_cap, self.token_buckets[-1]) + 1)}
+        decode_buckets = {_fit(n, self.token_buckets) for n in range(1, min(seqs_cap, self.token_buckets[-1]) + 1)}
         for t_b in self.token_buckets:
             pad = np.full(t_b, -1, np.int32)
             tables = np.zeros((min(t_b, self.max_num_seqs), self.max_blocks_per_seq), np.int32)
@@ -400,47 +402,55 @@ class ModelRunner:
         return int(key not in self._programs.keys())
 
     def execute(self, scheduled: list[ScheduledRequest], block_lists: dict[str, list[int]]) -> StepResult:
-        """Run one step; block_lists maps each sequence to its KV blocks (the KV manager's table)."""
+        """Run one step; block_lists maps each sequence to its KV blocks (the KV manager's table). A request
+        with drafts is sampled at its last token and at each draft (StepResult's steps axis, as a decode loop's)."""
         num_tokens = sum(s.num_new for s in scheduled)
         t_b = _fit(num_tokens, self.token_buckets)
         table_rows = min(t_b, self.max_num_seqs)
-        b_b = _fit(len(scheduled), self.seq_buckets)
         tokens = np.zeros(t_b, np.int32)
         positions = np.zeros(t_b, np.int32)
         slots = np.full(t_b, -1, np.int32)
         token_seq = np.full(t_b, -1, np.int32)
         lora_ids = np.full(t_b, -1, np.int32)  # each token's adapter slot, -1 = the base model
         tables = np.zeros((table_rows, self.max_blocks_per_seq), np.int32)
-        rows = np.zeros(b_b, np.int32)
+        sampled = []  # the step's rows that are sampled: each request's last token, and its drafts
         bs = self.block_size
         offset = 0
         for i, s in enumerate(scheduled):
             req, n = s.request, s.num_new
             blocks = np.asarray(block_lists[req.seq_id], np.int32)
             pos = np.arange(s.start, s.start + n, dtype=np.int32)
-            tokens[offset:offset + n] = req.all_token_ids[s.start:s.start + n]
+            tokens[offset:offset + n] = [*req.all_token_ids[s.start:s.start + n - len(s.draft)], *s.draft]
             positions[offset:offset + n] = pos
             slots[offset:offset + n] = blocks[pos // bs] * bs + pos % bs
             token_seq[offset:offset + n] = i
             lora_ids[offset:offset + n] = req.lora_slot
             tables[i, :len(blocks)] = blocks
             offset += n
-            rows[i] = offset - 1
-        if max(s.limit for s in scheduled) > 1:
+            sampled.extend(range(offset - 1 - len(s.draft), offset))
+        if any(s.limit > 1 and not s.draft for s in scheduled):
             return self._run_decode_loop(scheduled, t_b, tokens, positions, token_seq, tables, lora_ids)
-        params, prompt_hist, output_hist, num_top = self._sampling_inputs(scheduled, b_b)
+        b_b = _fit(len(sampled), self.seq_buckets)
+        rows = np.zeros(b_b, np.int32)
+        rows[:len(sampled)] = sampled
+        by_row = [s for s in scheduled for _ in range(1 + len(s.draft))]  # the request each sampled row belongs to
+        params, prompt_hist, output_hist, num_top = self._sampling_inputs(by_row, b_b)
         all_greedy = _all_greedy(scheduled)
         hidden, self.k, self.v, nonfinite = self._programs(("forward", t_b), self.leaves, self.k, self.v, tokens,
                                                            positions, slots, token_seq, tables, lora_ids)
-        bitmask = self._grammar_masks(scheduled, b_b)
-        bias = self._logit_biases(scheduled, b_b)
+        bitmask = self._grammar_masks(by_row, b_b)
+        bias = self._logit_biases(by_row, b_b)
         out: SamplerOutput = self._programs(
             _sample_key(b_b, prompt_hist, num_top, bitmask, bias, all_greedy), self.head_leaves,
             self._programs(("rows", t_b, b_b), hidden, rows), params, prompt_hist, output_hist, num_top, bitmask,
             bias, all_greedy)
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
-        return dataclasses.replace(self._result(out, nonfinite, len(scheduled), steps_axis=False),
-                                   prompt_logprobs=prompt_logprobs)
+        # row j of request i's samples, (steps, requests): a request with fewer repeats its last
+        counts = np.asarray([1 + len(s.draft) for s in scheduled])
+        first = np.cumsum(counts) - counts
+        picks = np.minimum(first[None, :] + np.arange(counts.max())[:, None], (first + counts - 1)[None, :])
+        arrays = [np.asarray(a)[picks] for a in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)]
+        return StepResult(*arrays, np.asarray(nonfinite)[:len(scheduled)], prompt_logprobs=prompt_logprobs)
 
     def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: jax.Array) -> dict[int, PromptLogprobs]:
         """Score the prompt tokens this step's rows predict, for the requests that ask (prompt_logprobs):

@@ -22,6 +22,11 @@ Multi-step decoding (vLLM's num_scheduler_steps): when nothing waits and every s
 a plain one-token decode, the step may run `decode_steps` decodes in one device program. Each
 request then gets KV room for the tokens it may still sample (its `limit`); the host sees the
 tokens afterwards and drops whatever follows a stop, so the output is the same as one step at a time.
+
+Speculative decoding (engine/speculative.py), when configured: a greedy request's decode takes its n-gram
+drafts along (`draft`), one chunk of 1 + k tokens, with KV room for all of them; the engine then gives back
+the computed count of the drafts the target rejected (`Scheduler.reject_drafts`), whose slots later steps
+overwrite. Drafts are never entered in the prefix cache: only known tokens' blocks are.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections import deque
 
 from tunix_rt.engine.kv_cache_manager import KVCacheManager
 from tunix_rt.engine.request import Request, Status
+from tunix_rt.engine.speculative import SpeculativeConfig, ngram_drafts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +44,13 @@ class ScheduledRequest:
     request: Request
     start: int  # num_computed_tokens before this step
     num_new: int
-    limit: int = 1  # tokens this step may sample for it: > 1 in a multi-step decode
+    limit: int = 1  # tokens this step may sample for it: > 1 in a multi-step decode or with drafts
+    draft: tuple[int, ...] = ()  # speculative tokens after the request's last one (part of num_new)
 
     @property
     def completes(self) -> bool:
         """True when this step catches the request up, so its last logits yield the next token."""
-        return self.start + self.num_new == self.request.num_tokens
+        return self.start + self.num_new - len(self.draft) == self.request.num_tokens
 
 
 LONG_PREFILL_MAX_WAITS = 4  # steps a running long prefill sits out in a row before it takes one anyway
@@ -52,8 +59,11 @@ LONG_PREFILL_CONTEXT = 512  # past this context a long prefill's chunk shrinks a
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, decode_steps: int = 1,
-                 loras=None, long_prefill_token_threshold: int = 0):
+                 loras=None, long_prefill_token_threshold: int = 0, max_model_len: int | None = None,
+                 speculative: SpeculativeConfig | None = None):
         self.kv = kv
+        self.speculative = speculative
+        self.max_model_len = max_model_len
         self.long_prefill = long_prefill_token_threshold  # 0: off
         self.loras = loras  # engine/lora_manager.LoRAManager: admission takes an adapter slot, leaving gives it back
         self.decode_steps = decode_steps
@@ -138,7 +148,12 @@ class Scheduler:
         until it fits: its ScheduledRequest, or None when it had to go itself; and whether anything was
         preempted."""
         num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap(req, req.num_computed_tokens))
-        preempted = False
+        draft = self._drafts(req, budget) if num_new == 1 else ()
+        if draft and self.kv.allocate(req.seq_id, req.all_token_ids, req.num_computed_tokens, 1 + len(draft),
+                                      extra=req.extra_keys):
+            return ScheduledRequest(req, req.num_computed_tokens, 1 + len(draft), limit=1 + len(draft),
+                                    draft=draft), False
+        preempted = False  # no room for drafts: the plain decode, preempting as it needs
         while not self.kv.allocate(req.seq_id, req.all_token_ids, req.num_computed_tokens, num_new,
                                    extra=req.extra_keys):
             victim = self.running.pop()
@@ -147,6 +162,27 @@ class Scheduler:
             if victim is req:
                 return None, True
         return ScheduledRequest(req, req.num_computed_tokens, num_new), preempted
+
+    def _drafts(self, req: Request, budget: int) -> tuple[int, ...]:
+        """A greedy decode's n-gram drafts: no more than the step's budget, the request's max_tokens and the
+        context window leave room for beside the token it samples anyway."""
+        spec, p = self.speculative, req.params
+        if spec is None or p.temperature != 0 or p.uses_penalties or p.logit_bias or \
+                req.matcher is not None or req.banned_stop_ids:
+            return ()
+        if spec.disable_by_batch_size is not None and \
+                len(self.running) + len(self.waiting) > spec.disable_by_batch_size:
+            return ()
+        room = min(spec.num_speculative_tokens, budget - 1, req.max_tokens - len(req.output_token_ids) - 1,
+                   (self.max_model_len or req.num_tokens + spec.num_speculative_tokens) - req.num_tokens)
+        if room < 1:
+            return ()
+        return tuple(ngram_drafts(req.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max))
+
+    def reject_drafts(self, req: Request, rejected: int) -> None:
+        """The target disagreed with the last `rejected` drafts: their K/V is not the sequence's, so they count
+        as not computed (the next step's token overwrites the first slot, later ones follow)."""
+        req.num_computed_tokens -= rejected
 
     def _is_long_prefill(self, req: Request, num_computed: int) -> bool:
         return 0 < self.long_prefill < len(req.prompt_token_ids) - num_computed

@@ -1,0 +1,80 @@
+"""Speculative decoding by n-gram prompt lookup (vLLM's `speculative_config={"method": "ngram", ...}`).
+
+A decoding request whose last n tokens (n from prompt_lookup_max down to prompt_lookup_min) occurred earlier in
+its own prompt or output proposes the tokens that followed that occurrence as drafts: no second model. The
+step then computes the request's last token and its k drafts together (one chunk of k + 1 tokens, as a prefill
+chunk is), samples the target model at each of the k + 1 positions, and keeps the drafts up to the first one
+the target disagrees with, plus the target's own token there: 1 to k + 1 tokens from one step whose cost, on a
+memory-bound decode, is close to one token's. The engine's kernels give a row the same numbers whatever the step
+holds (batch and chunk invariance), so the kept tokens are exactly what plain decoding gives.
+
+Only greedy requests speculate (temperature 0, no penalties, logit biases, grammars or min_tokens): their
+target token is the arg-max, so a draft is kept exactly when plain decoding would have produced it. Sampled
+requests decode as usual in the same steps; RL rollouts sample, so they never speculate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+METHODS = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's fields. The defaults are what measured fastest on a 2-core CPU (benchmarks/speculative.py): 3 drafts
+    (a 4-token step still runs the int8 GEMV; 8 tokens take the GEMM at ~2.4x the cost), and speculation only
+    while one request runs (two speculating requests make an 8-token step, slower than their plain decodes)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3  # k: drafts proposed per step at most
+    prompt_lookup_max: int = 4  # the longest suffix matched
+    prompt_lookup_min: int = 1  # the shortest
+    disable_by_batch_size: int | None = 1  # no drafts while more requests than this run or wait (None: always)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be a positive integer or None, got "
+                             f"{limit!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+                raise ValueError(f"speculative_config: {name} must be an integer from 1 to 64, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping | None) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from itself, vLLM's dict shape, or None (off); unknown keys are refused."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', 'num_speculative_tokens': "
+                             f"4}} or None, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(map(str, set(value) - known))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        return cls(**value)
+
+
+def ngram_drafts(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of `tokens` (length
+    max_n down to min_n) that occurred before; [] when none did."""
+    ids = np.asarray(tokens, np.int64)
+    length = len(ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        # windows starting at 0 .. length - n - 1: every occurrence that ends before the suffix itself does
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
+        hits = np.flatnonzero((windows == ids[length - n:]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return ids[start:start + k].tolist()
+    return []

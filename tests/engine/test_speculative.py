@@ -1,0 +1,174 @@
+"""Speculative decoding by n-gram prompt lookup: the proposer, the config, and the engine's output, which must be
+exactly plain decoding's (greedy tokens and their log-probs), with drafts proposed and accepted, under chunked
+prefill, preemption, stops, prefix caching and beside sampled requests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.engine.idle import assert_idle
+from tests.engine.test_engine import _llama_config, _reference
+from tunix_rt.engine.config import EngineConfig
+from tunix_rt.engine.engine import Engine
+from tunix_rt.engine.params import SamplingParams
+from tunix_rt.engine.speculative import SpeculativeConfig, ngram_drafts
+from tunix_rt.models.decoder import Decoder
+
+GREEDY = dict(temperature=0.0)
+SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1,
+            disable_by_batch_size=None)
+
+
+def _brute_drafts(tokens, k, min_n, max_n):
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest occurrence that ends before the suffix
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@given(tokens=st.lists(st.integers(0, 3), min_size=0, max_size=30), k=st.integers(1, 5), min_n=st.integers(1, 3),
+       extra=st.integers(0, 3))
+def test_ngram_drafts_match_a_brute_force_search(tokens, k, min_n, extra):
+    assert ngram_drafts(tokens, k, min_n, min_n + extra) == _brute_drafts(tokens, k, min_n, min_n + extra)
+
+
+def test_ngram_drafts_prefer_the_longest_then_latest_match():
+    assert ngram_drafts([1, 2, 3, 9, 2, 3, 7, 5, 3], 2, 1, 3) == [7, 5]  # [3] last seen before 7
+    assert ngram_drafts([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 3, 1, 3) == [9, 2, 3]  # [1, 2, 3] beats the later [2, 3]
+    assert ngram_drafts([4, 5, 6], 3, 1, 3) == [] and ngram_drafts([], 3, 1, 3) == []
+
+
+@pytest.mark.parametrize("value,message", [
+    ({"method": "eagle"}, "method must be one of ngram"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer from 1 to 64"),
+    ({"num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
+    ({"prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_min (3) must not exceed prompt_lookup_max (2)"),
+    ({"draft_model": "x"}, "unknown key(s) draft_model"),
+    ({"disable_by_batch_size": 0}, "disable_by_batch_size must be a positive integer or None"),
+    ("ngram", "speculative_config must be a dict"),
+])
+def test_bad_speculative_config_names_the_fault(value, message):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(speculative_config=value)
+    assert message in str(e.value)
+
+
+def test_config_takes_vllm_dict_shape():
+    assert EngineConfig(speculative_config=SPEC).speculative_config == SpeculativeConfig(**SPEC)
+    assert EngineConfig(speculative_config={}).speculative_config == SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=1, disable_by_batch_size=1)
+    assert EngineConfig().speculative_config is None
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Decoder(_llama_config(), rngs=nnx.Rngs(0))
+
+
+def _engines(model, **kw):
+    """The same engine with and without speculation (64 blocks of 4 tokens, a 16-token step budget)."""
+    sizes = {**dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64), **kw}
+    return Engine(model, None, speculative_config=SPEC, **sizes), Engine(model, None, **sizes)
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    return _engines(model)
+
+
+def _repetitive_prompts(seed: int, count: int) -> list[list[int]]:
+    """Prompts that repeat a random phrase: n-gram lookup finds drafts in them at once."""
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, 97, size=int(rng.integers(3, 7))).tolist() * 4)[:int(rng.integers(12, 30))]
+            for _ in range(count)]
+
+
+@pytest.mark.slow
+def test_greedy_output_is_plain_decodings_with_drafts_accepted(model, engines):
+    spec, plain = engines
+    prompts = _repetitive_prompts(0, 6) + [list(range(20))]
+    before = spec.stats()
+    params = SamplingParams(max_tokens=20, logprobs=2, **GREEDY)
+    got, want = spec.generate(prompts, params), plain.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want] == _reference(model, prompts, 20)
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]  # the sampled token's and the top 2, bit for bit
+    stats = spec.stats()
+    drafts = stats.spec_draft_tokens - before.spec_draft_tokens
+    accepted = stats.spec_accepted_tokens - before.spec_accepted_tokens
+    assert drafts > 20 and 0 < accepted <= drafts
+    assert plain.stats().spec_draft_tokens == 0
+    assert_idle(spec)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5])
+def test_stops_and_max_tokens_cut_the_drafts(model, engines, max_tokens):
+    spec, plain = engines
+    prompts = _repetitive_prompts(1, 4)
+    first = plain.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
+    stop = {o.token_ids[2] for o in first}  # each prompt's third greedy token stops some of them early
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=sorted(stop), **GREEDY)
+    got, want = spec.generate(prompts, params), plain.generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+    assert all(len(o.token_ids) <= max_tokens for o in got)
+    assert_idle(spec)
+
+
+@pytest.mark.slow
+def test_sampled_requests_beside_speculating_ones_are_unchanged(engines):
+    spec, plain = engines
+    prompts = _repetitive_prompts(2, 4)
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=5 + i) if i % 2 else
+              SamplingParams(max_tokens=12, **GREEDY) for i in range(len(prompts))]
+    got, want = spec.generate(prompts, params), plain.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert_idle(spec)
+
+
+@pytest.mark.slow
+def test_speculation_stops_past_its_batch_size(model):
+    """disable_by_batch_size (1 by default): a lone request speculates, two together decode plainly."""
+    sizes = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64)
+    engine = Engine(model, None, speculative_config=dict(num_speculative_tokens=3), **sizes)
+    prompts = _repetitive_prompts(5, 2)
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    both = engine.generate(prompts, params)
+    assert engine.stats().spec_draft_tokens == 0
+    alone = [engine.generate(p, params)[0] for p in prompts]
+    assert engine.stats().spec_draft_tokens > 0
+    assert [o.token_ids for o in both] == [o.token_ids for o in alone] == _reference(model, prompts, 16)
+
+
+@pytest.mark.slow
+def test_greedy_matches_reference_under_preemption_with_drafts(model):
+    """A pool of 24 blocks for 8 requests growing to ~12 blocks each: preemptions recompute requests whose KV held
+    rejected drafts; nothing leaks."""
+    spec, _ = _engines(model, num_kv_blocks=24)
+    prompts = _repetitive_prompts(3, 8)
+    outs = spec.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
+    assert spec.stats().num_preemptions > 0 and spec.stats().spec_accepted_tokens > 0
+    assert [o.token_ids for o in outs] == _reference(model, prompts, 24)
+    assert_idle(spec)
+
+
+@pytest.mark.slow
+def test_prefix_cache_after_drafts_serves_only_computed_tokens(model, engines):
+    """A second request whose prompt is the first's prompt and output reuses the first's cached blocks (whose K/V
+    held drafts, rejected ones rewritten) and continues as the reference does."""
+    spec, _ = engines
+    prompt = _repetitive_prompts(4, 1)[0]
+    [first] = spec.generate(prompt, SamplingParams(max_tokens=20, **GREEDY))
+    follow = prompt + first.token_ids
+    hits = spec.stats().prefix_cache_hits
+    [second] = spec.generate(follow, SamplingParams(max_tokens=8, **GREEDY))
+    assert spec.stats().prefix_cache_hits - hits >= len(prompt) // 4 * 4
+    assert second.token_ids == _reference(model, [follow], 8)[0]
+    assert_idle(spec)

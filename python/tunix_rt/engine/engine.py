@@ -33,7 +33,7 @@ from tunix_rt.engine.lora_manager import Adapter, LoRAManager, LoRARequest
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.request import Request, Status
 from tunix_rt.engine.runner import ModelRunner
-from tunix_rt.engine.scheduler import ScheduledRequest, Scheduler
+from tunix_rt.engine.scheduler import Scheduler
 from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.models.lora import has_lora
@@ -120,9 +120,6 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self._prompt_tokens = 0
-        self._generation_tokens = 0
-        self._draft_tokens = 0
-        self._accepted_drafts = 0
         log.info("engine: %d KV blocks of %d tokens (%.0f MiB), max_model_len %d", num_kv_blocks, block_size,
                  num_kv_blocks * ModelRunner.block_bytes(model, block_size) / 2**20, max_model_len)
 
@@ -243,24 +240,8 @@ class Engine:
             self.scheduler.preempt_all([s.request for s in scheduled])
             raise
         outputs = []
-        for i, prompt in result.prompt_logprobs.items():
-            scheduled[i].request.record_prompt_logprobs(prompt.positions, prompt.logprobs, prompt.ranks,
-                                                        prompt.top_ids, prompt.top_logprobs)
-        for i, s in enumerate(scheduled):
-            req = s.request
-            if result.nonfinite[i]:  # its K/V and logits are void: share nothing of it, end it as an error
-                log.warning("request %s produced non-finite values (adapter %s); it ends with finish_reason "
-                            "'error'", req.request_id, req.lora.name if req.lora is not None else None)
-                self.kv.uncache(req.seq_id)
-                req.finish("error")
-            elif not s.completes:
-                continue  # a prefill chunk: its logits are not a next token yet
-            elif req.max_tokens == 0:  # the prompt is scored: nothing is sampled
-                req.finish("length")
-            else:
-                self._append_sampled(req, result, i, s)
+        for req in self.scheduler.update_from_output(scheduled, result):
             if req.status is Status.FINISHED:
-                self.scheduler.finish(req)
                 self._sequence_done(req)
             outputs.append(req.output())
         for out in outputs:
@@ -268,30 +249,6 @@ class Engine:
             if out.finished and seqs and all(s.status is Status.FINISHED for s in seqs):
                 del self._requests[out.request_id]
         return outputs
-
-    def _append_sampled(self, req: Request, result, i: int, s: ScheduledRequest) -> None:
-        """The tokens step result row `i` sampled for `req`; a multi-step decode's tokens after a stop are dropped,
-        and so are a speculative step's after the first draft the target disagrees with (that step's own token is
-        kept: 1 to 1 + drafts tokens)."""
-        k = req.params.logprobs
-        for step in range(s.limit):
-            top = None
-            if k:
-                top = dict(zip(result.top_ids[step, i, :k].tolist(), result.top_logprobs[step, i, :k].tolist()))
-            token = int(result.tokens[step, i])
-            req.append(token, float(result.logprobs[step, i]), top)
-            self._generation_tokens += 1
-            kept = step < len(s.draft) and token == s.draft[step]  # the draft at `step` is what the target chose
-            self._accepted_drafts += kept
-            if req.status is Status.FINISHED:
-                break
-            if s.draft:
-                if not kept:
-                    self.scheduler.reject_drafts(req, len(s.draft) - step)
-                    break
-            else:
-                req.num_computed_tokens += step < s.limit - 1  # the loop computed the token it sampled
-        self._draft_tokens += len(s.draft)
 
     def _sequence_done(self, req: Request) -> None:
         if req.lora is not None:
@@ -445,6 +402,6 @@ class Engine:
             kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.queries, prefix_cache_hits=self.kv.hits,
             prefix_cache_hit_rate=self.kv.hit_rate(), num_preemptions=self.scheduler.num_preemptions,
             num_compiles=len(self.runner.compiled), prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._generation_tokens, num_blocks=self.kv.pool.num_blocks,
-            block_size=self.kv.block_size, spec_draft_tokens=self._draft_tokens,
-            spec_accepted_tokens=self._accepted_drafts)
+            generation_tokens=self.scheduler.num_generation_tokens, num_blocks=self.kv.pool.num_blocks,
+            block_size=self.kv.block_size, spec_draft_tokens=self.scheduler.num_draft_tokens,
+            spec_accepted_tokens=self.scheduler.num_accepted_tokens)

@@ -24,19 +24,26 @@ request then gets KV room for the tokens it may still sample (its `limit`); the 
 tokens afterwards and drops whatever follows a stop, so the output is the same as one step at a time.
 
 Speculative decoding (engine/speculative.py), when configured: a greedy request's decode takes its n-gram
-drafts along (`draft`), one chunk of 1 + k tokens, with KV room for all of them; the engine then gives back
-the computed count of the drafts the target rejected (`Scheduler.reject_drafts`), whose slots later steps
-overwrite. Drafts are never entered in the prefix cache: only known tokens' blocks are.
+drafts along (`draft`), one chunk of 1 + k tokens, with KV room for all of them; the drafts the target rejects
+stop counting as computed, and later steps overwrite their slots. Drafts are never entered in the prefix
+cache: only known tokens' blocks are.
+
+The scheduler owns the step's accounting both ways (vLLM's `update_from_output`): what it hands out in
+`schedule()`, and what the step's result does to its requests: sampled tokens appended, computed counts,
+finishes and the blocks they free. The engine only wires the two and makes the outputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import deque
 
 from tunix_rt.engine.kv_cache_manager import KVCacheManager
 from tunix_rt.engine.request import Request, Status
 from tunix_rt.engine.speculative import SpeculativeConfig, ngram_drafts
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +79,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_generation_tokens = 0  # totals since start
+        self.num_draft_tokens = 0  # speculative drafts proposed, and of them accepted by the target
+        self.num_accepted_tokens = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -179,11 +189,6 @@ class Scheduler:
             return ()
         return tuple(ngram_drafts(req.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max))
 
-    def reject_drafts(self, req: Request, rejected: int) -> None:
-        """The target disagreed with the last `rejected` drafts: their K/V is not the sequence's, so they count
-        as not computed (the next step's token overwrites the first slot, later ones follow)."""
-        req.num_computed_tokens -= rejected
-
     def _is_long_prefill(self, req: Request, num_computed: int) -> bool:
         return 0 < self.long_prefill < len(req.prompt_token_ids) - num_computed
 
@@ -219,6 +224,56 @@ class Scheduler:
             if not self.kv.allocate(req.seq_id, req.all_token_ids, s.start + 1, limit - 1, extra=req.extra_keys):
                 return scheduled  # room taken so far stays with its requests and serves their next steps
         return [dataclasses.replace(s, limit=limit) for s, limit in zip(scheduled, limits)]
+
+    def update_from_output(self, scheduled: list[ScheduledRequest], result) -> list[Request]:
+        """Apply a step's result (runner.StepResult) to its requests: prompt log-probs recorded, sampled tokens
+        appended, finishes freed. Returns the requests that advanced (a prefill chunk that does not catch its
+        request up has no new token and is not among them)."""
+        for i, prompt in result.prompt_logprobs.items():
+            scheduled[i].request.record_prompt_logprobs(prompt.positions, prompt.logprobs, prompt.ranks,
+                                                        prompt.top_ids, prompt.top_logprobs)
+        advanced = []
+        for i, s in enumerate(scheduled):
+            req = s.request
+            if result.nonfinite[i]:  # its K/V and logits are void: share nothing of it, end it as an error
+                log.warning("request %s produced non-finite values (adapter %s); it ends with finish_reason "
+                            "'error'", req.request_id, req.lora.name if req.lora is not None else None)
+                self.kv.uncache(req.seq_id)
+                req.finish("error")
+            elif not s.completes:
+                continue  # a prefill chunk: its logits are not a next token yet
+            elif req.max_tokens == 0:  # the prompt is scored: nothing is sampled
+                req.finish("length")
+            else:
+                self._append_sampled(req, result, i, s)
+            if req.status is Status.FINISHED:
+                self.finish(req)
+            advanced.append(req)
+        return advanced
+
+    def _append_sampled(self, req: Request, result, i: int, s: ScheduledRequest) -> None:
+        """The tokens result row `i` sampled for `req`; a multi-step decode's tokens after a stop are dropped,
+        and so are a speculative step's after the first draft the target disagrees with (that step's own token is
+        kept: 1 to 1 + drafts tokens). Rejected drafts stop counting as computed: their K/V is not the sequence's."""
+        k = req.params.logprobs
+        for step in range(s.limit):
+            top = None
+            if k:
+                top = dict(zip(result.top_ids[step, i, :k].tolist(), result.top_logprobs[step, i, :k].tolist()))
+            token = int(result.tokens[step, i])
+            req.append(token, float(result.logprobs[step, i]), top)
+            self.num_generation_tokens += 1
+            kept = step < len(s.draft) and token == s.draft[step]  # the draft at `step` is what the target chose
+            self.num_accepted_tokens += kept
+            if req.status is Status.FINISHED:
+                break
+            if s.draft:
+                if not kept:
+                    req.num_computed_tokens -= len(s.draft) - step
+                    break
+            else:
+                req.num_computed_tokens += step < s.limit - 1  # the loop computed the token it sampled
+        self.num_draft_tokens += len(s.draft)
 
     def _leave_slot(self, req: Request) -> None:
         if req.lora_slot >= 0:

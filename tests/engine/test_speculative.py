@@ -172,3 +172,19 @@ def test_prefix_cache_after_drafts_serves_only_computed_tokens(model, engines):
     assert spec.stats().prefix_cache_hits - hits >= len(prompt) // 4 * 4
     assert second.token_ids == _reference(model, [follow], 8)[0]
     assert_idle(spec)
+
+
+@pytest.mark.slow
+def test_warmup_covers_a_lone_speculating_request(model):
+    """The sampled rows' buckets reach max_num_seqs + (requests that may speculate) x drafts, and a lone request's
+    warm-up (max_rows=1) compiles everything its speculative steps run."""
+    sizes = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64)
+    engine = Engine(model, None, speculative_config=dict(num_speculative_tokens=3), **sizes)
+    assert engine.runner.seq_buckets[-1] == 8 + 1 * 3
+    assert Engine(model, None, speculative_config=SPEC, **sizes).runner.seq_buckets[-1] == 8 + 8 * 3
+    engine.warmup(max_rows=1)
+    compiled = engine.stats().num_compiles
+    for prompt in _repetitive_prompts(0, 6):  # one at a time
+        engine.generate(prompt, SamplingParams(max_tokens=20, **GREEDY))
+    assert engine.stats().spec_accepted_tokens > 0
+    assert engine.stats().num_compiles == compiled

@@ -107,7 +107,8 @@ class Engine:
                                   grammars=self.grammars, token_buckets=config.token_buckets,
                                   decode_steps=config.decode_steps,
                                   processed_logprobs=config.logprobs_mode == "processed_logprobs",
-                                  max_drafts=spec.num_speculative_tokens if spec else 0)
+                                  max_drafts=spec.num_speculative_tokens if spec else 0,
+                                  max_speculating=(spec.disable_by_batch_size or max_num_seqs) if spec else 0)
         self.loras = (LoRAManager(model, self.runner, slots=config.max_loras, rank=config.max_lora_rank,
                                   max_registered=config.max_cpu_loras) if config.max_loras else None)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs,

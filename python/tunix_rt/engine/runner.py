@@ -229,7 +229,7 @@ class ModelRunner:
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, grammars: GrammarCompiler | None = None,
                  token_buckets: tuple[int, ...] | None = None, decode_steps: int = 1,
-                 processed_logprobs: bool = False, max_drafts: int = 0):
+                 processed_logprobs: bool = False, max_drafts: int = 0, max_speculating: int = 0):
         self.graphdef, state = nnx.split(model)
         self._lane_scales = _LaneScales()
         self.leaves, self.treedef = jax.tree.flatten(self._lane_scales.apply(state))
@@ -250,8 +250,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.token_buckets = buckets(1, max_num_batched_tokens) if token_buckets is None else tuple(token_buckets)
-        self.max_drafts = max_drafts
-        self.seq_buckets = buckets(1, max_num_seqs * (1 + max_drafts))  # rows sampled: each request's drafts too
+        # rows sampled per step: one per request, and the drafts of the (at most max_speculating) requests with any
+        self.max_drafts, self.max_speculating = max_drafts, min(max_speculating, max_num_seqs)
+        self.seq_buckets = buckets(1, max_num_seqs + self.max_speculating * max_drafts)
         self.k: jax.Array | None = None  # every layer's pool, layer after layer (models/kv_cache.py)
         self.v: jax.Array | None = None
         self.grammars = grammars
@@ -310,7 +311,7 @@ class ModelRunner:
         a later call goes on where it stopped."""
         compiled = 0  # by this call (another thread may compile meanwhile)
         seqs_cap = self.max_num_seqs if max_rows is None else max_rows
-        rows_cap = seqs_cap * (1 + self.max_drafts)  # rows sampled: a speculating request's drafts too
+        rows_cap = seqs_cap + min(seqs_cap, self.max_speculating) * self.max_drafts  # speculating requests' drafts too
         variants = (False, True) if greedy else (False,)  # all_greedy of the samplers and decode loops
         decode_buckets = {_fit(n, self.token_buckets) for n in range(1, min(seqs_cap, self.token_buckets[-1]) + 1)}
         for t_b in self.token_buckets:

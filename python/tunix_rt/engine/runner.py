@@ -506,12 +506,9 @@ class ModelRunner:
         out, self.k, self.v, nonfinite = self._programs(_loop_key(t_b, self.decode_steps, all_greedy), self.leaves,
                                                         self.k, self.v, tokens, positions, token_seq, tables, limits,
                                                         params, self.decode_steps, lora_ids, all_greedy)
-        return self._result(out, nonfinite, len(scheduled), steps_axis=True)
-
-    @staticmethod
-    def _result(out: SamplerOutput, nonfinite: jax.Array, n: int, *, steps_axis: bool) -> StepResult:
-        arrays = [np.asarray(a) for a in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)]
-        return StepResult(*(a[:, :n] if steps_axis else a[None, :n] for a in arrays), np.asarray(nonfinite)[:n])
+        n = len(scheduled)
+        return StepResult(*(np.asarray(a)[:, :n] for a in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)),
+                          np.asarray(nonfinite)[:n])
 
     def _grammar_masks(self, scheduled: list[ScheduledRequest], b_b: int) -> np.ndarray | None:
         """Allowed-token bitmasks when a row that samples this step has a grammar, else None."""

@@ -79,7 +79,6 @@ def _median_seconds(fn, repeats: int = 5) -> float:
 
 
 def part_kernels() -> dict:
-
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -153,7 +152,8 @@ def part_attention(interpret: bool = False) -> dict:
         step, cache_bytes = _attention_step(rng, seqs, context, chunk)
         reference_s = _median_seconds(functools.partial(reference, *step))
         want = np.asarray(reference(*step).astype(np.float32))
-        default = launch_shape(seqs * chunk, 8, 16, context // 16)
+        _, bs, kv, _ = step[1].shape  # the cache's
+        default = launch_shape(seqs * chunk, kv, bs, context // bs, interpret=interpret)
         launches = {default} | {(b, s) for b in (1, 2) for s in (1, 4, 16, 64)}
         if interpret:
             launches = {default, (1, 1), (2, 4)}

@@ -19,6 +19,8 @@ from tunix_rt.engine.speculative import SpeculativeConfig, ngram_drafts
 from tunix_rt.models.decoder import Decoder
 
 GREEDY = dict(temperature=0.0)
+# 64 blocks of 4 tokens, a 16-token step budget
+SIZES = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64)
 SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1,
             disable_by_batch_size=None)
 
@@ -74,8 +76,8 @@ def model():
 
 
 def _engines(model, **kw):
-    """The same engine with and without speculation (64 blocks of 4 tokens, a 16-token step budget)."""
-    sizes = {**dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64), **kw}
+    """The same engine with and without speculation."""
+    sizes = {**SIZES, **kw}
     return Engine(model, None, speculative_config=SPEC, **sizes), Engine(model, None, **sizes)
 
 
@@ -136,8 +138,7 @@ def test_sampled_requests_beside_speculating_ones_are_unchanged(engines):
 @pytest.mark.slow
 def test_speculation_stops_past_its_batch_size(model):
     """disable_by_batch_size (1 by default): a lone request speculates, two together decode plainly."""
-    sizes = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64)
-    engine = Engine(model, None, speculative_config=dict(num_speculative_tokens=3), **sizes)
+    engine = Engine(model, None, speculative_config=dict(num_speculative_tokens=3), **SIZES)
     prompts = _repetitive_prompts(5, 2)
     params = SamplingParams(max_tokens=16, **GREEDY)
     both = engine.generate(prompts, params)
@@ -178,10 +179,9 @@ def test_prefix_cache_after_drafts_serves_only_computed_tokens(model, engines):
 def test_warmup_covers_a_lone_speculating_request(model):
     """The sampled rows' buckets reach max_num_seqs + (requests that may speculate) x drafts, and a lone request's
     warm-up (max_rows=1) compiles everything its speculative steps run."""
-    sizes = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64)
-    engine = Engine(model, None, speculative_config=dict(num_speculative_tokens=3), **sizes)
+    engine = Engine(model, None, speculative_config=dict(num_speculative_tokens=3), **SIZES)
     assert engine.runner.seq_buckets[-1] == 8 + 1 * 3
-    assert Engine(model, None, speculative_config=SPEC, **sizes).runner.seq_buckets[-1] == 8 + 8 * 3
+    assert Engine(model, None, speculative_config=SPEC, **SIZES).runner.seq_buckets[-1] == 8 + 8 * 3
     engine.warmup(max_rows=1)
     compiled = engine.stats().num_compiles
     for prompt in _repetitive_prompts(0, 6):  # one at a time

@@ -66,7 +66,7 @@ LONG_PREFILL_CONTEXT = 512  # past this context a long prefill's chunk shrinks a
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, decode_steps: int = 1,
-                 loras=None, long_prefill_token_threshold: int = 0, max_model_len: int | None = None,
+                 max_model_len: int, loras=None, long_prefill_token_threshold: int = 0,
                  speculative: SpeculativeConfig | None = None):
         self.kv = kv
         self.speculative = speculative
@@ -184,7 +184,7 @@ class Scheduler:
                 len(self.running) + len(self.waiting) > spec.disable_by_batch_size:
             return ()
         room = min(spec.num_speculative_tokens, budget - 1, req.max_tokens - len(req.output_token_ids) - 1,
-                   (self.max_model_len or req.num_tokens + spec.num_speculative_tokens) - req.num_tokens)
+                   self.max_model_len - req.num_tokens)
         if room < 1:
             return ()
         return tuple(ngram_drafts(req.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max))

@@ -86,12 +86,12 @@ def _kernel(seq_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs, scale,
     keys = blocks_per_step * block_size
     exact = jax.lax.Precision.HIGHEST  # f32 tiles: IEEE products, not TF32
     q = q_ref[...]  # (G, D): the token's query heads of this kv head, padded to a tile
+    head = (slice(None), h) if k_ref.ndim == 4 else ()  # the whole cache, or kv head h's view of it
 
     def body(i, carry):
         acc, m, total = carry
         j = lo + i * blocks_per_step
         ids = jnp.clip(tables_ref[row, pl.ds(j, blocks_per_step)], 0, num_blocks - 1)
-        head = (slice(None), h) if k_ref.ndim == 4 else ()  # the whole cache, or kv head h's view of it
         k = k_ref[(ids, *head)].reshape(keys, -1)  # (B*BS, D)
         v = v_ref[(ids, *head)].reshape(keys, -1)
         k_pos = j * block_size + jnp.arange(keys)
@@ -117,19 +117,22 @@ def _kernel(seq_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs, scale,
     acc, m, total = jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), blocks_per_step), body, init)
     if splits == 1:
         (o_ref,) = out_refs
-        o_ref[...] = jnp.where(total[:, None] > 0, acc / jnp.maximum(total, 1e-30)[:, None], 0.0).astype(o_ref.dtype)
+        o_ref[...] = _normalize(acc, total).astype(o_ref.dtype)
     else:  # partial results, combined outside the kernel
         acc_ref, m_ref, total_ref = out_refs
         acc_ref[...], m_ref[...], total_ref[...] = acc, m, total
+
+
+def _normalize(acc, total):
+    """The softmax-weighted sum acc / total; zero for a query that saw no key (padding)."""
+    return jnp.where(total[..., None] > 0, acc / jnp.maximum(total, 1e-30)[..., None], 0.0)
 
 
 def _combine(acc, m, total):
     """Folds the splits' partial softmaxes (axis 2) into one: each rescaled to the common maximum."""
     top = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp(m - top)  # an empty split: m is the float minimum, its weight 0 (or 1 with total 0, if all are)
-    total = jnp.sum(w * total, axis=2)
-    acc = jnp.sum(w[..., None] * acc, axis=2)
-    return jnp.where(total[..., None] > 0, acc / jnp.maximum(total, 1e-30)[..., None], 0.0)
+    return _normalize(jnp.sum(w[..., None] * acc, axis=2), jnp.sum(w * total, axis=2))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "window", "interpret", "blocks_per_step", "splits"))
@@ -154,21 +157,22 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, token_seq, token_p
     # On the device each program sees kv head j's view of the cache (the layout the device check timed); the
     # interpreter would copy that view for every program, so there the kernel indexes the head itself.
     cache = whole if interpret else pl.BlockSpec((num_blocks, block_size, None, d), lambda i, j, s: (0, 0, j, 0))
-    rows = pl.BlockSpec((None, None, None, padded, d), lambda i, j, s: (i, j, s, 0, 0))
+    query_rows = pl.BlockSpec((None, None, padded, d), lambda i, j, s: (i, j, 0, 0))  # a (token, kv head)'s group
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct(qg.shape, q.dtype)]
-        out_specs = [pl.BlockSpec((None, None, padded, d), lambda i, j, s: (i, j, 0, 0))]
+        out_specs = [query_rows]
     else:
         f32 = jnp.float32
         out_shape = [jax.ShapeDtypeStruct((t, kv, splits, padded, d), f32),
                      jax.ShapeDtypeStruct((t, kv, splits, padded), f32), jax.ShapeDtypeStruct((t, kv, splits, padded), f32)]
+        rows = pl.BlockSpec((None, None, None, padded, d), lambda i, j, s: (i, j, s, 0, 0))
         scalar = pl.BlockSpec((None, None, None, padded), lambda i, j, s: (i, j, s, 0))
         out_specs = [rows, scalar, scalar]
     out = pl.pallas_call(
         functools.partial(_kernel, scale=scale, softcap=softcap, window=window, blocks_per_step=step, splits=splits),
         out_shape=out_shape,
         grid=(t, kv, splits),
-        in_specs=[whole, whole, whole, pl.BlockSpec((None, None, padded, d), lambda i, j, s: (i, j, 0, 0)), cache, cache],
+        in_specs=[whole, whole, whole, query_rows, cache, cache],
         out_specs=out_specs,
         interpret=interpret,
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),  # Triton, not Mosaic GPU

@@ -1,9 +1,12 @@
 """Speculative decoding by n-gram prompt lookup: the proposer, the config, and the engine's output, which must be
-exactly plain decoding's (greedy tokens and their log-probs), with drafts proposed and accepted, under chunked
-prefill, preemption, stops, prefix caching and beside sampled requests."""
+exactly plain decoding's (greedy and seeded requests' tokens and their log-probs), with drafts proposed and
+accepted, under chunked prefill, preemption, stops and prefix caching; a draft kept with the target's
+probability."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -125,14 +128,51 @@ def test_stops_and_max_tokens_cut_the_drafts(model, engines, max_tokens):
 
 
 @pytest.mark.slow
-def test_sampled_requests_beside_speculating_ones_are_unchanged(engines):
+def test_seeded_sampled_requests_speculate_and_draw_plain_decodings_tokens(engines):
+    """A draft's row samples with the key of the output position it stands at and counts the drafts before it in
+    its penalties: seeded requests get plain decoding's tokens and log-probs draw for draw, whatever their
+    options; greedy requests share the steps; a grammar-free request's drafts are kept when its draw agrees."""
     spec, plain = engines
-    prompts = _repetitive_prompts(2, 4)
-    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=5 + i) if i % 2 else
-              SamplingParams(max_tokens=12, **GREEDY) for i in range(len(prompts))]
+    prompts = _repetitive_prompts(2, 6)
+    # the random model is flat: a bias on the prompt's own tokens makes its drafts likely, so that rows past a
+    # request's first draw (and their keys) decide kept tokens often
+    options = [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9),
+               dict(temperature=1.0, presence_penalty=1.0, frequency_penalty=1.5, repetition_penalty=1.3),
+               dict(temperature=1.0, min_p=0.05), dict(temperature=0.0), dict(temperature=0.5, min_tokens=3)]
+    params = [SamplingParams(max_tokens=14, seed=5 + i, logprobs=2, logit_bias=dict.fromkeys(prompt, 5.0), **o)
+              for i, (prompt, o) in enumerate(zip(prompts, options))]
+    before = spec.stats()
     got, want = spec.generate(prompts, params), plain.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+    sampled = spec.generate(prompts[:4], params[:4])  # the sampled ones alone: their drafts are kept too
+    assert [o.token_ids for o in sampled] == [o.token_ids for o in want[:4]]
+    after = spec.stats()
+    assert after.spec_accepted_tokens - before.spec_accepted_tokens > 0
     assert_idle(spec)
+
+
+@pytest.mark.slow
+def test_a_draft_is_kept_with_the_targets_probability(model):
+    """Rejection sampling with a one-token proposal: the draft d is kept with probability p(d). 300 unseeded
+    samples of one 17-token prompt, one at a time with a 16-token budget: each prompt's last token is computed
+    in a step of its own, as a decode with the draft d the prompt proposes (a logit bias makes p(d) about 0.4;
+    the random model is flat). The kept fraction is p(d) from the model's logits, within 4.5 standard
+    deviations."""
+    spec = Engine(model, None, speculative_config=SPEC, enable_prefix_caching=False,
+                  **{**SIZES, "max_num_seqs": 1})
+    prompt = (_repetitive_prompts(4, 1)[0] * 2)[:17]
+    [draft] = ngram_drafts(prompt, 1, SPEC["prompt_lookup_min"], SPEC["prompt_lookup_max"])
+    bias = {draft: 4.0}
+    logits = model(jnp.asarray([prompt]), jnp.arange(len(prompt))[None])[0, -1].at[draft].add(bias[draft])
+    p = float(jax.nn.softmax(logits)[draft])
+    assert 0.2 < p < 0.8, p
+    n = 300
+    spec.generate(prompt, SamplingParams(n=n, max_tokens=2, temperature=1.0, logit_bias=bias))
+    stats = spec.stats()
+    assert stats.spec_draft_tokens == n
+    kept = stats.spec_accepted_tokens
+    assert abs(kept - n * p) < 4.5 * np.sqrt(n * p * (1 - p)), (kept, n, p)
 
 
 @pytest.mark.slow

@@ -42,8 +42,8 @@ class EngineConfig:
         "to other requests' steps (0: off; the server's default keeps one client's long prompt from stalling "
         "the others)", serve=32)
     speculative_config: SpeculativeConfig | Mapping | None = _flag(
-        None, "speculative decoding of greedy requests, as JSON in vLLM's shape: '{\"method\": \"ngram\", "
-        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (default: off)",
+        None, "speculative decoding, as JSON in vLLM's shape: '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (default: off)",
         json=True)
     logprobs_mode: str = _flag("raw_logprobs", "log-probs reported: raw_logprobs (the model's distribution) or "
                                "processed_logprobs (the one sampled from: after penalties, temperature, top-k/p)")

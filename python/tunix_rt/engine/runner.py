@@ -434,8 +434,10 @@ class ModelRunner:
         b_b = _fit(len(sampled), self.seq_buckets)
         rows = np.zeros(b_b, np.int32)
         rows[:len(sampled)] = sampled
-        by_row = [s for s in scheduled for _ in range(1 + len(s.draft))]  # the request each sampled row belongs to
-        params, prompt_hist, output_hist, num_top = self._sampling_inputs(by_row, b_b)
+        # the request each sampled row belongs to, and the row's place among its samples (0: its last token)
+        by_row = [s for s in scheduled for _ in range(1 + len(s.draft))]
+        ahead = [j for s in scheduled for j in range(1 + len(s.draft))]
+        params, prompt_hist, output_hist, num_top = self._sampling_inputs(by_row, b_b, ahead)
         all_greedy = _all_greedy(scheduled)
         hidden, self.k, self.v, nonfinite = self._programs(("forward", t_b), self.leaves, self.k, self.v, tokens,
                                                            positions, slots, token_seq, tables, lora_ids)
@@ -515,26 +517,31 @@ class ModelRunner:
         rows = [(s.request.matcher, i) for i, s in enumerate(scheduled) if s.completes and s.request.matcher]
         return self.grammars.fill_masks(rows, b_b) if rows else None
 
-    def _sampling_params(self, scheduled: list[ScheduledRequest], batch: int) -> tuple[SamplingTensors, int]:
-        """The rows' sampling options padded to `batch`, and how many top logprobs the step returns."""
+    def _sampling_params(self, scheduled: list[ScheduledRequest], batch: int,
+                         ahead: list[int] | None = None) -> tuple[SamplingTensors, int]:
+        """The rows' sampling options padded to `batch`, and how many top logprobs the step returns. Row i samples
+        its request's output token len(output) + ahead[i] (a draft's row samples where plain decoding would reach
+        it later): its draw's key is that step's, so a kept draft's row drew what plain decoding draws there."""
+        ahead = ahead or [0] * len(scheduled)
         rows = [dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                      presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                      repetition_penalty=p.repetition_penalty, seed=s.request.seed,
-                     step=len(s.request.output_token_ids))
-                for s in scheduled for p in (s.request.params,)]
+                     step=len(s.request.output_token_ids) + j)
+                for s, j in zip(scheduled, ahead) for p in (s.request.params,)]
         wants_top = any(s.request.params.logprobs for s in scheduled)
         return SamplingTensors.from_rows(rows, batch), min(MAX_LOGPROBS, self.vocab_size) if wants_top else 0
 
-    def _sampling_inputs(self, scheduled: list[ScheduledRequest], b_b: int):
-        """The sampler's options and the token histories its penalties read (None when no row has any)."""
-        params, num_top = self._sampling_params(scheduled, b_b)
+    def _sampling_inputs(self, scheduled: list[ScheduledRequest], b_b: int, ahead: list[int]):
+        """The sampler's options and the token histories its penalties read (None when no row has any): a draft's
+        row counts the drafts before it as output, as plain decoding would have them by then."""
+        params, num_top = self._sampling_params(scheduled, b_b, ahead)
         if not any(s.request.params.uses_penalties for s in scheduled):
             return params, None, None, num_top
         prompt_hist = np.full((b_b, self.max_model_len), -1, np.int32)
         output_hist = np.full((b_b, self.max_model_len), -1, np.int32)
-        for i, s in enumerate(scheduled):
+        for i, (s, j) in enumerate(zip(scheduled, ahead)):
             if s.request.params.uses_penalties:
-                p_ids, o_ids = s.request.prompt_token_ids, s.request.output_token_ids
+                p_ids, o_ids = s.request.prompt_token_ids, [*s.request.output_token_ids, *s.draft[:j]]
                 prompt_hist[i, :len(p_ids)] = p_ids
                 output_hist[i, :len(o_ids)] = o_ids
         return params, prompt_hist, output_hist, num_top

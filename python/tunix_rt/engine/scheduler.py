@@ -23,8 +23,8 @@ a plain one-token decode, the step may run `decode_steps` decodes in one device 
 request then gets KV room for the tokens it may still sample (its `limit`); the host sees the
 tokens afterwards and drops whatever follows a stop, so the output is the same as one step at a time.
 
-Speculative decoding (engine/speculative.py), when configured: a greedy request's decode takes its n-gram
-drafts along (`draft`), one chunk of 1 + k tokens, with KV room for all of them; the drafts the target rejects
+Speculative decoding (engine/speculative.py), when configured: a request's decode takes its n-gram drafts
+along (`draft`), one chunk of 1 + k tokens, with KV room for all of them; the drafts the target rejects
 stop counting as computed, and later steps overwrite their slots. Drafts are never entered in the prefix
 cache: only known tokens' blocks are.
 
@@ -174,11 +174,11 @@ class Scheduler:
         return ScheduledRequest(req, req.num_computed_tokens, num_new), preempted
 
     def _drafts(self, req: Request, budget: int) -> tuple[int, ...]:
-        """A greedy decode's n-gram drafts: no more than the step's budget, the request's max_tokens and the
-        context window leave room for beside the token it samples anyway."""
-        spec, p = self.speculative, req.params
-        if spec is None or p.temperature != 0 or p.uses_penalties or p.logit_bias or \
-                req.matcher is not None or req.banned_stop_ids:
+        """A decode's n-gram drafts: no more than the step's budget, the request's max_tokens and the context
+        window leave room for beside the token it samples anyway. None for a request whose allowed tokens change
+        with each token it samples (a grammar, stop ids banned until min_tokens)."""
+        spec = self.speculative
+        if spec is None or req.matcher is not None or req.banned_stop_ids:
             return ()
         if spec.disable_by_batch_size is not None and \
                 len(self.running) + len(self.waiting) > spec.disable_by_batch_size:

@@ -3,14 +3,18 @@
 A decoding request whose last n tokens (n from prompt_lookup_max down to prompt_lookup_min) occurred earlier in
 its own prompt or output proposes the tokens that followed that occurrence as drafts: no second model. The
 step then computes the request's last token and its k drafts together (one chunk of k + 1 tokens, as a prefill
-chunk is), samples the target model at each of the k + 1 positions, and keeps the drafts up to the first one
-the target disagrees with, plus the target's own token there: 1 to k + 1 tokens from one step whose cost, on a
-memory-bound decode, is close to one token's. The engine's kernels give a row the same numbers whatever the step
-holds (batch and chunk invariance), so the kept tokens are exactly what plain decoding gives.
+chunk is), samples the target model at each of the k + 1 positions, and keeps the drafts up to the first one the
+sample there differs from, plus the target's own token at that position: 1 to k + 1 tokens from one step whose
+cost, on a memory-bound decode, is close to one token's.
 
-Only greedy requests speculate (temperature 0, no penalties, logit biases, grammars or min_tokens): their
-target token is the arg-max, so a draft is kept exactly when plain decoding would have produced it. Sampled
-requests decode as usual in the same steps; RL rollouts sample, so they never speculate.
+This is speculative sampling's rejection rule (Leviathan et al.; Chen et al.) for a proposal that puts all its
+mass on one token: the draft d is kept with probability p(d), and a rejected position takes a token drawn from
+p with d excluded, which is what a draw from p that is not d is. Here the rule holds draw for draw: the
+engine's kernels give a row the same logits whatever the step holds (batch and chunk invariance), and row j of
+a request samples with the key plain decoding uses at that output position (fold_in(seed, step)), its
+penalties counting the drafts before it. So greedy and seeded requests get exactly the tokens and log-probs
+plain decoding gives, and unseeded ones the same law. Requests whose allowed tokens change token by token (a
+grammar, stop ids banned until min_tokens) decode as usual in the same steps.
 """
 
 from __future__ import annotations

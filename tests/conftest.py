@@ -12,6 +12,11 @@ import tempfile
 os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.gettempdir(), f"tunix-rt-tests-{os.getuid()}",
                                             os.environ.get("PYTEST_XDIST_WORKER", "main"))
 
+# The program store (engine/program_store.py) is off in test processes and the CLI processes they start, except
+# where its own tests turn it on: twice in CI a long-lived test worker crashed inside XLA's deserialization of a
+# stored program (not reproduced in stress runs of thousands of loads beside compiles and executions).
+os.environ.setdefault("TUNIX_RT_PROGRAM_STORE", "off")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -55,6 +55,14 @@ def canonical(obj: object) -> str:
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(obj))
 
 
+def enabled() -> bool:
+    """TUNIX_RT_PROGRAM_STORE: on (default, also when unset or empty) or off; anything else is refused."""
+    value = os.environ.get("TUNIX_RT_PROGRAM_STORE", "").strip().lower() or "on"
+    if value not in ("on", "off"):
+        raise ValueError(f"TUNIX_RT_PROGRAM_STORE={value!r} is not one of on, off")
+    return value == "on"
+
+
 def _cpu_features() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -124,10 +132,11 @@ class ProgramStore:
 
     @classmethod
     def beside_compile_cache(cls) -> ProgramStore | None:
-        """The store in the persistent compilation cache's directory, or None when that cache is off or the
-        programs are not for the CPU (the only platform whose stored programs are tested here)."""
+        """The store in the persistent compilation cache's directory, or None when that cache is off, the
+        programs are not for the CPU (the only platform whose stored programs are tested here), or
+        TUNIX_RT_PROGRAM_STORE=off (programs then come from JAX's cache alone: traced and lowered each run)."""
         cache = jax.config.jax_compilation_cache_dir
-        return cls(Path(cache) / SUBDIRECTORY) if cache and jax.default_backend() == "cpu" else None
+        return cls(Path(cache) / SUBDIRECTORY) if cache and jax.default_backend() == "cpu" and enabled() else None
 
     def _path(self, digest: str) -> Path:
         return self.directory / f"{digest}.program"

@@ -91,19 +91,25 @@ def test_cli_generate_json_contract():
     assert len(out["token_ids"]) <= 4
 
 
-def test_cli_generate_with_ngram_drafts_gives_the_same_text():
-    """Greedy speculative decoding through the CLI: the same tokens as plain decoding, on an input the text copies."""
+def test_cli_generate_with_drafts_gives_the_same_text():
+    """Greedy speculative decoding through the CLI, n-gram lookup and a draft model loaded from a path ('default':
+    the model drafting for its f32 copy): the same tokens as plain decoding."""
     args = ("generate", "--prompt", "one two three four, one two three four, one two three four, one two",
             "--max-tokens", "16", "--json")
     plain = json.loads(_cli(*args).stdout)
     spec = json.loads(_cli(*args, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}').stdout)
     assert spec == plain
+    f32 = json.loads(_cli(*args, "--dequantize").stdout)
+    drafted = json.loads(_cli(*args, "--dequantize", "--speculative-config",
+                              '{"model": "default", "num_speculative_tokens": 3}').stdout)
+    assert drafted == f32
 
 
 @pytest.mark.parametrize("value,message", [
     ("{not json", "argument --speculative-config: not valid JSON"),
     ("[1, 2]", "argument --speculative-config: must be a JSON object"),
-    ('{"method": "eagle"}', "speculative_config: method must be one of ngram, got 'eagle'"),
+    ('{"method": "eagle"}', "speculative_config: method must be one of ngram, draft_model, got 'eagle'"),
+    ('{"model": "/no/such/dir"}', "/no/such/dir"),
 ])
 def test_cli_bad_speculative_config_is_one_clear_error(value, message):
     proc = _cli("generate", "--prompt", "hi", "--speculative-config", value, check=False)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from tests.engine.idle import assert_idle
 from tests.engine.test_engine import _llama_config, _reference
 from tunix_rt.engine.config import EngineConfig
+from tunix_rt.engine.draft_model import DraftModelProposer
 from tunix_rt.engine.engine import Engine
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.engine.speculative import SpeculativeConfig, ngram_drafts
@@ -52,7 +53,10 @@ def test_ngram_drafts_prefer_the_longest_then_latest_match():
 
 
 @pytest.mark.parametrize("value,message", [
-    ({"method": "eagle"}, "method must be one of ngram"),
+    ({"method": "eagle"}, "method must be one of ngram, draft_model"),
+    ({"method": "draft_model"}, "method draft_model needs a model"),
+    ({"method": "ngram", "model": "default"}, "model is for method draft_model, not 'ngram'"),
+    ({"model": 3}, "model must be a path, 'default' or a Decoder, got int"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer from 1 to 64"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
     ({"prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_min (3) must not exceed prompt_lookup_max (2)"),
@@ -68,6 +72,8 @@ def test_bad_speculative_config_names_the_fault(value, message):
 
 def test_config_takes_vllm_dict_shape():
     assert EngineConfig(speculative_config=SPEC).speculative_config == SpeculativeConfig(**SPEC)
+    assert EngineConfig(speculative_config={"model": "some/dir", "num_speculative_tokens": 5}).speculative_config == \
+        SpeculativeConfig(method="draft_model", model="some/dir", num_speculative_tokens=5)
     assert EngineConfig(speculative_config={}).speculative_config == SpeculativeConfig(
         method="ngram", num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=1, disable_by_batch_size=1)
     assert EngineConfig().speculative_config is None
@@ -228,3 +234,95 @@ def test_warmup_covers_a_lone_speculating_request(model):
         engine.generate(prompt, SamplingParams(max_tokens=20, **GREEDY))
     assert engine.stats().spec_accepted_tokens > 0
     assert engine.stats().num_compiles == compiled
+
+
+def _perturbed(model: Decoder, scale: float, seed: int) -> Decoder:
+    """A draft model that agrees with `model` often but not always: its weights with noise added."""
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+             else x for x, k in zip(leaves, keys)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, noisy))
+
+
+def _draft_engines(model, draft, **kw):
+    config = dict(method="draft_model", model=draft, num_speculative_tokens=3, disable_by_batch_size=None)
+    sizes = {**SIZES, **kw}
+    return Engine(model, None, speculative_config=config, **sizes), Engine(model, None, **sizes)
+
+
+@pytest.mark.slow
+def test_a_draft_model_that_is_the_target_has_every_draft_kept(model):
+    """The target as its own draft: the draft's greedy tokens are the target's (batch and chunk invariance), so
+    every draft is kept; the output is plain decoding's."""
+    spec, plain = _draft_engines(model, model)
+    prompts = [list(range(3, 20)), [5, 9, 2], list(range(40, 70))]
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
+    stats = spec.stats()
+    assert stats.spec_draft_tokens > 20 and stats.spec_accepted_tokens == stats.spec_draft_tokens
+    assert_idle(spec)
+    assert spec.proposer.kv.pool.num_free == spec.proposer.kv.pool.num_blocks  # finished requests' drafts freed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [{}, {"num_kv_blocks": 24}], ids=["roomy", "preempting"])
+def test_a_draft_model_that_sometimes_disagrees_leaves_output_unchanged(model, kw):
+    """A noisy copy of the target drafts: some drafts kept, some rejected (the draft rolls back to what the target
+    kept); greedy and seeded sampled requests get plain decoding's tokens and log-probs, with preemptions too."""
+    spec, plain = _draft_engines(model, _perturbed(model, 0.3, seed=1), **kw)
+    prompts = _repetitive_prompts(7, 8)
+    params = [SamplingParams(max_tokens=24, seed=i, logprobs=1, **({} if i % 2 else GREEDY)) for i in range(8)]
+    got, want = spec.generate(prompts, params), plain.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+    stats = spec.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    if "num_kv_blocks" in kw:
+        assert stats.num_preemptions > 0
+    assert_idle(spec)
+    assert spec.proposer.kv.pool.num_free == spec.proposer.kv.pool.num_blocks
+
+
+@pytest.mark.slow
+def test_a_draft_model_warms_up_with_the_engine(model):
+    """A lone request's warm-up compiles the draft's programs too: speculating compiles nothing afterwards."""
+    spec, _ = _draft_engines(model, _perturbed(model, 0.3, seed=2))
+    spec.warmup(max_rows=1)
+    compiled = spec.stats().num_compiles, len(spec.proposer.runner.compiled)
+    for prompt in _repetitive_prompts(8, 3):
+        spec.generate(prompt, SamplingParams(max_tokens=12, **GREEDY))
+    assert spec.stats().spec_draft_tokens > 0
+    assert (spec.stats().num_compiles, len(spec.proposer.runner.compiled)) == compiled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_sequences", [1, 2])
+def test_draft_proposals_are_the_draft_models_greedy_tokens_after_rollbacks(model, max_sequences):
+    """Two sequences take turns; after each proposal the target keeps some drafts and adds a token of its own, so
+    the draft rolls back to the kept prefix (or, with room for one sequence, starts the other afresh). Every
+    proposal is the draft model's greedy continuation from the reference generator."""
+    draft = _perturbed(model, 0.3, seed=3)
+    config = SpeculativeConfig(method="draft_model", model=draft, num_speculative_tokens=3)
+    proposer = DraftModelProposer(config, draft, target_vocab_size=97, max_model_len=64, block_size=4,
+                                  max_sequences=max_sequences, max_num_batched_tokens=16)
+    rng = np.random.default_rng(0)
+    tokens = {"a": rng.integers(0, 97, size=21).tolist(), "b": rng.integers(0, 97, size=5).tolist()}
+    for turn in range(12):
+        seq = "ab"[turn % 2]
+        room = int(rng.integers(1, 4))
+        got = proposer.propose(seq, tokens[seq], room)
+        assert list(got) == _reference(draft, [tokens[seq]], room)[0], (turn, seq)
+        kept = int(rng.integers(0, room + 1))
+        tokens[seq] = [*tokens[seq], *got[:kept], int(rng.integers(0, 97))]
+    proposer.release("a")
+    proposer.release("b")
+    assert proposer.kv.pool.num_free == proposer.kv.pool.num_blocks
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(model):
+    other = Decoder(_llama_config(vocab_size=101), rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match="the draft model's vocabulary has 101 tokens, the target's 97"):
+        _draft_engines(model, other)

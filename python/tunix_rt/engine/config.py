@@ -43,7 +43,8 @@ class EngineConfig:
         "the others)", serve=32)
     speculative_config: SpeculativeConfig | Mapping | None = _flag(
         None, "speculative decoding, as JSON in vLLM's shape: '{\"method\": \"ngram\", "
-        "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (default: off)",
+        "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}', or a draft model of the "
+        "same tokenizer: '{\"model\": PATH, \"num_speculative_tokens\": 3}' (default: off)",
         json=True)
     logprobs_mode: str = _flag("raw_logprobs", "log-probs reported: raw_logprobs (the model's distribution) or "
                                "processed_logprobs (the one sampled from: after penalties, temperature, top-k/p)")

@@ -20,6 +20,7 @@ from flax import nnx
 from tunix_rt.engine.compile_cache import ensure_compile_cache
 from tunix_rt.engine.config import EngineConfig
 from tunix_rt.engine.detokenizer import IncrementalDetokenizer
+from tunix_rt.engine.draft_model import DraftModelProposer
 from tunix_rt.engine.errors import (
     ContextLengthExceededError,
     DuplicateRequestIdError,
@@ -34,6 +35,7 @@ from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.request import Request, Status
 from tunix_rt.engine.runner import ModelRunner
 from tunix_rt.engine.scheduler import Scheduler
+from tunix_rt.engine.speculative import NgramProposer, Proposer, SpeculativeConfig
 from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.models.lora import has_lora
@@ -111,11 +113,12 @@ class Engine:
                                   max_speculating=(spec.disable_by_batch_size or max_num_seqs) if spec else 0)
         self.loras = (LoRAManager(model, self.runner, slots=config.max_loras, rank=config.max_lora_rank,
                                   max_registered=config.max_cpu_loras) if config.max_loras else None)
+        self.proposer = None if spec is None else self._proposer(spec, max_model_len)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    decode_steps=config.decode_steps, loras=self.loras,
                                    long_prefill_token_threshold=config.long_prefill_token_threshold,
-                                   max_model_len=max_model_len, speculative=spec)
+                                   max_model_len=max_model_len, proposer=self.proposer)
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
@@ -123,6 +126,22 @@ class Engine:
         self._prompt_tokens = 0
         log.info("engine: %d KV blocks of %d tokens (%.0f MiB), max_model_len %d", num_kv_blocks, block_size,
                  num_kv_blocks * ModelRunner.block_bytes(model, block_size) / 2**20, max_model_len)
+
+    def _proposer(self, spec: SpeculativeConfig, max_model_len: int) -> Proposer:
+        """Where speculative drafts come from: n-gram lookup, or a draft model (loaded here from a path; its
+        packed weights stay packed)."""
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        draft = spec.model
+        if not isinstance(draft, Decoder):
+            from tunix_rt.checkpoints.loader import load_model
+
+            draft = load_model(draft).model
+        c = self.config
+        return DraftModelProposer(spec, draft, target_vocab_size=self.model.config.vocab_size,
+                                  max_model_len=max_model_len, block_size=c.block_size,
+                                  max_sequences=min(spec.disable_by_batch_size or c.max_num_seqs, c.max_num_seqs),
+                                  max_num_batched_tokens=c.max_num_batched_tokens)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -336,6 +355,8 @@ class Engine:
         if max_rows is not None and not (isinstance(max_rows, int) and max_rows >= 1):
             raise ValueError(f"max_rows must be None or >= 1, got {max_rows}")
         compiled = self.runner.warmup(stop, max_rows=max_rows, greedy=greedy)
+        if self.proposer is not None and not stop():
+            compiled += self.proposer.warmup(stop)
         if options and not stop():
             compiled += self.runner.warmup_options(stop)
         return compiled
@@ -358,10 +379,14 @@ class Engine:
             raise RuntimeError("sleep() with requests in flight: finish or abort them first")
         self.runner.release_cache()
         self.kv.reset_prefix_cache()
+        if self.proposer is not None:
+            self.proposer.sleep()
 
     def wake_up(self) -> None:
         if self.runner.k is None:
             self.runner.allocate_cache()
+        if self.proposer is not None:
+            self.proposer.wake_up()
 
     @property
     def is_sleeping(self) -> bool:

@@ -23,8 +23,8 @@ a plain one-token decode, the step may run `decode_steps` decodes in one device 
 request then gets KV room for the tokens it may still sample (its `limit`); the host sees the
 tokens afterwards and drops whatever follows a stop, so the output is the same as one step at a time.
 
-Speculative decoding (engine/speculative.py), when configured: a request's decode takes its n-gram drafts
-along (`draft`), one chunk of 1 + k tokens, with KV room for all of them; the drafts the target rejects
+Speculative decoding (engine/speculative.py), when configured: a request's decode takes its drafts (n-gram
+lookup or a draft model's) along (`draft`), one chunk of 1 + k tokens, with KV room for all of them; the drafts the target rejects
 stop counting as computed, and later steps overwrite their slots. Drafts are never entered in the prefix
 cache: only known tokens' blocks are.
 
@@ -41,7 +41,7 @@ from collections import deque
 
 from tunix_rt.engine.kv_cache_manager import KVCacheManager
 from tunix_rt.engine.request import Request, Status
-from tunix_rt.engine.speculative import SpeculativeConfig, ngram_drafts
+from tunix_rt.engine.speculative import Proposer
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +67,9 @@ LONG_PREFILL_CONTEXT = 512  # past this context a long prefill's chunk shrinks a
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, decode_steps: int = 1,
                  max_model_len: int, loras=None, long_prefill_token_threshold: int = 0,
-                 speculative: SpeculativeConfig | None = None):
+                 proposer: Proposer | None = None):
         self.kv = kv
-        self.speculative = speculative
+        self.proposer = proposer  # speculative decoding's drafts (engine/speculative.py), None: off
         self.max_model_len = max_model_len
         self.long_prefill = long_prefill_token_threshold  # 0: off
         self.loras = loras  # engine/lora_manager.LoRAManager: admission takes an adapter slot, leaving gives it back
@@ -177,9 +177,9 @@ class Scheduler:
         """A decode's n-gram drafts: no more than the step's budget, the request's max_tokens and the context
         window leave room for beside the token it samples anyway. None for a request whose allowed tokens change
         with each token it samples (a grammar, stop ids banned until min_tokens)."""
-        spec = self.speculative
-        if spec is None or req.matcher is not None or req.banned_stop_ids:
+        if self.proposer is None or req.matcher is not None or req.banned_stop_ids:
             return ()
+        spec = self.proposer.config
         if spec.disable_by_batch_size is not None and \
                 len(self.running) + len(self.waiting) > spec.disable_by_batch_size:
             return ()
@@ -187,7 +187,7 @@ class Scheduler:
                    self.max_model_len - req.num_tokens)
         if room < 1:
             return ()
-        return tuple(ngram_drafts(req.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max))
+        return self.proposer.propose(req.seq_id, req.all_token_ids, room)
 
     def _is_long_prefill(self, req: Request, num_computed: int) -> bool:
         return 0 < self.long_prefill < len(req.prompt_token_ids) - num_computed
@@ -280,10 +280,16 @@ class Scheduler:
             self.loras.release(req.lora)
             req.lora_slot = -1
 
+    def _free(self, req: Request) -> None:
+        """Its KV blocks back to the pool, and what its drafts' proposer kept for it."""
+        self.kv.free(req.seq_id)
+        if self.proposer is not None:
+            self.proposer.release(req.seq_id)
+
     def _preempt(self, req: Request) -> None:
         self._leave_slot(req)
         req.long_prefill_waits = 0
-        self.kv.free(req.seq_id)
+        self._free(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
@@ -301,7 +307,7 @@ class Scheduler:
         """Drop a finished request from the running set and free its blocks at once."""
         self.running.remove(req)
         self._leave_slot(req)
-        self.kv.free(req.seq_id)
+        self._free(req)
 
     def abort(self, request_id: str) -> list[Request]:
         """Remove every sequence of `request_id` (all n samples) wherever it is; returns them."""
@@ -313,5 +319,5 @@ class Scheduler:
             else:
                 self.waiting.remove(req)
             self._leave_slot(req)
-            self.kv.free(req.seq_id)
+            self._free(req)
         return found

@@ -61,7 +61,7 @@ def test_concurrent_streams_match_the_sync_engine(engines):
     for outs, expected in zip(streams, want):
         assert [t for o in outs for t in o.delta_token_ids] == expected
         assert outs[-1].finished and outs[-1].token_ids == expected
-    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    assert all(g.pool.num_free == g.pool.num_blocks for g in engine.kv.groups)
 
 
 def test_n_samples_all_arrive(engines):
@@ -87,7 +87,7 @@ def test_closing_a_stream_early_aborts_it(engines):
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not engine.has_unfinished_requests()
-    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    assert all(g.pool.num_free == g.pool.num_blocks for g in engine.kv.groups)
 
 
 def test_a_failing_step_fails_the_stream_and_leaves_the_engine_usable(engines, monkeypatch):
@@ -101,7 +101,7 @@ def test_a_failing_step_fails_the_stream_and_leaves_the_engine_usable(engines, m
         with pytest.raises(RuntimeError, match="kernel exploded"):
             asyncio.run(_collect(async_engine, _prompts()[0], GREEDY))
     assert not engine.has_unfinished_requests()
-    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    assert all(g.pool.num_free == g.pool.num_blocks for g in engine.kv.groups)
     outs = asyncio.run(_collect(async_engine, _prompts()[0], GREEDY))
     assert outs[-1].token_ids == sync.generate([_prompts()[0]], GREEDY)[0].token_ids
 

@@ -472,7 +472,7 @@ def test_engine_config_and_keyword_options_are_one_thing(llama):
     assert config.token_buckets == (4, 16)
     engine = Engine(model, None, config, decode_steps=2)
     assert engine.config == dataclasses.replace(config, decode_steps=2)
-    assert (engine.max_model_len, engine.kv.pool.num_blocks, engine.runner.token_buckets) == (64, 8, (4, 16))
+    assert (engine.max_model_len, engine.kv.groups[0].pool.num_blocks, engine.runner.token_buckets) == (64, 8, (4, 16))
     with pytest.raises(ValueError, match="unknown option.*max_num_sequences"):
         Engine(model, None, config, max_num_sequences=4)
     with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
@@ -678,11 +678,11 @@ def test_update_weights(llama):
     prompts = _prompts(11, [5, 17, 29, 40, 2, 11, 36, 23])
     params = SamplingParams(max_tokens=8, **GREEDY)
     first = engine.generate(prompts, params)  # warm, and the prompts are in the prefix cache
-    assert engine.kv.pool.key_of
+    assert engine.kv.groups[0].pool.key_of
     try:
         with _backend_compiles() as events:
             engine.update_weights(other)
-            assert not engine.kv.pool.key_of  # the prefix cache was reset
+            assert not engine.kv.groups[0].pool.key_of  # the prefix cache was reset
             outs = engine.generate(prompts, params)
         assert events == []
         assert [o.num_cached_tokens for o in outs] == [0] * len(prompts)
@@ -742,7 +742,7 @@ def test_sleep_and_wake_up(llama):
         engine.sleep()
     engine.abort(rid)
     engine.sleep()
-    assert engine.is_sleeping and engine.runner.k is None and not engine.kv.pool.key_of
+    assert engine.is_sleeping and engine.runner.k is None and not engine.kv.groups[0].pool.key_of
     engine.sleep()  # twice is harmless
     engine.wake_up()
     assert not engine.is_sleeping
@@ -801,7 +801,7 @@ def test_closing_a_stream_aborts_it(llama):
     it = engine.stream(prompt, SamplingParams(max_tokens=30, temperature=1.0), request_id="s")
     next(it)
     next(it)
-    assert engine.kv.pool.num_free < engine.kv.pool.num_blocks
+    assert engine.kv.groups[0].pool.num_free < engine.kv.groups[0].pool.num_blocks
     it.close()
     assert_idle(engine)
 

@@ -264,7 +264,8 @@ def test_a_draft_model_that_is_the_target_has_every_draft_kept(model):
     stats = spec.stats()
     assert stats.spec_draft_tokens > 20 and stats.spec_accepted_tokens == stats.spec_draft_tokens
     assert_idle(spec)
-    assert spec.proposer.kv.pool.num_free == spec.proposer.kv.pool.num_blocks  # finished requests' drafts freed
+    pool = spec.proposer.kv.groups[0].pool
+    assert pool.num_free == pool.num_blocks  # finished requests' drafts freed
 
 
 @pytest.mark.slow
@@ -283,7 +284,7 @@ def test_a_draft_model_that_sometimes_disagrees_leaves_output_unchanged(model, k
     if "num_kv_blocks" in kw:
         assert stats.num_preemptions > 0
     assert_idle(spec)
-    assert spec.proposer.kv.pool.num_free == spec.proposer.kv.pool.num_blocks
+    assert spec.proposer.kv.groups[0].pool.num_free == spec.proposer.kv.groups[0].pool.num_blocks
 
 
 @pytest.mark.slow
@@ -319,7 +320,7 @@ def test_draft_proposals_are_the_draft_models_greedy_tokens_after_rollbacks(mode
         tokens[seq] = [*tokens[seq], *got[:kept], int(rng.integers(0, 97))]
     proposer.release("a")
     proposer.release("b")
-    assert proposer.kv.pool.num_free == proposer.kv.pool.num_blocks
+    assert proposer.kv.groups[0].pool.num_free == proposer.kv.groups[0].pool.num_blocks
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused(model):

@@ -30,6 +30,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: what kv_cache_memory holds (no more than max_num_seqs full sequences)
     kv_cache_memory: int = _flag(1 << 30, "bytes for the paged KV cache")
     enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of prompt prefixes seen before")
+    disable_hybrid_kv_cache_manager: bool = _flag(
+        False, "keep every layer's KV blocks for the whole sequence, sliding-window layers too (by default those "
+        "layers give back the blocks their window has passed)")
     seed: int = 0  # seeds the requests that name none
     token_buckets: Sequence[int] | None = None  # step sizes compiled (the largest = max_num_batched_tokens)
     decode_steps: int = _flag(8, "decode steps run as one program when a step has only decodes")

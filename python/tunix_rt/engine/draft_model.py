@@ -14,13 +14,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from tunix_rt.engine.kv_cache_manager import KVCacheManager
+from tunix_rt.engine.kv_cache_manager import HybridKVCacheManager, KVCacheManager
 from tunix_rt.engine.params import SamplingParams
 from tunix_rt.engine.request import Request
 from tunix_rt.engine.runner import ModelRunner
 from tunix_rt.engine.scheduler import ScheduledRequest
 from tunix_rt.engine.speculative import SpeculativeConfig
 from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.kv_cache import KVLayout
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
 
@@ -44,8 +45,11 @@ class DraftModelProposer:
                              f"the target's {target_vocab_size}: a draft model must share the target's tokenizer")
         self.config = config
         num_blocks = max_sequences * -(-max_model_len // block_size)  # the target's room keeps drafts inside it
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=1,
+        # one KV group: a draft's sliding-window layers keep their blocks (a few sequences of a small model)
+        self.kv = HybridKVCacheManager([KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)],
+                                       [model.config.num_layers])
+        self.runner = ModelRunner(model, layout=KVLayout.of(model.config, num_blocks), block_size=block_size,
+                                  max_num_seqs=1,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                   decode_steps=max(config.num_speculative_tokens - 1, 1))
         self._seqs: OrderedDict[str, Request] = OrderedDict()  # target seq_id -> its draft sequence, LRU first
@@ -80,7 +84,7 @@ class DraftModelProposer:
         return tuple(drafts)
 
     def _step(self, s: ScheduledRequest):
-        return self.runner.execute([s], self.kv.blocks)
+        return self.runner.execute([s], self.kv.group_blocks())
 
     def release(self, seq_id: str) -> None:
         draft = self._seqs.pop(seq_id, None)

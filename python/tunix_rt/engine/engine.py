@@ -29,7 +29,7 @@ from tunix_rt.engine.errors import (
     InvalidRequestError,
     RequestTooLargeError,
 )
-from tunix_rt.engine.kv_cache_manager import KVCacheManager
+from tunix_rt.engine.kv_cache_manager import HybridKVCacheManager, KVCacheManager
 from tunix_rt.engine.lora_manager import Adapter, LoRAManager, LoRARequest
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.request import Request, Status
@@ -38,6 +38,7 @@ from tunix_rt.engine.scheduler import Scheduler
 from tunix_rt.engine.speculative import NgramProposer, Proposer, SpeculativeConfig
 from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.decoder import Decoder
+from tunix_rt.models.kv_cache import KVLayout
 from tunix_rt.models.lora import has_lora
 from tunix_rt.models.multi_lora import with_adapter_slots
 
@@ -84,15 +85,9 @@ class Engine:
         cfg = model.config
         max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
         block_size, max_num_seqs = config.block_size, config.max_num_seqs
-        num_kv_blocks = config.num_kv_blocks
-        if num_kv_blocks is None:  # no more than max_num_seqs full-length sequences could ever use
-            num_kv_blocks = min(config.kv_cache_memory // ModelRunner.block_bytes(model, block_size),
-                                max_num_seqs * -(-max_model_len // block_size))
-        if num_kv_blocks < 1:
-            raise ValueError(f"Engine: the KV cache needs at least one block of {block_size} tokens, "
-                             f"got {num_kv_blocks} (raise kv_cache_memory or num_kv_blocks)")
         self.config = config
         spec = config.speculative_config
+        layout = self._kv_layout(model, max_model_len)
         if config.max_loras:  # the engine's copy gets adapter slots; the caller's model stays as it is
             if has_lora(model):
                 raise ValueError("Engine: a model with LoRA layers cannot take adapter slots (max_loras): merge its "
@@ -101,10 +96,13 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching)
+        self.kv = HybridKVCacheManager(
+            [KVCacheManager(n, block_size, config.enable_prefix_caching, window=w)
+             for n, w in zip(layout.blocks, layout.windows)],
+            [layout.group_layers(g) for g in range(layout.num_groups)])
         eos = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, eos)
-        self.runner = ModelRunner(model, num_blocks=num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+        self.runner = ModelRunner(model, layout=layout, block_size=block_size, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                                   grammars=self.grammars, token_buckets=config.token_buckets,
                                   decode_steps=config.decode_steps,
@@ -124,8 +122,36 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self._prompt_tokens = 0
-        log.info("engine: %d KV blocks of %d tokens (%.0f MiB), max_model_len %d", num_kv_blocks, block_size,
-                 num_kv_blocks * ModelRunner.block_bytes(model, block_size) / 2**20, max_model_len)
+        log.info("engine: KV blocks of %d tokens per group %s (windows %s; %.0f MiB), max_model_len %d", block_size,
+                 layout.blocks, layout.windows, layout.total_blocks * ModelRunner.block_bytes(model, block_size, 1)
+                 / 2**20, max_model_len)
+
+    def _step_tokens(self) -> int:
+        """The most tokens one request adds in a step: a chunk, a decode loop, or a decode with its drafts."""
+        c, spec = self.config, self.config.speculative_config
+        return max(c.max_num_batched_tokens, c.decode_steps, 1 + (spec.num_speculative_tokens if spec else 0))
+
+    def _kv_layout(self, model: Decoder, max_model_len: int) -> KVLayout:
+        """The KV groups' block counts: a sliding-window group (unless disable_hybrid_kv_cache_manager) as many as
+        max_num_seqs requests' windows and steps reach; the full group num_kv_blocks, or what kv_cache_memory
+        holds beside the windows (no more than max_num_seqs full-length sequences could ever use)."""
+        c, cfg, bs = self.config, model.config, self.config.block_size
+        per_seq = -(-max_model_len // bs)
+        window_blocks = None
+        if not c.disable_hybrid_kv_cache_manager:
+            window_blocks = lambda w: min(c.max_num_seqs * (-(-(w - 1 + self._step_tokens()) // bs) + 2),
+                                          c.max_num_seqs * per_seq, c.num_kv_blocks or c.max_num_seqs * per_seq)
+        num_blocks = c.num_kv_blocks
+        if num_blocks is None:
+            layer_bytes = ModelRunner.block_bytes(model, bs, 1)
+            windowed = KVLayout.of(cfg, 0, window_blocks)
+            full_layers = sum(1 for g in windowed.layer_group if windowed.windows[g] is None)
+            left = c.kv_cache_memory // layer_bytes - windowed.total_blocks
+            num_blocks = min(left // max(full_layers, 1), c.max_num_seqs * per_seq)
+        if num_blocks < 1:
+            raise ValueError(f"Engine: the KV cache needs at least one block of {bs} tokens per layer, got "
+                             f"{num_blocks} (raise kv_cache_memory or num_kv_blocks)")
+        return KVLayout.of(cfg, num_blocks, window_blocks)
 
     def _proposer(self, spec: SpeculativeConfig, max_model_len: int) -> Proposer:
         """Where speculative drafts come from: n-gram lookup, or a draft model (loaded here from a path; its
@@ -179,11 +205,11 @@ class Engine:
             raise DuplicateRequestIdError(f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        need = self.kv.blocks_needed(len(ids) + max_tokens)
-        if need > self.kv.pool.num_blocks:
-            raise RequestTooLargeError(
-                f"request needs up to {need} KV blocks ({len(ids)} prompt + {max_tokens} new tokens) but the pool has "
-                f"{self.kv.pool.num_blocks}: it can never fit (lower max_tokens or enlarge the KV cache)")
+        for need, group in zip(self.kv.most_blocks(len(ids) + max_tokens, self._step_tokens()), self.kv.groups):
+            if need > group.pool.num_blocks:
+                raise RequestTooLargeError(
+                    f"request needs up to {need} KV blocks ({len(ids)} prompt + {max_tokens} new tokens) but the pool "
+                    f"has {group.pool.num_blocks}: it can never fit (lower max_tokens or enlarge the KV cache)")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer to detokenize with", param="stop")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
@@ -252,7 +278,7 @@ class Engine:
                 raise RuntimeError("scheduler made no progress with requests queued")
             return []
         try:
-            result = self.runner.execute(scheduled, self.kv.blocks)
+            result = self.runner.execute(scheduled, self.kv.group_blocks())
         except Exception:
             # The step's blocks were allocated (and entered in the prefix cache) but never written:
             # forget the cache and send the step's requests back to be recomputed.
@@ -428,6 +454,6 @@ class Engine:
             kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.queries, prefix_cache_hits=self.kv.hits,
             prefix_cache_hit_rate=self.kv.hit_rate(), num_preemptions=self.scheduler.num_preemptions,
             num_compiles=len(self.runner.compiled), prompt_tokens=self._prompt_tokens,
-            generation_tokens=self.scheduler.num_generation_tokens, num_blocks=self.kv.pool.num_blocks,
+            generation_tokens=self.scheduler.num_generation_tokens, num_blocks=self.kv.groups[0].pool.num_blocks,
             block_size=self.kv.block_size, spec_draft_tokens=self.scheduler.num_draft_tokens,
             spec_accepted_tokens=self.scheduler.num_accepted_tokens)

@@ -2,7 +2,8 @@
 
 1. forward: the step's tokens packed into T_b slots (T_b from a small set of token buckets) run
    through the decoder over the paged KV pools, which the program takes donated and gives back.
-   Block tables have min(T_b, max_num_seqs) rows and a fixed width (max_model_len / block_size).
+   Block tables have min(T_b, max_num_seqs) rows and a fixed width (max_model_len / block_size), one table
+   per KV group (models/kv_cache.KVLayout: a sliding-window group's blocks are its own).
 2. sample: the rows' last hidden states -> logits -> SamplerOutput, for B_b rows (sequence buckets).
 3. score_prompt: log-probs of prompt tokens at the forward's rows (a request's `prompt_logprobs`), from
    the same hidden states the step computes anyway: no second pass over the prompt.
@@ -23,7 +24,7 @@ import dataclasses
 import functools
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ from tunix_rt.engine.scheduler import ScheduledRequest
 from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.batch_invariant import use_batch_invariant_kernels
 from tunix_rt.models.decoder import Decoder, head_logits
-from tunix_rt.models.kv_cache import PagedKVCache
+from tunix_rt.models.kv_cache import KVLayout, PagedKVCache
 from tunix_rt.models.multi_lora import MultiLoRALinear, set_adapter_ids
 from tunix_rt.ops.quant import QuantizedTensor, lane_scales
 
@@ -60,7 +61,7 @@ def _fit(n: int, sizes: tuple[int, ...]) -> int:
 _SCORE_CHUNK = 16  # prompt rows per call of score_prompt (long prompts' chunks are short on a server)
 
 
-def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size, processed_logprobs, adapters):
+def _compile_step(graphdef, treedef, head_def, head_treedef, config, layout, block_size, processed_logprobs, adapters):
     """The jitted programs with the model's structure closed over: a static graphdef argument would be
     hashed on every call, and flat weight leaves skip pytree flattening. With `adapters` (a model with LoRA
     adapter slots) the forward and the decode loop take each token's (row's) adapter slot. The sampler takes only the
@@ -78,9 +79,9 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
     @functools.partial(jax.jit, donate_argnums=(1, 2))
     def forward(leaves, k, v, tokens, positions, slots, token_seq, block_tables, lora_ids):
         model = merged(leaves, lora_ids)
-        cache = PagedKVCache(k, v, slots, token_seq, block_tables, config.num_layers)
+        cache = PagedKVCache(k, v, slots, token_seq, block_tables, layout)
         h, cache = model.hidden_states(tokens[None], positions[None], cache)
-        return h[0], cache.k, cache.v, _nonfinite_rows(h[0], token_seq, block_tables.shape[0])
+        return h[0], cache.k, cache.v, _nonfinite_rows(h[0], token_seq, block_tables.shape[1])
 
     @jax.jit
     def take_rows(hidden, rows):
@@ -117,16 +118,16 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, block_size,
         head = model.output_head()
         rows = tokens.shape[0]
         table_rows = jnp.maximum(token_seq, 0)
-        last_block = block_tables.shape[1] - 1
+        last_block = block_tables.shape[2] - 1
         outs = SamplerOutput(jnp.zeros((max_steps, rows), jnp.int32), jnp.zeros((max_steps, rows), jnp.float32),
                              jnp.zeros((max_steps, rows, 0), jnp.int32), jnp.zeros((max_steps, rows, 0), jnp.float32))
 
         def one_step(i, carry):
             k, v, tok, pos, outs, bad = carry
             live = i < limits
-            block = block_tables[table_rows, jnp.minimum(pos // block_size, last_block)]
+            block = block_tables[:, table_rows, jnp.minimum(pos // block_size, last_block)]  # (G, rows)
             cache = PagedKVCache(k, v, jnp.where(live, block * block_size + pos % block_size, -1),
-                                 jnp.where(live, token_seq, -1), block_tables, config.num_layers)
+                                 jnp.where(live, token_seq, -1), block_tables, layout)
             h, cache = model.hidden_states(tok[None], pos[None], cache)
             # No penalties here (Scheduler._multi_step keeps rows with any out of the loop).
             out = sample_tokens(head_logits(config, head, h[0]), dataclasses.replace(params, step=params.step + i),
@@ -226,7 +227,7 @@ class _LaneScales:
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, max_num_seqs: int,
+    def __init__(self, model: Decoder, *, layout: KVLayout, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, grammars: GrammarCompiler | None = None,
                  token_buckets: tuple[int, ...] | None = None, decode_steps: int = 1,
                  processed_logprobs: bool = False, max_drafts: int = 0, max_speculating: int = 0):
@@ -235,13 +236,14 @@ class ModelRunner:
         self.leaves, self.treedef = jax.tree.flatten(self._lane_scales.apply(state))
         head_def, head_state = nnx.split(model.output_head())
         self.head_leaves, head_treedef = jax.tree.flatten(head_state)
-        closed_over = (self.graphdef, self.treedef, head_def, head_treedef, model.config, block_size,
+        closed_over = (self.graphdef, self.treedef, head_def, head_treedef, model.config, layout, block_size,
                        processed_logprobs, any(isinstance(m, MultiLoRALinear) for _, m in nnx.iter_modules(model)))
         self._programs = Programs(_compile_step(*closed_over), "\n".join(map(canonical, closed_over)),
                                   ProgramStore.beside_compile_cache())
         self.decode_steps = decode_steps
         cfg = model.config
-        self.cache_shape = (cfg.num_layers * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.layout = layout
+        self.cache_shape = (layout.total_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.vocab_size = cfg.vocab_size
         self.dtype = model.dtype
         self.hidden_size = cfg.hidden_size
@@ -259,9 +261,11 @@ class ModelRunner:
         self.allocate_cache()
 
     @staticmethod
-    def block_bytes(model: Decoder, block_size: int) -> int:
+    def block_bytes(model: Decoder, block_size: int, layers: int | None = None) -> int:
+        """K and V bytes of one block of `layers` layers (every layer by default)."""
         c = model.config
-        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+        layers = c.num_layers if layers is None else layers
+        return 2 * layers * block_size * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
     def allocate_cache(self) -> None:
         self.k, self.v = self._programs(("empty_cache", self.cache_shape, self.dtype.name), self.cache_shape, self.dtype)
@@ -316,7 +320,8 @@ class ModelRunner:
         decode_buckets = {_fit(n, self.token_buckets) for n in range(1, min(seqs_cap, self.token_buckets[-1]) + 1)}
         for t_b in self.token_buckets:
             pad = np.full(t_b, -1, np.int32)
-            tables = np.zeros((min(t_b, self.max_num_seqs), self.max_blocks_per_seq), np.int32)
+            groups = self.layout.num_groups
+            tables = np.zeros((groups, min(t_b, self.max_num_seqs), self.max_blocks_per_seq), np.int32)
             row_buckets = [b for t, b in self.reachable_shapes() if t == t_b and b <= rows_cap]
             samplers = [_sample_key(b, None, 0, None, None, g) for b in row_buckets for g in variants]
             loops = [_loop_key(t_b, self.decode_steps, g)
@@ -328,8 +333,8 @@ class ModelRunner:
                 return compiled
             compiled += self._is_new(("forward", t_b))
             hidden, self.k, self.v, _ = self._programs(("forward", t_b), self.leaves, self.k, self.v,
-                                                       np.zeros(t_b, np.int32), np.zeros(t_b, np.int32), pad, pad,
-                                                       tables, pad)
+                                                       np.zeros(t_b, np.int32), np.zeros(t_b, np.int32),
+                                                       np.full((groups, t_b), -1, np.int32), pad, tables, pad)
             for b_b in row_buckets:
                 if stop():
                     return compiled
@@ -402,31 +407,34 @@ class ModelRunner:
         """1 when the program `key` is yet to be made (it is, when it runs next), else 0."""
         return int(key not in self._programs.keys())
 
-    def execute(self, scheduled: list[ScheduledRequest], block_lists: dict[str, list[int]]) -> StepResult:
-        """Run one step; block_lists maps each sequence to its KV blocks (the KV manager's table). A request
-        with drafts is sampled at its last token and at each draft (StepResult's steps axis, as a decode loop's)."""
+    def execute(self, scheduled: list[ScheduledRequest], block_lists: Sequence[dict[str, list[int]]]) -> StepResult:
+        """Run one step; block_lists[g] maps each sequence to its blocks in KV group g (the KV manager's tables;
+        -1: a block freed outside a sliding window, which no token reads). A request with drafts is sampled at
+        its last token and at each draft (StepResult's steps axis, as a decode loop's)."""
         num_tokens = sum(s.num_new for s in scheduled)
         t_b = _fit(num_tokens, self.token_buckets)
         table_rows = min(t_b, self.max_num_seqs)
         tokens = np.zeros(t_b, np.int32)
         positions = np.zeros(t_b, np.int32)
-        slots = np.full(t_b, -1, np.int32)
+        groups = self.layout.num_groups
+        slots = np.full((groups, t_b), -1, np.int32)
         token_seq = np.full(t_b, -1, np.int32)
         lora_ids = np.full(t_b, -1, np.int32)  # each token's adapter slot, -1 = the base model
-        tables = np.zeros((table_rows, self.max_blocks_per_seq), np.int32)
+        tables = np.zeros((groups, table_rows, self.max_blocks_per_seq), np.int32)
         sampled = []  # the step's rows that are sampled: each request's last token, and its drafts
         bs = self.block_size
         offset = 0
         for i, s in enumerate(scheduled):
             req, n = s.request, s.num_new
-            blocks = np.asarray(block_lists[req.seq_id], np.int32)
             pos = np.arange(s.start, s.start + n, dtype=np.int32)
+            for g, lists in enumerate(block_lists):
+                blocks = np.maximum(np.asarray(lists[req.seq_id], np.int32), 0)
+                slots[g, offset:offset + n] = blocks[pos // bs] * bs + pos % bs
+                tables[g, i, :len(blocks)] = blocks
             tokens[offset:offset + n] = [*req.all_token_ids[s.start:s.start + n - len(s.draft)], *s.draft]
             positions[offset:offset + n] = pos
-            slots[offset:offset + n] = blocks[pos // bs] * bs + pos % bs
             token_seq[offset:offset + n] = i
             lora_ids[offset:offset + n] = req.lora_slot
-            tables[i, :len(blocks)] = blocks
             offset += n
             sampled.extend(range(offset - 1 - len(s.draft), offset))
         if any(s.limit > 1 and not s.draft for s in scheduled):

@@ -157,6 +157,7 @@ class Scheduler:
         preempting the newest running requests (never one scheduled before it: those sit earlier in the list)
         until it fits: its ScheduledRequest, or None when it had to go itself; and whether anything was
         preempted."""
+        self.kv.release_behind(req.seq_id, req.num_computed_tokens)  # sliding-window blocks it has passed
         num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap(req, req.num_computed_tokens))
         draft = self._drafts(req, budget) if num_new == 1 else ()
         if draft and self.kv.allocate(req.seq_id, req.all_token_ids, req.num_computed_tokens, 1 + len(draft),

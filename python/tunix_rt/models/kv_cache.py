@@ -8,15 +8,19 @@ PagedKVCache is the engine's: the block pools of every layer plus the step's slo
 tables, served by the write_kv / paged_attention FFI ops.
 
 Both hold every layer's buffers in one array and `attend` takes the layer's index traced (the decoder scans
-its layers). The paged pools are one pool of layers x blocks, layer l's blocks at [l * blocks, (l + 1) *
-blocks): the ops index it with the layer's block and slot indices offset, in place. (A pool stacked on a
-leading layer axis and reshaped for the ops would be copied whole by XLA at every layer of the scan.)
+its layers). The paged pools are one pool of every layer's blocks, layer after layer (KVLayout): the ops
+index it with the layer's block and slot indices offset, in place. (A pool stacked on a leading layer axis
+and reshaped for the ops would be copied whole by XLA at every layer of the scan.) Layers fall in KV groups
+by attention type (full; a sliding window of W): each group has its own block tables and as many blocks per
+layer as it needs, so a sliding-window layer holds only the blocks its window reaches (engine/
+kv_cache_manager.py frees the rest).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -68,14 +72,55 @@ class DenseKVCache:
         return dataclasses.replace(self, index=self.index + num_tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """Where each layer's blocks sit in the engine's pools. `windows[g]`: KV group g's sliding window (None: full
+    attention); `layer_group[l]`: layer l's group; `blocks[g]`: blocks per layer of group g. Layer l's block b
+    is the pools' block bases[l] + b."""
+
+    windows: tuple[int | None, ...]
+    layer_group: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+    @classmethod
+    def of(cls, config, num_blocks: int, window_blocks: Callable[[int], int] | None = None) -> "KVLayout":
+        """One group per attention type of `config`'s layers, a full group with `num_blocks` per layer and a
+        window W's with window_blocks(W), when `window_blocks` is given; else one group of `num_blocks`."""
+        windows = tuple(dict.fromkeys(config.window(layer) for layer in range(config.num_layers)))
+        if window_blocks is None or windows == (None,):
+            return cls((None,), (0,) * config.num_layers, (num_blocks,))
+        windows = tuple(sorted(windows, key=lambda w: (w is not None, w or 0)))  # the full group first, if any
+        layer_group = tuple(windows.index(config.window(layer)) for layer in range(config.num_layers))
+        return cls(windows, layer_group, tuple(num_blocks if w is None else window_blocks(w) for w in windows))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def bases(self) -> tuple[int, ...]:
+        out, at = [], 0
+        for g in self.layer_group:
+            out.append(at)
+            at += self.blocks[g]
+        return tuple(out)
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(self.blocks[g] for g in self.layer_group)
+
+    def group_layers(self, g: int) -> int:
+        return self.layer_group.count(g)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
     """One engine step's view of the block pools: tokens arrive packed as a (1, T) batch.
 
-    k, v (num_layers * num_blocks, block_size, KV, D): every layer's pool, layer after layer. slots (T,): where
-    each token's k/v goes in its layer's pool (-1 = padding); token_seq (T,): the row of block_tables
-    (S, max_blocks) each token belongs to (-1 = padding); both index one layer's pool. The pools are updated
+    k, v (layout.total_blocks, block_size, KV, D): every layer's blocks (KVLayout). slots (G, T): where each
+    token's k/v goes in a layer of KV group g (-1 = padding); token_seq (T,): the row of block_tables
+    (G, S, max_blocks) each token belongs to (-1 = padding); both index one layer's blocks. The pools are updated
     in place by write_kv when the engine's jitted step donates them.
     """
 
@@ -84,16 +129,22 @@ class PagedKVCache:
     slots: jax.Array
     token_seq: jax.Array
     block_tables: jax.Array
-    num_layers: int = dataclasses.field(metadata=dict(static=True))
+    layout: KVLayout = dataclasses.field(metadata=dict(static=True))
 
     def begin(self, positions: jax.Array) -> "PagedKVCache":
         return self
 
     def attend(self, layer, q, k, v, positions, *, window, scale, softcap) -> tuple["PagedKVCache", jax.Array]:
         _check_packed("PagedKVCache", q)
-        all_k, all_v, out = _write_and_attend(q[0], k[0], v[0], positions[0].astype(jnp.int32), self.k, self.v, layer,
-                                              self.k.shape[0] // self.num_layers, self.slots, self.token_seq,
-                                              self.block_tables, None, None, window, scale, softcap)
+        layout = self.layout
+        if layout.num_groups == 1:
+            group, base = 0, jnp.asarray(layer, jnp.int32) * layout.blocks[0]
+        else:
+            group = jnp.asarray(layout.layer_group, jnp.int32)[layer]
+            base = jnp.asarray(layout.bases, jnp.int32)[layer]
+        all_k, all_v, out = _write_and_attend(q[0], k[0], v[0], positions[0].astype(jnp.int32), self.k, self.v, base,
+                                              self.slots[group], self.token_seq, self.block_tables[group], None, None,
+                                              window, scale, softcap)
         return dataclasses.replace(self, k=all_k, v=all_v), out[None]
 
     def end(self, num_tokens: int) -> "PagedKVCache":
@@ -148,19 +199,19 @@ def _offset(index, by):
     return jnp.where(index >= 0, index + by, index)
 
 
-def _write_and_attend(q, k, v, positions, pool_k, pool_v, layer, blocks, slots, token_seq, tables, copy_src,
+def _write_and_attend(q, k, v, positions, pool_k, pool_v, base, slots, token_seq, tables, copy_src,
                       copy_slots, window, scale, softcap):
-    """The engine's arithmetic: k/v written into layer `layer`'s blocks of the pools (and the copies, if any),
-    then paged_attention; returns the updated pools and the attention output. `blocks` per layer: layer l's
-    block b is the pools' block l * blocks + b."""
+    """The engine's arithmetic: k/v written into one layer's blocks of the pools (and the copies, if any), then
+    paged_attention; returns the updated pools and the attention output. The layer's block b is the pools'
+    block base + b."""
     block_size = pool_k.shape[1]
-    layer = jnp.asarray(layer, jnp.int32)
+    base = jnp.asarray(base, jnp.int32)
     pool_k, pool_v = write_kv(pool_k, pool_v, k.astype(pool_k.dtype), v.astype(pool_v.dtype),
-                              _offset(slots, layer * blocks * block_size))
+                              _offset(slots, base * block_size))
     if copy_src is not None:
         pool_k, pool_v = write_kv(pool_k, pool_v, k[copy_src].astype(pool_k.dtype), v[copy_src].astype(pool_v.dtype),
-                                  _offset(copy_slots, layer * blocks * block_size))
-    out = paged_attention(q, pool_k, pool_v, _offset(tables, layer * blocks), token_seq, positions, scale=scale,
+                                  _offset(copy_slots, base * block_size))
+    out = paged_attention(q, pool_k, pool_v, _offset(tables, base), token_seq, positions, scale=scale,
                           softcap=softcap, window=window)
     return pool_k, pool_v, out
 
@@ -168,8 +219,8 @@ def _write_and_attend(q, k, v, positions, pool_k, pool_v, layer, blocks, slots, 
 def _paged(q, k, v, positions, pools, layout, window, scale, softcap):
     """The exact mode's forward: the engine's arithmetic over the trainer's paged layout."""
     slots, token_seq, tables, copy_src, copy_slots, _ = layout
-    return _write_and_attend(q, k, v, positions, *pools, 0, pools[0].shape[0], slots, token_seq, tables, copy_src,
-                             copy_slots, window, scale, softcap)[2]
+    return _write_and_attend(q, k, v, positions, *pools, 0, slots, token_seq, tables, copy_src, copy_slots, window,
+                             scale, softcap)[2]
 
 
 def _packed(q, k, v, positions, segment_ids, window, scale, softcap):

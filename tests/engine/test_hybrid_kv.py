@@ -24,7 +24,7 @@ SIZES = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, block
 
 def _gemma3_config(**kw) -> ModelConfig:
     """Gemma 3's shape in miniature: five sliding-window layers to one global one, twice."""
-    base = dict(architecture="gemma3", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=6,
+    base = dict(architecture="gemma3_text", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=6,
                 num_heads=4, num_kv_heads=2, head_dim=8, layer_types=(SLIDING,) * 5 + (FULL,),
                 sliding_window=WINDOW, rope=((FULL, RopeConfig(theta=10000.0)), (SLIDING, RopeConfig(theta=100.0))),
                 norm_offset=1.0, sandwich_norms=True, qk_norm=True, embed_scale=32**0.5, activation="gelu_tanh",

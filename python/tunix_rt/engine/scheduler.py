@@ -8,7 +8,9 @@ phases: a step is whatever mix of both fits the budget. When the pool runs out o
 recently admitted running request is preempted: its blocks are freed and it goes back to the front
 of the queue to be recomputed later (its prefix may still be found in the prefix cache). A request that
 runs with a LoRA adapter is admitted only when the adapter holds (or can be given) one of the engine's
-adapter slots; it gives its hold back when it finishes or is preempted.
+adapter slots; it gives its hold back when it finishes or is preempted. Blocks are counted in every KV group
+(engine/kv_cache_manager.HybridKVCacheManager): as a running request is scheduled, its sliding-window groups
+first give back the blocks its window has passed.
 
 Long prefills (vLLM's long_prefill_token_threshold, when set): a prompt with more than that many tokens left
 to compute takes at most that many per step (fewer once its context passes LONG_PREFILL_CONTEXT, as its

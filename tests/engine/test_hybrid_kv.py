@@ -51,6 +51,17 @@ def test_layout_groups_layers_by_attention_type():
     assert KVLayout.of(cfg, 100).blocks == (100,)  # hybrid off: one group, every layer all its blocks
 
 
+def test_windows_are_sized_within_the_kv_memory_and_never_shrink_the_full_group(model):
+    """64 sequences' windows and a step fit beside the full group in a small kv_cache_memory: a windowed layer
+    takes no more than the all-global layout gives a layer, so the full group gets at least as much."""
+    sizes = dict(max_model_len=128, kv_cache_memory=4 << 20, block_size=4)
+    hybrid, plain = Engine(model, None, **sizes), Engine(model, None, disable_hybrid_kv_cache_manager=True, **sizes)
+    assert plain.runner.layout.blocks == (1365,)  # 4 MiB / (6 layers x 512 bytes)
+    full, window = hybrid.runner.layout.blocks
+    assert window == 64 * (2 + 2) + 512 // 4 and full == 64 * 128 // 4  # the full group capped by 64 sequences
+    assert hybrid.runner.cache_shape[0] * 512 <= 4 << 20
+
+
 def test_a_window_group_gives_back_what_the_next_token_cannot_see():
     kv = KVCacheManager(16, 4, window=6)
     tokens = list(range(40))

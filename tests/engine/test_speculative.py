@@ -302,9 +302,10 @@ def test_a_draft_model_warms_up_with_the_engine(model):
 @pytest.mark.slow
 @pytest.mark.parametrize("max_sequences", [1, 2])
 def test_draft_proposals_are_the_draft_models_greedy_tokens_after_rollbacks(model, max_sequences):
-    """Two sequences take turns; after each proposal the target keeps some drafts and adds a token of its own, so
-    the draft rolls back to the kept prefix (or, with room for one sequence, starts the other afresh). Every
-    proposal is the draft model's greedy continuation from the reference generator."""
+    """Two sequences take turns; after each proposal the target keeps some drafts and adds a token of its own (or,
+    as plain decodes that agreed with them, only drafts), so the draft rolls back to the kept prefix (or, with
+    room for one sequence, starts the other afresh). Every proposal is the draft model's greedy continuation from
+    the reference generator."""
     draft = _perturbed(model, 0.3, seed=3)
     config = SpeculativeConfig(method="draft_model", model=draft, num_speculative_tokens=3)
     proposer = DraftModelProposer(config, draft, target_vocab_size=97, max_model_len=64, block_size=4,
@@ -313,11 +314,14 @@ def test_draft_proposals_are_the_draft_models_greedy_tokens_after_rollbacks(mode
     tokens = {"a": rng.integers(0, 97, size=21).tolist(), "b": rng.integers(0, 97, size=5).tolist()}
     for turn in range(12):
         seq = "ab"[turn % 2]
-        room = int(rng.integers(1, 4))
+        room = int(rng.integers(2, 4)) if turn % 3 == 2 else int(rng.integers(1, 4))
         got = proposer.propose(seq, tokens[seq], room)
         assert list(got) == _reference(draft, [tokens[seq]], room)[0], (turn, seq)
         kept = int(rng.integers(0, room + 1))
-        tokens[seq] = [*tokens[seq], *got[:kept], int(rng.integers(0, 97))]
+        if turn % 3 == 2:  # plain decodes (no drafts asked) that agreed with some drafts: nothing else new
+            tokens[seq] = [*tokens[seq], *got[:int(rng.integers(1, room))]]
+        else:
+            tokens[seq] = [*tokens[seq], *got[:kept], int(rng.integers(0, 97))]
     proposer.release("a")
     proposer.release("b")
     assert proposer.kv.groups[0].pool.num_free == proposer.kv.groups[0].pool.num_blocks

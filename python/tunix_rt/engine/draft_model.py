@@ -59,7 +59,8 @@ class DraftModelProposer:
         computed = 0
         if draft is not None:  # the tokens up to the last proposal's usually stand: one list compare, no walk
             known = len(draft.prompt_token_ids) if draft.prompt_token_ids == tokens[:len(draft.prompt_token_ids)] else 0
-            computed = _shared_prefix(draft.all_token_ids, tokens, known, draft.num_computed_tokens)
+            # at least the last token is computed now: its logits give the first draft
+            computed = _shared_prefix(draft.all_token_ids, tokens, known, min(draft.num_computed_tokens, len(tokens) - 1))
         if draft is None:
             draft = Request(seq_id, 0, [], _GREEDY, max_tokens=1 << 30, stop_ids=frozenset(), seed=0,
                             detokenizer=None)
@@ -68,6 +69,7 @@ class DraftModelProposer:
         n = len(tokens)
         while not self.kv.allocate(draft.seq_id, tokens, computed, n - computed + room - 1):
             if len(self._seqs) == 1:  # the pool holds one whole sequence: not reached, but never loop
+                self.release(seq_id)  # and keep no state its blocks do not hold
                 return ()
             self.release(next(iter(self._seqs)))
         budget = self.runner.token_buckets[-1]

@@ -132,25 +132,27 @@ class Engine:
         return max(c.max_num_batched_tokens, c.decode_steps, 1 + (spec.num_speculative_tokens if spec else 0))
 
     def _kv_layout(self, model: Decoder, max_model_len: int) -> KVLayout:
-        """The KV groups' block counts: a sliding-window group (unless disable_hybrid_kv_cache_manager) as many as
-        max_num_seqs requests' windows and steps reach; the full group num_kv_blocks, or what kv_cache_memory
+        """The KV groups' block counts. A sliding-window group (unless disable_hybrid_kv_cache_manager): each of
+        max_num_seqs requests' window and a partial block, plus one step's tokens shared by all of them, but no
+        more than the all-global layout gives a layer; the full group: num_kv_blocks, or what kv_cache_memory
         holds beside the windows (no more than max_num_seqs full-length sequences could ever use)."""
         c, cfg, bs = self.config, model.config, self.config.block_size
         per_seq = -(-max_model_len // bs)
+        layer_bytes = ModelRunner.block_bytes(model, bs, 1)
+        all_global = c.num_kv_blocks or min(c.kv_cache_memory // (layer_bytes * cfg.num_layers), c.max_num_seqs * per_seq)
+        if all_global < 1:
+            raise ValueError(f"Engine: the KV cache needs at least one block of {bs} tokens per layer, got "
+                             f"{all_global} (raise kv_cache_memory or num_kv_blocks)")
         window_blocks = None
         if not c.disable_hybrid_kv_cache_manager:
-            window_blocks = lambda w: min(c.max_num_seqs * (-(-(w - 1 + self._step_tokens()) // bs) + 2),
-                                          c.max_num_seqs * per_seq, c.num_kv_blocks or c.max_num_seqs * per_seq)
+            step = max(c.max_num_batched_tokens, c.max_num_seqs * c.decode_steps)  # the most tokens one step adds
+            window_blocks = lambda w: min(c.max_num_seqs * (-(-(w - 1) // bs) + 2) + -(-step // bs), all_global)
         num_blocks = c.num_kv_blocks
         if num_blocks is None:
-            layer_bytes = ModelRunner.block_bytes(model, bs, 1)
             windowed = KVLayout.of(cfg, 0, window_blocks)
             full_layers = sum(1 for g in windowed.layer_group if windowed.windows[g] is None)
             left = c.kv_cache_memory // layer_bytes - windowed.total_blocks
-            num_blocks = min(left // max(full_layers, 1), c.max_num_seqs * per_seq)
-        if num_blocks < 1:
-            raise ValueError(f"Engine: the KV cache needs at least one block of {bs} tokens per layer, got "
-                             f"{num_blocks} (raise kv_cache_memory or num_kv_blocks)")
+            num_blocks = min(left // max(full_layers, 1), c.max_num_seqs * per_seq)  # >= all_global
         return KVLayout.of(cfg, num_blocks, window_blocks)
 
     def _proposer(self, spec: SpeculativeConfig, max_model_len: int) -> Proposer:

@@ -136,7 +136,7 @@ class ProgramStore:
         programs are not for the CPU (the only platform whose stored programs are tested here), or
         TUNIX_RT_PROGRAM_STORE=off (programs then come from JAX's cache alone: traced and lowered each run)."""
         cache = jax.config.jax_compilation_cache_dir
-        return cls(Path(cache) / SUBDIRECTORY) if cache and jax.default_backend() == "cpu" and enabled() else None
+        return cls(Path(cache) / SUBDIRECTORY) if enabled() and cache and jax.default_backend() == "cpu" else None
 
     def _path(self, digest: str) -> Path:
         return self.directory / f"{digest}.program"

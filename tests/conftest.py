@@ -19,6 +19,12 @@ os.environ.setdefault("TUNIX_RT_PROGRAM_STORE", "off")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Nor do the test processes themselves read JAX's persistent compilation cache (the CLI processes they start do):
+# a long-lived worker crashed inside XLA's deserialization of an entry from it too, with the program store off
+# (an AsyncEngine's warm-up thread, the only thread at work). Modules that test the cache turn it on for
+# themselves (test_trainer's compile_cache fixture).
+jax.config.update("jax_enable_compilation_cache", False)
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile("tunix-rt", deadline=None,

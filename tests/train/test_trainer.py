@@ -88,7 +88,8 @@ def max_abs_diff(a: dict, b: dict) -> float:
 # XLA's optimizations cost ~3x the compile time of these tiny programs and change nothing the tests check
 # (every comparison is between programs compiled alike, or within a tolerance).
 _COMPILE_OPTIONS = {"jax_compilation_cache_dir": None, "jax_persistent_cache_min_compile_time_secs": 0.0,
-                    "jax_persistent_cache_min_entry_size_bytes": 0, "jax_disable_most_optimizations": True}
+                    "jax_persistent_cache_min_entry_size_bytes": 0, "jax_disable_most_optimizations": True,
+                    "jax_enable_compilation_cache": True}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,10 +7,12 @@ Workloads (the rows are written once as JSONL and both sides read the same file)
   sft-short  64 one-turn chats of ~40 tokens with the chat template (a user question, a one-sentence answer)
   sft-mixed  64 one-turn chats whose lengths are drawn between 20 and 500 tokens
   dpo-short  48 pairs {"prompt": "Give me a fruit name #i.", "chosen": "Mango.", "rejected": "I will not answer that."}
+  sft-8k     8 one-turn chats of ~8000 tokens (a long text and its summary-length answer), batch 1, max_length
+             8192, gradient checkpointing on both sides (a long row's activations would not fit otherwise)
 Every contender trains SmolLM2-135M-Instruct (the default model's GGUF dequantized to f32, written once as an
-HF directory both load) with its own defaults for padding and loss masks: batch 8, max_length 512, LoRA rank 8
-(alpha 16) on the seven projections or full fine-tuning, AdamW, 2 threads, each in its own subprocess one
-after another. tunix-rt pads each batch to a bucket of its longest row and runs the output head on the trained
+HF directory both load) with its own defaults for padding and loss masks: batch 8, max_length 512 (sft-8k: as
+above), LoRA rank 8 (alpha 16) on the seven projections or full fine-tuning, AdamW, 2 threads, each in its own
+subprocess one after another. tunix-rt pads each batch to a bucket of its longest row and runs the output head on the trained
 tokens only (assistant turns, completions); TRL pads to the batch's longest row and (for chats, its default)
 trains every token. DPO: tunix-rt precomputes the reference's log-probs once per pair before the first step,
 as its CLI does (the time is printed beside the run, outside s/step); TRL's DPOTrainer runs the reference
@@ -40,6 +42,12 @@ import time
 from peer_process import run_contender, trl_lora_and_timer
 
 BATCH, MAX_LENGTH, RANK, ALPHA, THREADS, WARMUP = 8, 512, 8, 16.0, 2, 2
+LONG = {"sft-8k": (1, 8192)}  # workloads of long rows: (batch, max_length), with gradient checkpointing
+
+
+def shape(workload: str) -> tuple[int, int, bool]:
+    """(batch, max_length, gradient checkpointing) of a workload."""
+    return (*LONG[workload], True) if workload in LONG else (BATCH, MAX_LENGTH, False)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WORDS = ("apple river stone light quick garden blue music table window paper cloud market silver forest "
          "engine yellow story winter bridge").split()
@@ -59,6 +67,10 @@ def write_workload(name: str, path: str) -> None:
             rows.append({"messages": [
                 {"role": "user", "content": f"Name a fruit that starts with the letter {fruit[0]}, please (#{i})."},
                 {"role": "assistant", "content": f"Sure: {fruit.capitalize()} is a fruit that starts with {fruit[0]}."}]})
+    elif name == "sft-8k":
+        text = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))
+        rows = [{"messages": [{"role": "user", "content": "Summarise this: " + text(5600)},
+                              {"role": "assistant", "content": text(600)}]} for _ in range(8)]
     elif name == "sft-mixed":
         for _ in range(64):
             words = max(4, int(rng.uniform(20, 500) / 1.25) - 30)  # ~1.25 tokens a word, ~30 of template
@@ -84,8 +96,10 @@ def run_ours(workload: str, mode: str, dtype: str, steps: int, data: str) -> dic
 
     loaded = load_model(os.environ["TUNIX_RT_BENCH_HF_DIR"], dequantize=True)
     with tempfile.TemporaryDirectory() as out:
+        batch, max_length, checkpointing = shape(workload)
         cfg = build_config(DPOConfig if workload.startswith("dpo") else SFTConfig, data=data, output=out,
-                           steps=steps, batch_size=BATCH, max_length=MAX_LENGTH,
+                           steps=steps, batch_size=batch, max_length=max_length,
+                           gradient_checkpointing=checkpointing,
                            lora_rank=RANK if mode == "lora" else 0, lora_alpha=ALPHA, dequantize=True,
                            compute_dtype=dtype, progress=False, save_steps=10_000)
         objective = build_objective(cfg, loaded, data)
@@ -113,9 +127,10 @@ def run_trl(workload: str, mode: str, dtype: str, steps: int, data: str) -> dict
     dataset = load_dataset("json", data_files=data, split="train")
     peft_config, timer, times = trl_lora_and_timer(mode, RANK, ALPHA, TARGETS)
 
-    common = dict(per_device_train_batch_size=BATCH, max_length=MAX_LENGTH, max_steps=steps, logging_steps=1000,
+    batch, max_length, checkpointing = shape(workload)
+    common = dict(per_device_train_batch_size=batch, max_length=max_length, max_steps=steps, logging_steps=1000,
                   save_strategy="no", report_to=[], use_cpu=True, bf16=dtype == "bfloat16",
-                  dataloader_num_workers=0, gradient_checkpointing=False)
+                  dataloader_num_workers=0, gradient_checkpointing=checkpointing)
     with tempfile.TemporaryDirectory() as out:
         if workload.startswith("dpo"):
             from trl import DPOConfig, DPOTrainer
@@ -136,17 +151,18 @@ CONTENDERS = {"ours": run_ours, "trl": run_trl}
 
 
 def tokens_per_batch(workload: str, data: str) -> float:
-    """Non-padding tokens of the dataset's rows (pairs as their two rows), averaged per batch of BATCH."""
+    """Non-padding tokens of the dataset's rows (pairs as their two rows), averaged per batch."""
     from tunix_rt.checkpoints.loader import load_model
     from tunix_rt.train.data import load_preferences, load_sft
 
     tokenizer = load_model(os.environ["TUNIX_RT_BENCH_HF_DIR"]).tokenizer
+    batch, max_length, _ = shape(workload)
     if workload.startswith("dpo"):
-        pairs = load_preferences(data, tokenizer, max_length=MAX_LENGTH)
+        pairs = load_preferences(data, tokenizer, max_length=max_length)
         total = sum(2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
-        return total / len(pairs) * BATCH
-    rows = load_sft(data, tokenizer, max_length=MAX_LENGTH)
-    return sum(len(r.input_ids) for r in rows) / len(rows) * BATCH
+        return total / len(pairs) * batch
+    rows = load_sft(data, tokenizer, max_length=max_length)
+    return sum(len(r.input_ids) for r in rows) / len(rows) * batch
 
 
 def main() -> None:
@@ -173,8 +189,8 @@ def main() -> None:
     export_hf(loaded.model, loaded.tokenizer, loaded.hf_config, hf_dir)
     del loaded
     os.environ["TUNIX_RT_BENCH_HF_DIR"] = hf_dir
-    print(f"training on real rows, SmolLM2-135M f32 weights, batch {BATCH}, max_length {MAX_LENGTH}, {THREADS} "
-          f"threads, median of steps {WARMUP + 1}..{args.steps}", flush=True)
+    print(f"training on real rows, SmolLM2-135M f32 weights, batch {BATCH}, max_length {MAX_LENGTH} (long rows: "
+          f"{LONG}), {THREADS} threads, median of steps {WARMUP + 1}..{args.steps}", flush=True)
     results = {}
     for workload in args.workloads.split(","):
         data = os.path.join(work, f"{workload}.jsonl")

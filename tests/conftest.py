@@ -3,6 +3,7 @@ property test (no per-example deadline, as a first example pays XLA's compile; n
 slow or large draws, as op tests draw whole arrays), and XLA's cheap compile mode for modules whose programs
 are small and compiled once per example."""
 
+import gc
 import os
 import tempfile
 
@@ -30,6 +31,16 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 settings.register_profile("tunix-rt", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("tunix-rt")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each module. XLA:CPU maps each executable's code in ~9 memory mappings
+    and keeps it while its jit cache holds it; a worker running a thousand tests came to 65530 (Linux's default
+    vm.max_map_count), where the next compile or load segfaults inside XLA."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from tests.models.hf_tiny import make_tiny_model_dir
+from tests.terminal import python_from_a_terminal
 from tests.train.test_train_cli import cli, write_jsonl
 from tunix_rt.checkpoints.output_dir import staged_output_dir
 from tunix_rt.train.metrics import read_events, read_metrics
@@ -153,11 +154,10 @@ def test_training_refuses_a_directory_it_did_not_write(model, chats, tmp_path, c
 
 def test_ctrl_c_stops_a_run_with_one_line_and_keeps_its_checkpoint(model, chats, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "tunix_rt.cli", "sft", "--model", str(model), "--data", chats,
-                             "--output", str(out), "--steps", "100000", "max_length=64", "progress=false",
-                             "save_steps=1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            # as a terminal runs it: a test runner started in the background may ignore SIGINT
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(python_from_a_terminal("-m", "tunix_rt.cli", "sft", "--model", str(model), "--data", chats,
+                                                   "--output", str(out), "--steps", "100000", "max_length=64",
+                                                   "progress=false", "save_steps=1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline, metrics = time.monotonic() + 300, out / "metrics.jsonl"
         while not (metrics.is_file() and metrics.read_text().endswith("\n")):  # a step done and saved (save_steps=1)

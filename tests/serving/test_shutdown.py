@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import httpx2 as httpx
@@ -16,6 +15,7 @@ import pytest
 
 from tests.models.hf_tiny import make_tiny_model_dir
 from tests.ports import free_port
+from tests.terminal import python_from_a_terminal
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +30,10 @@ def model(tmp_path_factory):
 def start(model, port: int, log_path, cache) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}  # the server's own cache settings
     with open(log_path, "w") as log:
-        return subprocess.Popen([sys.executable, "-u", "-m", "tunix_rt.cli", "serve", "--model", str(model), "--port",
-                                 str(port), "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
-                                 "--compile-cache-dir", str(cache)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env,
-                                # as a terminal runs it: a test runner started in the background may ignore SIGINT
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        return subprocess.Popen(python_from_a_terminal("-u", "-m", "tunix_rt.cli", "serve", "--model", str(model),
+                                                       "--port", str(port), "--max-num-seqs", "2",
+                                                       "--max-num-batched-tokens", "32", "--compile-cache-dir", str(cache)),
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def wait_for(proc: subprocess.Popen, log_path, ready, what: str) -> None:

@@ -166,7 +166,9 @@ def targets(tmp_path_factory):
         pass
     secret = where / "secret.txt"
     secret.write_text("api-key")
-    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env={"API_KEY": "sk-secret"})
+    # its output goes nowhere: were the worker to die, an orphan must not hold the runner's pipe open
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env={"API_KEY": "sk-secret"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     listener = socket.create_server(("127.0.0.1", 0))
     unix_path = str(where / "unix.sock")
     unix = socket.socket(socket.AF_UNIX)

@@ -15,7 +15,8 @@ os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.gettempdir(), f"tunix-rt-te
 
 # The program store (engine/program_store.py) is off in test processes and the CLI processes they start, except
 # where its own tests turn it on: twice in CI a long-lived test worker crashed inside XLA's deserialization of a
-# stored program (not reproduced in stress runs of thousands of loads beside compiles and executions).
+# stored program (not reproduced in stress runs of thousands of loads beside compiles and executions; most likely
+# the memory-mapping limit that _release_compiled_programs below keeps workers from).
 os.environ.setdefault("TUNIX_RT_PROGRAM_STORE", "off")
 
 import jax  # noqa: E402

@@ -10,12 +10,17 @@ Python dispatch between calls (measured here: the ~0.1 ms a call spends outside 
 on a 0.4 ms GEMV far more than on XLA's 1.6 ms f32 dot).
 Path "int8": x quantized to int8 per block on every row, as the engine runs it (int8_rows=None);
 "exact": f32 products over dequantized weights, the default past 4 rows (scoring, training).
+A second f32 peer, numpy's `x @ w` (its BLAS, OpenBLAS in numpy's wheels, on as many threads as XLA's
+pool), stands in for an f32 dot on a lower tier: XLA's dot dispatches on the CPU it finds (xla_cpu_max_isa
+does not reach it), while OpenBLAS takes OPENBLAS_CORETYPE, so
+`OPENBLAS_CORETYPE=Haswell TUNIX_RT_ISA=avx2 python benchmarks/quant_matmul.py` compares AVX2 with AVX2.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 
@@ -76,9 +81,10 @@ def main() -> None:
 
     bw = measured_bandwidth()
     print(f"quant_matmul vs f32 x @ w | jax {jax.__version__} | {jax.devices()[0]} | kernel tier {isa_level()} | "
-          f"measured read bandwidth {bw:.1f} GB/s")
+          f"measured read bandwidth {bw:.1f} GB/s | numpy's BLAS core type "
+          f"{os.environ.get('OPENBLAS_CORETYPE', 'as detected')}")
     print(f"{'M':>5} {'K':>6} {'N':>6} {'fmt':>5} {'path':>5} {'f32 ms':>9} {'quant ms':>9} {'speedup':>8} "
-          f"{'f32 GB/s':>9} {'quant GB/s':>10} {'in-graph':>8}")
+          f"{'f32 GB/s':>9} {'quant GB/s':>10} {'in-graph':>8} {'numpy ms':>9} {'vs numpy':>8}")
     rng = np.random.default_rng(0)
     dot = jax.jit(lambda x, w: x @ w)
     dot_chain = chained(lambda x, w: x @ w)
@@ -88,8 +94,10 @@ def main() -> None:
     for k, n in shapes:
         w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
         qts = {fmt: quantize(w, fmt) for fmt in formats}
+        w_np = np.asarray(w)
         for m in ms:
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+            t_np = median_time(np.matmul, np.asarray(x), w_np)
             for fmt in formats:
                 paths = [("int8", int8)]
                 if m > 4:
@@ -102,7 +110,7 @@ def main() -> None:
                         in_graph = f"{c_f32 / c_q:>7.2f}x"
                     print(f"{m:>5} {k:>6} {n:>6} {fmt:>5} {path:>5} {t_f32 * 1e3:>9.3f} {t_q * 1e3:>9.3f} "
                           f"{t_f32 / t_q:>7.2f}x {w.nbytes / t_f32 / 1e9:>9.1f} {qts[fmt].nbytes / t_q / 1e9:>10.1f} "
-                          f"{in_graph:>8}")
+                          f"{in_graph:>8} {t_np * 1e3:>9.3f} {t_np / t_q:>7.2f}x")
 
 
 if __name__ == "__main__":

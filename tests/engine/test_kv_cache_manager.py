@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tunix_rt.engine.kv_cache_manager import BlockKey, BlockPool, KVCacheManager, block_hash
+from tunix_rt.engine.kv_cache_manager import BlockKey, BlockPool, HybridKVCacheManager, KVCacheManager, block_hash
 
 BS = 4
 
@@ -19,7 +19,7 @@ def _snapshot(kv: KVCacheManager):
     pool = kv.pool
     return (list(pool.ref_count), list(pool.free), dict(pool.key_of), dict(pool.block_of),
             {k: list(v) for k, v in kv.blocks.items()},
-            {k: None if v is None else list(v) for k, v in kv.hashes.items()}, kv.queries, kv.hits)
+            {k: None if v is None else list(v) for k, v in kv.hashes.items()})
 
 
 def _admit(kv: KVCacheManager, seq_id: str, tokens, num_new=None, extra=()) -> tuple[list[int], int]:
@@ -263,7 +263,7 @@ def test_reset_prefix_cache():
 
 
 def test_hit_statistics():
-    kv = KVCacheManager(16, BS)
+    kv = HybridKVCacheManager([KVCacheManager(16, BS)], [1])
     assert kv.hit_rate() == 0.0
     kv.record_lookup(10, 0)
     kv.record_lookup(10, 8)

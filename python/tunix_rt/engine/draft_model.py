@@ -61,7 +61,7 @@ class DraftModelProposer:
             known = len(draft.prompt_token_ids) if draft.prompt_token_ids == tokens[:len(draft.prompt_token_ids)] else 0
             # at least the last token is computed now: its logits give the first draft
             computed = _shared_prefix(draft.all_token_ids, tokens, known, min(draft.num_computed_tokens, len(tokens) - 1))
-        if draft is None:
+        else:
             draft = Request(seq_id, 0, [], _GREEDY, max_tokens=1 << 30, stop_ids=frozenset(), seed=0,
                             detokenizer=None)
         self._seqs[seq_id] = draft

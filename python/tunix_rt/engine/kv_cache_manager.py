@@ -103,8 +103,9 @@ NULL = -1  # a sliding-window group's block given back: no token reads it
 
 
 class KVCacheManager:
-    """Per-request block lists over one BlockPool, with prefix-cache lookups and hit statistics. With a
-    `window`, blocks wholly before the window of a request's next token are given back as it advances."""
+    """Per-request block lists over one BlockPool, with prefix-cache lookups (one KV group; the statistics are
+    HybridKVCacheManager's). With a `window`, blocks wholly before the window of a request's next token are given
+    back as it advances."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  window: int | None = None):
@@ -116,8 +117,6 @@ class KVCacheManager:
         self.freed: dict[str, int] = {}  # a windowed request's leading blocks given back (NULL in its list)
         # Hashes of each request's cached full blocks, in order; None once a reset made its K/V unshareable.
         self.hashes: dict[str, list[int] | None] = {}
-        self.queries = 0  # prompt tokens looked up in the prefix cache
-        self.hits = 0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -181,11 +180,6 @@ class KVCacheManager:
         self.freed[seq_id] = first
         self.pool.release(gone[::-1])
 
-    def record_lookup(self, num_tokens: int, num_hit: int) -> None:
-        """Count one admitted request's lookup (not retries of one that did not fit yet)."""
-        self.queries += num_tokens
-        self.hits += num_hit
-
     def allocate(self, seq_id: str, tokens: Sequence[int], num_computed: int, num_new: int,
                  cached: Sequence[int] = (), extra: tuple = ()) -> bool:
         """Make room for `num_new` more tokens after `num_computed` (which `cached` blocks may cover).
@@ -244,9 +238,6 @@ class KVCacheManager:
         for seq_id in self.hashes:
             self.hashes[seq_id] = None
 
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 class HybridKVCacheManager:
     """The engine's KV accounting: one KVCacheManager per KV group (models/kv_cache.KVLayout), a request's
@@ -261,7 +252,7 @@ class HybridKVCacheManager:
         self.hits = 0
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return self.groups[0].blocks_needed(num_tokens)
 
     def group_blocks(self) -> list[dict[str, list[int]]]:
         """Each group's block lists by sequence: what the runner builds its tables from."""

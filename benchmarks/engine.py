@@ -6,7 +6,10 @@ Prints tokens/s (medians over repeats, compilation excluded by a warm-up pass) f
   decode at 1, 8, 32 and 64 concurrent streams, and prefill of a 512-token prompt, on
   - the engine (paged KV cache, continuous batching),
   - the reference generator (dense KV cache, one static batch),
-  - llama.cpp through llama-cpp-python (2 threads, same GGUF) when it is installed (one stream);
+  - llama.cpp through llama-cpp-python (2 threads, same GGUF) when it is installed (one stream), and
+    llama.cpp's own batched decode at the same stream counts with --batched-bench PATH (its
+    llama-batched-bench binary, built from the llama.cpp sources llama-cpp-python vendors: cmake -S
+    vendor/llama.cpp -B build && cmake --build build --target llama-batched-bench);
 then the prefix-cache hit rate for n=8 samples of one 400-token prompt and the number of programs
 compiled while serving 200 requests of varied lengths after warm-up.
 """
@@ -14,7 +17,9 @@ compiled while serving 200 requests of varied lengths after warm-up.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import time
 
 import jax
@@ -93,8 +98,8 @@ def llama_cpp_rates(tokens: int, repeats: int, vocab: int) -> tuple[float | None
         llm.reset()
         llm.eval(prompts_for(vocab, 1, 16, 0)[0])
         start = time.perf_counter()
-        for _ in range(tokens):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        for _ in range(tokens):  # llama-cpp-python 0.3 keeps no scores without logits_all: the context's last logits
+            llm.eval([int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))])
         return tokens, time.perf_counter() - start
 
     def prefill():
@@ -105,6 +110,17 @@ def llama_cpp_rates(tokens: int, repeats: int, vocab: int) -> tuple[float | None
         return PREFILL_LEN, time.perf_counter() - start
 
     return median_rate(decode, repeats), median_rate(prefill, repeats)
+
+
+def batched_bench_rates(binary: str, streams: tuple[int, ...], tokens: int) -> dict[int, float]:
+    """llama.cpp's aggregate decode tokens/s at each stream count (llama-batched-bench: 16-token prompts, `tokens`
+    generated per stream, 2 threads, the default model's GGUF)."""
+    proc = subprocess.run([binary, "-m", str(default_model_path()), "-c", str(max(streams) * (16 + tokens) + 64),
+                           "-b", str(PREFILL_LEN), "-ub", str(PREFILL_LEN), "-npp", "16", "-ntg", str(tokens),
+                           "-npl", ",".join(map(str, streams)), "-t", "2", "-tb", "2", "--output-format", "jsonl"],
+                          capture_output=True, text=True, timeout=1800, check=True)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {int(r["pl"]): float(r["speed_tg"]) for r in rows}
 
 
 def shared_prompt_hit_rate(engine: Engine) -> float:
@@ -148,6 +164,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1 and 8 streams only, 1 repeat, 50 mixed requests")
+    ap.add_argument("--batched-bench", metavar="PATH", help="llama.cpp's llama-batched-bench binary")
     args = ap.parse_args()
     streams = (1, 8) if args.quick else (1, 8, 32, 64)
     repeats = 1 if args.quick else args.repeats
@@ -175,6 +192,10 @@ def main() -> None:
     row(f"prefill, {PREFILL_LEN}-token prompt", e, r, ll_prefill)
     for s in streams[1:]:
         print(f"  aggregate decode, {s} streams: {decode[s] / decode[1]:.2f}x single-stream")
+    if args.batched_bench:
+        for s, rate in batched_bench_rates(args.batched_bench, streams, args.tokens).items():
+            print(f"  llama.cpp batched decode, {s} stream{'s' if s > 1 else ''}: {rate:.1f} tok/s; ours "
+                  f"{decode[s] / rate:.2f}x" + (f", {decode[s] / ll_decode:.2f}x one llama.cpp stream" if ll_decode else ""))
     if ll_decode is None:
         print("llama.cpp: not installed (pip install llama-cpp-python) - no peer column")
     print(f"n=8 samples of one 400-token prompt: prefix-cache hit rate {shared_prompt_hit_rate(engine):.1%} "

@@ -284,6 +284,11 @@ constexpr int64_t kStripe = 16;  // blocks whose scales are transposed at once
 
 VNNI_FN inline __mmask16 FirstLanes(int64_t count) { return static_cast<__mmask16>((1u << count) - 1); }
 
+// 64 bytes, or the first ones `bytes` selects (zeros after them): a plain load where all are wanted.
+VNNI_FN inline __m512i LoadBytes(__mmask64 bytes, const void* p) {
+  return bytes == ~__mmask64{0} ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(bytes, p);
+}
+
 // r[i] lane j <- r[j] lane i (a 16 x 16 transpose of f32).
 VNNI_FN inline void Transpose16(__m512 r[16]) {
   __m512 t[16];
@@ -410,13 +415,13 @@ VNNI_FN void TileColumns4(const Weights& w, const QuantizedActivations& a, int64
       for (int cq = 0; cq < 4; ++cq) {
         __m512i lo[4], hi[4];
         for (int i = 0; i < 4; ++i) {
-          const __m512i raw = _mm512_maskz_loadu_epi8(bytes, wrow[4 * cq + i] + b0 * kSub / 2);
+          const __m512i raw = LoadBytes(bytes, wrow[4 * cq + i] + b0 * kSub / 2);
           lo[i] = _mm512_and_si512(raw, mask);
           hi[i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
         }
         for (int r = 0; r < R; ++r) {
           const int8_t* xq = a.q.data() + (r0 + r) * a.k + b0 * kSub;
-          const __m512i xlo = _mm512_maskz_loadu_epi8(bytes, xq), xhi = _mm512_maskz_loadu_epi8(bytes, xq + 16 * nq);
+          const __m512i xlo = LoadBytes(bytes, xq), xhi = LoadBytes(bytes, xq + 16 * nq);
           __m512i dot[4];
           for (int i = 0; i < 4; ++i)
             dot[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], xlo), hi[i], xhi);
@@ -460,10 +465,9 @@ VNNI_FN void TileColumns8(const Weights& w, const QuantizedActivations& a, int64
       const int64_t np = std::min<int64_t>(2, nb - b0);
       const __mmask64 bytes = np == 2 ? ~__mmask64{0} : (__mmask64{1} << 32) - 1;
       __m512i u[kColumnTile];
-      for (int c = 0; c < kColumnTile; ++c)
-        u[c] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, wrow[c] + b0 * kSub), flip);
+      for (int c = 0; c < kColumnTile; ++c) u[c] = _mm512_xor_si512(LoadBytes(bytes, wrow[c] + b0 * kSub), flip);
       for (int r = 0; r < R; ++r) {
-        const __m512i xv = _mm512_maskz_loadu_epi8(bytes, a.q.data() + (r0 + r) * a.k + b0 * kSub);
+        const __m512i xv = LoadBytes(bytes, a.q.data() + (r0 + r) * a.k + b0 * kSub);
         __m512i l2[4];
         for (int q = 0; q < 4; ++q) {  // columns 4q..4q+3
           __m512i l1[2];

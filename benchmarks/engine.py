@@ -24,6 +24,7 @@ import time
 
 import jax
 import numpy as np
+from peer_process import llama_last_logits
 
 from tunix_rt.checkpoints.default_model import default_model_path
 from tunix_rt.checkpoints.loader import load_model
@@ -98,8 +99,8 @@ def llama_cpp_rates(tokens: int, repeats: int, vocab: int) -> tuple[float | None
         llm.reset()
         llm.eval(prompts_for(vocab, 1, 16, 0)[0])
         start = time.perf_counter()
-        for _ in range(tokens):  # llama-cpp-python 0.3 keeps no scores without logits_all: the context's last logits
-            llm.eval([int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))])
+        for _ in range(tokens):
+            llm.eval([int(np.argmax(llama_last_logits(llm)))])
         return tokens, time.perf_counter() - start
 
     def prefill():

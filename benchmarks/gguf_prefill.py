@@ -17,19 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from peer_process import llama_last_logits, peak_rss_gb, run_contender
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _rss_gb() -> float:
-    """This process's peak RSS (VmHWM: getrusage's maxrss would carry the parent's from the fork over the exec)."""
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1e6
 
 
 def write_model(path: Path, window: int, max_len: int) -> None:
@@ -71,7 +66,7 @@ def run_ours(path: str, n: int, chunk: int) -> dict:
             if out.request_id == rid and out.token_ids:
                 first = out.token_ids[0]
     seconds = time.perf_counter() - start
-    return dict(startup=startup, seconds=seconds, first=first, rss=_rss_gb(), tier=isa_level())
+    return dict(startup=startup, seconds=seconds, first=first, rss=peak_rss_gb(), tier=isa_level())
 
 
 def run_llama_cpp(path: str, n: int, chunk: int) -> dict:
@@ -87,8 +82,7 @@ def run_llama_cpp(path: str, n: int, chunk: int) -> dict:
     start = time.perf_counter()
     llm.eval(ids)
     seconds = time.perf_counter() - start
-    last = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))  # the last prompt token's logits
-    return dict(startup=startup, seconds=seconds, first=int(np.argmax(last)), rss=_rss_gb())
+    return dict(startup=startup, seconds=seconds, first=int(np.argmax(llama_last_logits(llm))), rss=peak_rss_gb())
 
 
 def main() -> None:
@@ -106,14 +100,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "gemma3-shaped.gguf"
         write_model(path, args.window, args.prompt + 16)
-        results = {}
-        for side in ("ours", "llama.cpp"):
-            proc = subprocess.run([sys.executable, __file__, "--run", side, "--model", str(path), "--prompt",
-                                   str(args.prompt), "--chunk", str(args.chunk)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(f"{side} failed:\n{proc.stderr[-3000:]}")
-                return
-            results[side] = json.loads(proc.stdout.strip().splitlines()[-1])
+        results = {side: run_contender(sys.executable, __file__, ["--run", side, "--model", str(path), "--prompt",
+                                                                  str(args.prompt), "--chunk", str(args.chunk)],
+                                       len(os.sched_getaffinity(0)))
+                   for side in ("ours", "llama.cpp")}
+    for side, r in results.items():
+        if "error" in r:
+            print(f"{side} failed: {r['error']}")
+            return
     ours, peer = results["ours"], results["llama.cpp"]
     print(f"Gemma-3-shaped GGUF (12 layers, 5 sliding of {args.window} : 1 global, f32), {args.prompt}-token prompt, "
           f"chunks of {args.chunk} | kernel tier {ours['tier']}")

@@ -21,6 +21,23 @@ def run_contender(python: str, script: str, argv: list[str], threads: int, **env
     return json.loads(lines[-1])
 
 
+def peak_rss_gb(pid: int | str = "self") -> float:
+    """A process's peak RSS from /proc (VmHWM): getrusage's maxrss would carry a parent's over fork and exec."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    return float("nan")
+
+
+def llama_last_logits(llm):
+    """The logits of the last token a llama_cpp.Llama evaluated (llama-cpp-python 0.3 keeps no scores without
+    logits_all: they are read from its context)."""
+    import numpy as np
+
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
+
 def timed_steps(trainer, steps: int) -> tuple[list[float], list[dict]]:
     """Each of `steps` tunix-rt RL steps (trainer.run_step) timed: the wall seconds and the metrics of each."""
     import time

@@ -20,6 +20,7 @@ import time
 
 import httpx2 as httpx
 import numpy as np
+from peer_process import peak_rss_gb
 from server_process import start
 
 SHORT = "Write one sentence about the sea."
@@ -38,14 +39,6 @@ def _plain(base: str) -> float:
 
 def _long_prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     return rng.integers(100, vocab, n).tolist()  # fresh ids each time: no prefix-cache hit
-
-
-def _peak_rss_gb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024 / 1e9
-    return float("nan")
 
 
 def _wait_for_warm_up(base: str, timeout: float = 600) -> None:
@@ -96,7 +89,7 @@ def measure(serve_args: list[str], args) -> dict:
         thread = threading.Thread(target=lambda: _complete_quietly(base, rng, args, vocab), daemon=True)
         thread.start()
         time.sleep(1.0)
-        rss = _peak_rss_gb(proc.pid)
+        rss = peak_rss_gb(proc.pid)
         t = time.perf_counter()
         proc.send_signal(signal.SIGTERM)
         try:

@@ -20,6 +20,7 @@ from tunix_rt.engine.sampler import (
     apply_penalties,
     categorical,
     filter_logits,
+    greedy_tokens,
     row_sum,
     sample_tokens,
 )
@@ -184,6 +185,33 @@ def test_greedy_rows_take_argmax_of_penalised_logits(seed):
                                                temperature=np.full(B, 1.7, np.float32)), prompt, output)
     np.testing.assert_array_equal(np.asarray(top1.tokens), penalised.argmax(-1))
 
+
+_greedy_tokens = jax.jit(greedy_tokens)
+
+
+@settings(deadline=None, max_examples=30)
+@given(vocab=st.sampled_from([5, 2048, 2049, 3 * 1024, 49_152, 50_001]), seed=st.integers(0, 2**32 - 1),
+       special=st.sampled_from(["none", "ties", "nan", "inf", "all_neg_inf", "constant"]))
+def test_greedy_tokens_is_argmax(vocab, seed, special):
+    """The blocked argmax gives argmax's index, the first one, on ties and infinities too; a NaN counts as +inf."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((3, vocab)).astype(np.float32)
+    picks = rng.integers(0, vocab, size=(3, 4))
+    if special == "ties":
+        logits[np.arange(3)[:, None], picks] = 10.0
+    elif special == "nan":
+        logits[np.arange(3)[:, None], picks] = np.nan
+    elif special == "inf":
+        logits[np.arange(3)[:, None], picks[:, :2]] = np.inf
+        logits[np.arange(3)[:, None], picks[:, 2:]] = -np.inf
+    elif special == "all_neg_inf":
+        logits[:] = -np.inf
+    elif special == "constant":
+        logits[:] = 1.5
+    want = np.argmax(np.where(np.isnan(logits), np.inf, logits), axis=-1)
+    got = np.asarray(_greedy_tokens(jnp.asarray(logits)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
 
 def test_all_greedy_batch():
     logits, params, prompt, output = _random_case(np.random.default_rng(5), greedy_frac=1.0)

@@ -45,6 +45,27 @@ _DTYPES = dict(temperature=np.float32, top_k=np.int32, top_p=np.float32, min_p=n
 
 
 
+_ARGMAX_BLOCK = 1024
+
+
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+    """The index of each row's largest logit as int32, the first one on ties (jnp.argmax's), a NaN counting as
+    +inf (XLA:CPU's max does not propagate NaN, so argmax's own NaN rule would cost a pass of its own). Found
+    block by block: XLA:CPU runs argmax as a scalar (value, index) reduction, ~15x slower than the max of each
+    1024-entry block, the argmax of those maxima and one argmax inside the winning block (0.4 against 6.9 ms
+    over 64 rows of a 49K vocabulary, ~10% of a 64-stream decode step)."""
+    rows, vocab = logits.shape
+    logits = jnp.where(jnp.isnan(logits), jnp.inf, logits)
+    if vocab <= 2 * _ARGMAX_BLOCK:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    blocks = -(-vocab // _ARGMAX_BLOCK)
+    padded = jnp.pad(logits, ((0, 0), (0, blocks * _ARGMAX_BLOCK - vocab)), constant_values=-jnp.inf)
+    padded = padded.reshape(rows, blocks, _ARGMAX_BLOCK)
+    block = jnp.argmax(jnp.max(padded, axis=-1), axis=-1)
+    inside = jnp.take_along_axis(padded, block[:, None, None], axis=1)[:, 0]
+    return (block * _ARGMAX_BLOCK + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
+
+
 def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array | None = None) -> jax.Array:
     """Mask (to -inf) tokens outside the min_p floor, the top_k (0 = all) and the top_p nucleus, per row.
 
@@ -141,7 +162,7 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax
     One key for the whole batch (the reference generator's); the rollout engine's per-request
     seeds, penalties and logprobs are in `sample_tokens`.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_tokens(logits)
 
     def draw():  # skipped at run time when every row is greedy: the vocab sort is the costly part
         scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
@@ -307,7 +328,7 @@ def sample_tokens(logits: jax.Array, params: SamplingTensors, prompt_tokens: jax
         logits = add_logit_bias(logits, *logit_bias)
     penalised = logits if prompt_tokens is None else apply_penalties(logits, params, prompt_tokens, output_tokens)
     greedy_rows = params.temperature < SAMPLING_EPS
-    greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    greedy = greedy_tokens(penalised)
 
     def filtered_logits():
         return tempered_logits(penalised, params.temperature, params.top_k, params.top_p, params.min_p)

@@ -47,6 +47,11 @@ CpuFeatures detect() {
   f.avx512vnni = f.avx512f && (c7 & (1u << 11));
   f.avx512bf16 = f.avx512f && (a71 & (1u << 5));
   f.amx_bf16 = amx_os && (d7 & (1u << 24)) && (d7 & (1u << 22));  // AMX-TILE and AMX-BF16
+  unsigned a0, vendor[3];
+  __get_cpuid(0, &a0, &vendor[0], &vendor[2], &vendor[1]);  // "AuthenticAMD" in ebx, edx, ecx
+  const bool amd = std::memcmp(vendor, "AuthenticAMD", 12) == 0;
+  const unsigned family = ((a >> 8) & 0xf) + (((a >> 8) & 0xf) == 0xf ? (a >> 20) & 0xff : 0);
+  f.amd_avx512 = amd && family >= 0x19 && f.avx512f;
 #endif
   return f;
 }

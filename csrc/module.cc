@@ -72,6 +72,7 @@ NB_MODULE(_ext, m) {
     d["avx512_vnni"] = f.avx512vnni;
     d["avx512_bf16"] = f.avx512bf16;
     d["amx_bf16"] = f.amx_bf16;
+    d["amd_avx512"] = f.amd_avx512;
     d["avx_vnni"] = f.avxvnni;
     return d;
   });

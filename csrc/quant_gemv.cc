@@ -515,9 +515,11 @@ struct GemvKernel {
   bool reads_lanes = false;  // the weight's column-lane scales, where it has them
 };
 
+// Every tier's int8 products have the same bits, so AMD's AVX-512 CPUs (cpu_features.h) take the AVX2 GEMV
+// beside the AVX-512 VNNI GEMM without a row's result depending on its route.
 GemvKernel SelectGemv(int32_t fmt) {
 #ifdef TUNIX_RT_X86
-  if (HasVnni()) {
+  if (HasVnni() && !cpu_features().amd_avx512) {
     static constexpr TileFn kVnni[kNumFormats] = {
         kColumns8<true>,          // q8_0
         kColumns4<false, true>,   // q4_0

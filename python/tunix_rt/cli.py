@@ -137,11 +137,15 @@ def _parser() -> argparse.ArgumentParser:
         _add_compile_cache_arg(train)
         train.add_argument("overrides", nargs="*", metavar="key=value", help="any other option, e.g. learning_rate=1e-4")
 
-    export = sub.add_parser("export", help="write a model (GGUF, quantized or HF) as an HF directory transformers loads")
+    export = sub.add_parser("export", help="write a model (GGUF, quantized or HF; LoRA merged) as an HF directory "
+                            "transformers loads, or as a GGUF file llama.cpp loads")
     _add_model_arg(export, dequantize_flag=False)
-    export.add_argument("--output", required=True)
-    export.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
-    export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    export.add_argument("--output", required=True, help="a directory (--format hf) or a .gguf file (--format gguf)")
+    export.add_argument("--format", default="hf", choices=["hf", "gguf"])
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory or a file")
+    export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="--format hf weights")
+    export.add_argument("--quant", default="f32", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"],
+                        help="--format gguf weights (layers already in that format are written as they are packed)")
 
     plot = sub.add_parser("plot", help="draw a run's metrics.jsonl curves to PNG")
     plot.add_argument("run_dir", help="a training output directory")
@@ -348,17 +352,28 @@ def _train(args) -> int:
 def _export(args) -> int:
     from pathlib import Path
 
-    from tunix_rt.checkpoints.hf_export import export_hf
     from tunix_rt.checkpoints.loader import load_model, resolve_model_path
     from tunix_rt.checkpoints.output_dir import check_output_dir
     from tunix_rt.models.lora import has_lora, merge_lora
 
     source = resolve_model_path(args.model)
-    check_output_dir(args.output, overwrite=args.overwrite, sources=[source], what="export target")  # before loading
+    gguf = args.format == "gguf"
+    if gguf and not str(args.output).lower().endswith(".gguf"):
+        raise ValueError(f"--output {args.output!r} must name a .gguf file with --format gguf")
+    if not gguf:
+        check_output_dir(args.output, overwrite=args.overwrite, sources=[source], what="export target")  # before loading
     loaded = load_model(source)  # a LoRA adapter directory comes on its base: the export holds them merged
     model = merge_lora(loaded.model) if has_lora(loaded.model) else loaded.model
-    out = export_hf(model, loaded.tokenizer, loaded.hf_config, Path(args.output), dtype=args.dtype,
-                    generation_config=loaded.generation_config or None, overwrite=args.overwrite, sources=[source])
+    if gguf:
+        from tunix_rt.checkpoints.gguf_export import export_gguf
+
+        out = export_gguf(model, loaded.tokenizer, args.output, quant=args.quant, name=source.stem, source=source,
+                          overwrite=args.overwrite)
+    else:
+        from tunix_rt.checkpoints.hf_export import export_hf
+
+        out = export_hf(model, loaded.tokenizer, loaded.hf_config, Path(args.output), dtype=args.dtype,
+                        generation_config=loaded.generation_config or None, overwrite=args.overwrite, sources=[source])
     print(f"wrote {out}")
     return 0
 

@@ -273,6 +273,13 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row permutation (HF's halves -> interleaved pairs), per head: what
+    _unpermute_rope undoes."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def iter_tensors(
     reader: GGUFFile, config: dict, *, keep_quantized: bool = True
 ) -> Iterator[tuple[str, np.ndarray | QuantizedTensor]]:

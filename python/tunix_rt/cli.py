@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write a model (GGUF, quantized or HF; LoRA merged) as an HF directory "
                             "transformers loads, or as a GGUF file llama.cpp loads")
-    _add_model_arg(export, dequantize_flag=False)
+    _add_model_arg(export, dequantize_flag=False, lora_flag=True)
     export.add_argument("--output", required=True, help="a directory (--format hf) or a .gguf file (--format gguf)")
     export.add_argument("--format", default="hf", choices=["hf", "gguf"])
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory or a file")
@@ -353,16 +353,21 @@ def _export(args) -> int:
     from pathlib import Path
 
     from tunix_rt.checkpoints.loader import load_model, resolve_model_path
-    from tunix_rt.checkpoints.output_dir import check_output_dir
+    from tunix_rt.checkpoints.output_dir import check_output_dir, check_output_file
     from tunix_rt.models.lora import has_lora, merge_lora
 
     source = resolve_model_path(args.model)
+    inputs = [source] if args.lora is None else [source, Path(args.lora)]
     gguf = args.format == "gguf"
     if gguf and not str(args.output).lower().endswith(".gguf"):
         raise ValueError(f"--output {args.output!r} must name a .gguf file with --format gguf")
-    if not gguf:
-        check_output_dir(args.output, overwrite=args.overwrite, sources=[source], what="export target")  # before loading
+    check = check_output_file if gguf else check_output_dir
+    check(args.output, overwrite=args.overwrite, sources=inputs, what="export target")  # before loading
     loaded = load_model(source)  # a LoRA adapter directory comes on its base: the export holds them merged
+    if args.lora is not None:
+        from tunix_rt.checkpoints.peft_adapter import load_adapter
+
+        load_adapter(loaded.model, args.lora)
     model = merge_lora(loaded.model) if has_lora(loaded.model) else loaded.model
     if gguf:
         from tunix_rt.checkpoints.gguf_export import export_gguf
@@ -373,7 +378,7 @@ def _export(args) -> int:
         from tunix_rt.checkpoints.hf_export import export_hf
 
         out = export_hf(model, loaded.tokenizer, loaded.hf_config, Path(args.output), dtype=args.dtype,
-                        generation_config=loaded.generation_config or None, overwrite=args.overwrite, sources=[source])
+                        generation_config=loaded.generation_config or None, overwrite=args.overwrite, sources=inputs)
     print(f"wrote {out}")
     return 0
 

@@ -179,3 +179,55 @@ def test_cli_writes_a_gguf_and_refuses_other_names(tmp_path, capsys):
     assert "must name a .gguf file" in capsys.readouterr().err
     assert cli("export", "--model", source, "--format", "gguf", "--output", out) == 2  # exists: --overwrite
     assert cli("export", "--model", out, "--format", "gguf", "--output", out, "--overwrite") == 2  # its own input
+
+
+def test_byte_level_tokenizer_is_converted_with_llama_cpps_pre_tokenizer_name(tmp_path):
+    """A model directory with SmolLM2's tokenizer.json (no GGUF to copy from): the file gets the vocabulary,
+    merges and `smollm` pre-tokenizer the original GGUF has."""
+    import json
+
+    from tests.models.hf_tiny import make_hf_model
+
+    default = load_model(None)
+    source = tmp_path / "hf"
+    make_hf_model("llama", source, vocab_size=default.tokenizer.vocab_size, tie_word_embeddings=True)
+    default.tokenizer.backend.save(str(source / "tokenizer.json"))
+    (source / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": default.tokenizer.bos_token, "eos_token": default.tokenizer.eos_token}))
+    loaded = load_model(source)
+    out = export_gguf(loaded.model, loaded.tokenizer, tmp_path / "m.gguf")
+    written, original = open_gguf(out).fields, open_gguf(default.source).fields
+    assert written["tokenizer.ggml.model"].contents() == "gpt2"
+    assert written["tokenizer.ggml.pre"].contents() == original["tokenizer.ggml.pre"].contents() == "smollm"
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
+                "tokenizer.ggml.eos_token_id"):
+        assert written[key].contents() == original[key].contents(), key
+    text = "Numbers 12345 and CamelCase words: naïve café."
+    assert load_model(out).tokenizer.encode(text) == default.tokenizer.encode(text)
+
+
+def test_lora_run_exports_merged_and_llama_cpp_reads_it(tmp_path):
+    """A LoRA adapter on the default model, exported by the CLI as f32 GGUF: the file holds the merged model
+    (our loader's logits equal the merged model's), and llama.cpp (where installed) reads it within 1e-3."""
+    from tests.lora_adapters import random_adapter
+    from tests.train.test_train_cli import cli
+    from tunix_rt.checkpoints.peft_adapter import load_adapter
+    from tunix_rt.models.lora import merge_lora
+
+    base = load_model(None)
+    adapter = random_adapter(base.model, tmp_path / "adapter", rank=4, seed=3, scale=0.05)
+    out = tmp_path / "merged.gguf"
+    assert cli("export", "--lora", adapter, "--format", "gguf", "--output", out) == 0
+    merged = load_model(None).model
+    load_adapter(merged, adapter)
+    merged = merge_lora(merged)
+    tokens = np.asarray([load_model(None).tokenizer.encode("The quick brown fox jumps over the lazy dog.")], np.int32)
+    want = _logits(merged, tokens)
+    np.testing.assert_allclose(_logits(load_model(out).model, tokens), want, rtol=1e-5, atol=1e-4)
+    assert np.abs(want - _logits(load_model(None).model, tokens)).max() > 0.1  # the adapter changed the model
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (benchmarks install it)")
+    llm = llama_cpp.Llama(str(out), n_ctx=64, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0)
+    llm.eval(tokens[0].tolist())
+    theirs = np.asarray(llm.scores[: tokens.shape[1]], np.float64)
+    log_softmax = lambda x: x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
+    np.testing.assert_allclose(log_softmax(theirs), log_softmax(want[0].astype(np.float64)), atol=1e-3)

@@ -25,7 +25,7 @@ from flax import nnx
 from tunix_rt.checkpoints.gguf_loader import _llama3_factors, open_gguf, permute_rope
 from tunix_rt.checkpoints.hf_export import hf_tensors, inverse_names
 from tunix_rt.checkpoints.output_dir import staged_output_file
-from tunix_rt.checkpoints.tokenizer import Tokenizer
+from tunix_rt.checkpoints.tokenizer import BYTE_LEVEL_PRE_NAMES, Tokenizer
 from tunix_rt.models.config import ModelConfig
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.ops.quant import FORMATS, QuantizedTensor, quantize
@@ -368,31 +368,28 @@ def _add_tokenizer(writer, tokenizer: Tokenizer, vocab_size: int) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def _byte_level_pre(tokenizer: Tokenizer, tokens, types, merges) -> str:
-    """llama.cpp's name for the split that cuts the probe texts as `tokenizer` does (its converter picks it by a
-    hash of such encodings)."""
-    from tunix_rt.checkpoints import tokenizer as tok
+def _pieces(tokenizer: Tokenizer, text: str) -> list[str]:
+    """What the tokenizer's normalizer and pre-tokenizer cut `text` into before BPE."""
+    backend = tokenizer.backend
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    return [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text)] if backend.pre_tokenizer else [text]
 
-    for pre in tok._BYTE_LEVEL_SPLITS:
-        meta = _Metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
-                          "tokenizer.ggml.token_type": [int(t) for t in types], "tokenizer.ggml.merges": merges})
-        candidate = tok._byte_level_backend(meta)
-        if all(candidate.encode(text, add_special_tokens=False).ids ==
-               tokenizer.encode(text, add_special_tokens=False) for text in _PROBES):
+
+def _byte_level_pre(tokenizer: Tokenizer, tokens, types, merges) -> str:
+    """llama.cpp's name for the split that cuts the probe texts into the same pieces, and so the same tokens, as
+    `tokenizer` (its converter picks the name by a hash of such encodings). Pieces, not only tokens: a vocabulary
+    with no multi-digit token encodes digits alike under GPT-2's split and SmolLM's digit-by-digit one."""
+    for pre in BYTE_LEVEL_PRE_NAMES:
+        candidate = Tokenizer.from_gguf_metadata({
+            "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [int(t) for t in types], "tokenizer.ggml.merges": merges})
+        if all(_pieces(candidate, text) == _pieces(tokenizer, text) and
+               candidate.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False)
+               for text in _PROBES):
             return pre
     raise GGUFExportError("the tokenizer's pre-tokenizer matches none llama.cpp names "
-                          f"({', '.join(tok._BYTE_LEVEL_SPLITS)}); it cannot be written as GGUF")
-
-
-class _Metadata:
-    """A stand-in for tokenizer._GGUFTokenizerMetadata over a plain dict (the candidate's fields)."""
-
-    def __init__(self, fields: dict):
-        self._fields = fields
-        self.tokens = fields["tokenizer.ggml.tokens"]
-
-    def get(self, key, default=None):
-        return self._fields.get(key, default)
+                          f"({', '.join(BYTE_LEVEL_PRE_NAMES)}); it cannot be written as GGUF")
 
 
 def _check_tokenizer(tokenizer: Tokenizer, path: Path) -> None:

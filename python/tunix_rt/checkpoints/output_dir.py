@@ -103,11 +103,10 @@ def staged_output_dir(target: str | os.PathLike, *, overwrite: bool = False,
             shutil.rmtree(staging, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def staged_output_file(target: str | os.PathLike, *, overwrite: bool = False,
-                       sources: Sequence[str | os.PathLike] = (), what: str = "output") -> Iterator[Path]:
-    """Yields a hidden sibling path of `target` to write; on success it replaces `target`, on an exception it is
-    removed. A directory, one of `sources`, or an existing file without `overwrite` is refused first."""
+def check_output_file(target: str | os.PathLike, *, overwrite: bool = False,
+                      sources: Sequence[str | os.PathLike] = (), what: str = "output") -> Path:
+    """The target as an absolute path, if a command may write it: not a directory, not one of `sources`, not an
+    existing file unless `overwrite`, in a directory that exists."""
     target = Path(target).expanduser().absolute()
     if target.is_dir():
         raise OutputDirError(f"{what} {target} is a directory; give a file path")
@@ -119,6 +118,15 @@ def staged_output_file(target: str | os.PathLike, *, overwrite: bool = False,
         raise OutputDirError(f"{what} {target} exists; choose another path, or give --overwrite to replace it")
     if not target.parent.is_dir():
         raise OutputDirError(f"{what} {target}: the directory {target.parent} does not exist")
+    return target
+
+
+@contextlib.contextmanager
+def staged_output_file(target: str | os.PathLike, *, overwrite: bool = False,
+                       sources: Sequence[str | os.PathLike] = (), what: str = "output") -> Iterator[Path]:
+    """Yields a hidden sibling path of `target` to write; on success it replaces `target`, on an exception it is
+    removed. A directory, one of `sources`, or an existing file without `overwrite` is refused first."""
+    target = check_output_file(target, overwrite=overwrite, sources=sources, what=what)
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.partial-{os.getpid()}-", suffix=target.suffix,
                                 dir=target.parent)
     os.close(fd)

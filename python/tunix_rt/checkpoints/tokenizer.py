@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -166,7 +166,14 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, reader: GGUFFile) -> Tokenizer:
         """Rebuild the tokenizer a GGUF file describes in its `tokenizer.*` metadata."""
-        meta = _GGUFTokenizerMetadata(reader)
+        return cls.from_gguf_metadata({key: field.contents() for key, field in reader.fields.items()
+                                       if key.startswith(("tokenizer.", "general."))})
+
+    @classmethod
+    def from_gguf_metadata(cls, fields: Mapping[str, Any]) -> Tokenizer:
+        """The tokenizer GGUF metadata values (`tokenizer.*`, `general.architecture`) describe: a file's, or
+        ones a writer is about to write."""
+        meta = _GGUFTokenizerMetadata(fields)
         kind = meta.get("tokenizer.ggml.model")
         if kind == "gpt2":
             backend = _byte_level_backend(meta)
@@ -240,8 +247,8 @@ _CONTROL, _USER_DEFINED = 3, 4
 class _GGUFTokenizerMetadata:
     """The `tokenizer.*` fields of a GGUF file, read once."""
 
-    def __init__(self, reader: GGUFFile):
-        self._reader = reader
+    def __init__(self, fields: Mapping[str, Any]):
+        self._fields = fields
         self.architecture = self.get("general.architecture")
         self.tokens: list[str] = self.get("tokenizer.ggml.tokens")
         if not self.tokens:
@@ -249,8 +256,7 @@ class _GGUFTokenizerMetadata:
         self.token_types: list[int] = self.get("tokenizer.ggml.token_type") or []
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self._fields.get(key, default)
 
     def token_id(self, key: str) -> int | None:
         """The id the field `key` holds; like llama.cpp, an id outside the vocabulary counts as unset."""
@@ -278,7 +284,7 @@ _LLAMA3_REGEX = (
 )
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 
-# Keyed by tokenizer.ggml.pre, llama.cpp's name for the pre-tokenizer.
+# Keyed by tokenizer.ggml.pre, llama.cpp's name for the pre-tokenizer (BYTE_LEVEL_PRE_NAMES: the names read).
 _BYTE_LEVEL_SPLITS = {
     "default": _ByteLevelSplit(None, True, False, False),
     "gpt2": _ByteLevelSplit(None, True, False, False),
@@ -289,6 +295,7 @@ _BYTE_LEVEL_SPLITS = {
     "qwen2": _ByteLevelSplit(_QWEN2_REGEX, False, True, False),
     "deepseek-r1-qwen": _ByteLevelSplit(_QWEN2_REGEX, False, True, False),
 }
+BYTE_LEVEL_PRE_NAMES = tuple(_BYTE_LEVEL_SPLITS)
 
 
 def _byte_level_backend(meta: _GGUFTokenizerMetadata) -> Backend:

@@ -89,6 +89,16 @@ def check_loglikelihoods(args, base: str, out_dir: str) -> dict:
                 dense_acc=dense_right / docs)
 
 
+def our_choice_accuracy(args) -> dict:
+    """`tunix-rt eval --task choice` on the same file, in process (dense teacher-forced scoring)."""
+    from tunix_rt.checkpoints.loader import load_model
+    from tunix_rt.evaluation import tasks
+
+    loaded = load_model(args.model)
+    prepared = tasks.prepare_choice(os.path.join(HERE, "lm_eval", "multiple_choice.jsonl"), loaded.tokenizer)
+    return tasks.score_choice(loaded.model, prepared, batch_size=8)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lm-eval", default="lm_eval", help="the lm_eval executable (lm-evaluation-harness 0.4.x)")
@@ -108,6 +118,9 @@ def main() -> int:
             print(f"\n{check['count']} log-likelihoods from the server vs dense teacher-forced scoring (float "
                   f"activations): |difference| median {check['median']:.3f}, max {check['max']:.3f} nats; "
                   f"accuracy {check['served_acc']:.3f} served vs {check['dense_acc']:.3f} dense")
+            ours = our_choice_accuracy(args)
+            print(f"tunix-rt eval --task choice on the same file: acc {ours['acc']:.3f}, acc_norm {ours['acc_norm']:.3f} "
+                  f"(lm-eval: {results[TASKS[0]]['acc,none']:.3f}, {results[TASKS[0]]['acc_norm,none']:.3f})")
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -153,6 +153,25 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--output", default=None, help="PNG path (default: RUN_DIR/metrics.png)")
     plot.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
 
+    evaluate = sub.add_parser("eval", help="perplexity, multiple-choice or generative accuracy on a JSONL file, "
+                              "for the model as loaded and each precision asked for")
+    _add_model_arg(evaluate, dequantize_flag=False, lora_flag=True)
+    evaluate.add_argument("--data", required=True, help="JSONL rows: text/chat/prompt-completion (perplexity), "
+                          '{"question", "choices", "label"} (choice), {"prompt", "answer"} (accuracy)')
+    evaluate.add_argument("--task", default="perplexity", choices=["perplexity", "choice", "accuracy"])
+    evaluate.add_argument("--formats", default="source",
+                          help="comma-separated: source (as loaded), f32, f16, bf16, q8_0, q4_0, q4_1 (each the "
+                               "model written as that GGUF type and read back)")
+    evaluate.add_argument("--output", help="a directory for eval.json and eval.png")
+    evaluate.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
+    evaluate.add_argument("--max-length", type=int, default=2048,
+                          help="perplexity: longest window scored at once (longer rows go in windows)")
+    evaluate.add_argument("--batch-size", type=int, default=8, help="sequences scored together")
+    evaluate.add_argument("--max-tokens", type=int, default=256, help="accuracy: tokens generated per row at most")
+    evaluate.add_argument("--reward", default="accuracy", help="accuracy: the reward that marks an answer "
+                          "(a built-in name or module:function)")
+    _add_compile_cache_arg(evaluate)
+
     sub.add_parser("info", help="versions, devices, CPU ISA features and registered FFI targets")
     return parser
 
@@ -383,6 +402,64 @@ def _export(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from tunix_rt.checkpoints.loader import load_model, resolve_model_path
+    from tunix_rt.checkpoints.output_dir import check_output_dir, staged_output_dir
+    from tunix_rt.evaluation import report, tasks
+    from tunix_rt.evaluation.formats import models_in_formats, parse_formats, weight_bytes
+
+    formats = parse_formats(args.formats)
+    for name in ("max_length", "batch_size", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    source = resolve_model_path(args.model)
+    if args.output:
+        check_output_dir(args.output, overwrite=args.overwrite, sources=[source, Path(args.data)], what="eval output")
+    loaded = load_model(source)
+    if args.lora is not None:
+        from tunix_rt.checkpoints.peft_adapter import load_adapter
+
+        load_adapter(loaded.model, args.lora)
+    tokenizer = loaded.tokenizer
+    if args.task == "perplexity":
+        prepared = tasks.prepare_perplexity(args.data, tokenizer,
+                                            max_length=min(args.max_length, loaded.model.config.max_position_embeddings))
+        total = sum(map(len, prepared.sequences))
+    elif args.task == "choice":
+        prepared = tasks.prepare_choice(args.data, tokenizer)
+        total = sum(map(len, prepared.sequences))
+    else:
+        from tunix_rt.train.rewards import resolve_reward
+
+        reward = resolve_reward(args.reward)[1]
+        prepared = tasks.prepare_accuracy(args.data, tokenizer, max_prompt_length=loaded.model.config.max_position_embeddings)
+        total = None
+    results = []
+    for fmt, model in models_in_formats(loaded, formats):
+        with tqdm(total=total, desc=f"{args.task} {fmt}", unit="tok", file=sys.stderr, leave=False) as bar:
+            if args.task == "perplexity":
+                metrics = tasks.score_perplexity(model, prepared, batch_size=args.batch_size, progress=bar.update)
+            elif args.task == "choice":
+                metrics = tasks.score_choice(model, prepared, batch_size=args.batch_size, progress=bar.update)
+            else:
+                metrics = tasks.score_accuracy(model, tokenizer, prepared, reward=reward, max_tokens=args.max_tokens,
+                                               progress=bar.update)
+        results.append({"format": fmt, "bytes": weight_bytes(model), "metrics": metrics})
+        del model
+    print(report.table(args.task, results))
+    if args.output:
+        meta = {"model": str(source), "lora": args.lora, "data": str(args.data)}
+        with staged_output_dir(args.output, overwrite=args.overwrite, sources=[source, Path(args.data)],
+                               what="eval output") as staging:
+            report.write(staging, args.task, meta, results)
+        print(f"wrote {Path(args.output) / 'eval.json'} and eval.png")
+    return 0
+
+
 def _plot(args) -> int:
     from tunix_rt.train.plot import plot_metrics
 
@@ -391,7 +468,7 @@ def _plot(args) -> int:
 
 
 _COMMANDS = {"generate": _generate, "score": _score, "quantize": _quantize, "serve": _serve, "info": _info,
-             "sft": _train, "dpo": _train, "distill": _train, "grpo": _train, "ppo": _train, "export": _export,
+             "sft": _train, "dpo": _train, "distill": _train, "grpo": _train, "ppo": _train, "export": _export, "eval": _eval,
              "plot": _plot}
 
 

@@ -43,3 +43,38 @@ def token_logprobs(model: Decoder, token_ids: list[int]) -> list[float | None]:
     graphdef, state = nnx.split(model)
     logp = np.asarray(_token_logprobs(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions)))
     return [None] + [float(x) for x in logp[0, : n - 1]]
+
+
+def batch_token_logprobs(model: Decoder, sequences: list[list[int]], *, batch_size: int = 8,
+                         progress=None) -> list[np.ndarray]:
+    """token_logprobs of many sequences: logprobs[i][t] = log p(token_t+1 | tokens 0..t) (one entry fewer than the
+    sequence has tokens). Sequences of one bucketed length go together, `batch_size` at a time (a last short
+    batch padded with empty rows), so a file's rows compile a handful of programs; `progress(n)` is called with
+    the tokens of each batch done."""
+    vocab = model.config.vocab_size
+    for i, ids in enumerate(sequences):
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise ValueError(f"sequence {i}: token ids must lie in [0, {vocab}) for this model")
+    graphdef, state = nnx.split(model)
+    out: list[np.ndarray | None] = [None] * len(sequences)
+    by_size: dict[int, list[int]] = {}
+    for i, ids in enumerate(sequences):
+        if len(ids) < 2:
+            out[i] = np.zeros(0, np.float32)
+        else:
+            by_size.setdefault(bucket(len(ids)), []).append(i)
+    for size, members in sorted(by_size.items()):
+        for start in range(0, len(members), batch_size):
+            rows = members[start:start + batch_size]
+            tokens = np.zeros((batch_size, size), np.int32)
+            positions = np.full((batch_size, size), -1, np.int32)  # padding: never attended to
+            for r, i in enumerate(rows):
+                n = len(sequences[i])
+                tokens[r, :n] = sequences[i]
+                positions[r, :n] = np.arange(n)
+            logp = np.asarray(_token_logprobs(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions)))
+            for r, i in enumerate(rows):
+                out[i] = logp[r, : len(sequences[i]) - 1].astype(np.float32)
+            if progress is not None:
+                progress(sum(len(sequences[i]) for i in rows))
+    return out

@@ -42,22 +42,44 @@ class RMSNorm(nnx.Module):
 
 class Embed(nnx.Embed):
     """nnx.Embed whose `attend` (the tied output head) takes its product from `dot_general`, as
-    nnx.Linear does, so bf16 training sends it to the same matmul kernel as the linear layers."""
+    nnx.Linear does, so bf16 training sends it to the same matmul kernel as the linear layers.
+    With `fake_quant` (models/qat.py) both read the table as the export will quantize it."""
+
+    fake_quant = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.dot_general = jax.lax.dot_general
 
+    def table(self) -> jax.Array:
+        table = self.embedding[...]
+        return table if self.fake_quant is None else self.fake_quant.rows(table)
+
+    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+        if self.fake_quant is None:
+            return super().__call__(inputs, out_sharding=out_sharding)
+        (table,) = self.promote_dtype((self.table(),), dtype=self.dtype, inexact=False)
+        return jnp.take(table, inputs, axis=0)
+
     def attend(self, query: jax.Array, out_sharding=None) -> jax.Array:
-        query, embedding = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+        query, embedding = self.promote_dtype((query, self.table()), dtype=self.dtype)
         return self.dot_general(query, embedding, (((query.ndim - 1,), (1,)), ((), ())), out_sharding=out_sharding)
 
 
 class Linear(nnx.Linear):
     """nnx.Linear whose kernel may be a LayerView (one layer of a stacked weight, read in place): the engine's
-    row-invariant GEMM indexes the stack itself; any other product reads the layer's slice."""
+    row-invariant GEMM indexes the stack itself; any other product reads the layer's slice. With `fake_quant`
+    (models/qat.py) the product takes the kernel as the export will quantize it."""
+
+    fake_quant = None
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+        if self.fake_quant is not None:
+            bias = None if self.bias is None else self.bias[...]
+            inputs, kernel, bias = self.promote_dtype((inputs, self.fake_quant(self.kernel[...]), bias),
+                                                      dtype=self.dtype)
+            y = self.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())))
+            return y if bias is None else y + bias
         w = self.kernel.get_value()
         if not (isinstance(w, LayerView) and self.dot_general is invariant_dot_general and out_sharding is None
                 and inputs.dtype == w.dtype == jnp.dtype(self.dtype or w.dtype)):
@@ -215,6 +237,8 @@ class Decoder(nnx.Module):
     activations in the backward pass instead of keeping them.
     """
 
+    fake_quant = None  # models/qat.py: the output head as the export will quantize it
+
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
@@ -259,12 +283,16 @@ class Decoder(nnx.Module):
         a quantized head is dequantized (at the compute dtype) for the fused head's chunked products."""
         head = self.output_head()
         if isinstance(head, QuantEmbed):
-            return dequantize(head.table_t.get_value(), self.dtype), False
-        if isinstance(head, QuantLinear):
-            return dequantize(head.kernel.get_value(), self.dtype), False
-        if self.config.tie_word_embeddings:
-            return head.embedding[...], True
-        return head.kernel[...], False
+            w, transposed = dequantize(head.table_t.get_value(), self.dtype), False
+        elif isinstance(head, QuantLinear):
+            w, transposed = dequantize(head.kernel.get_value(), self.dtype), False
+        elif self.config.tie_word_embeddings:
+            w, transposed = head.embedding[...], True
+        else:
+            w, transposed = head.kernel[...], False
+        if self.fake_quant is not None:  # models/qat.py: the head as the export will quantize it
+            w = self.fake_quant.rows(w) if transposed else self.fake_quant(w)
+        return w, transposed
 
     def token_logprobs(self, h: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
                        entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:

@@ -89,7 +89,11 @@ class LoRALinear(nnx.Module):
         self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
         self.invariant = False  # the engine's row-invariant products (models/batch_invariant.py)
 
+    fake_quant = None  # models/qat.py
+
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.fake_quant is not None:
+            return self._fake_quantized(x)
         y = self.base(x)
         h = x if self.dropout is None else self.dropout(x)
         flat = h.reshape(-1, h.shape[-1])
@@ -99,6 +103,18 @@ class LoRALinear(nnx.Module):
         else:
             delta = lora_delta(flat, a, b, self.scaling)
         return y + delta.reshape(*h.shape[:-1], -1).astype(y.dtype)
+
+    def _fake_quantized(self, x: jax.Array) -> jax.Array:
+        """x @ fake_quant(W + s A B) (+ b): the merged weight as the export quantizes it (models/qat.py); dropout
+        still reaches only the adapter's path, through the difference it makes to x."""
+        kernel = dense_kernel(self.base).astype(jnp.float32) + self.scaling * (self.lora_a[...] @ self.lora_b[...])
+        y = jnp.matmul(x, self.fake_quant(kernel).astype(x.dtype))
+        if self.dropout is not None:
+            flat = (self.dropout(x) - x).reshape(-1, x.shape[-1])
+            delta = lora_delta(flat, self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype), self.scaling)
+            y = y + delta.reshape(*x.shape[:-1], -1).astype(y.dtype)
+        bias = getattr(self.base, "bias", None)
+        return y if bias is None else y + bias[...].astype(y.dtype)
 
     def merged(self) -> nnx.Linear:
         """A plain float Linear computing the same function (dropout off), stacked as the base is."""

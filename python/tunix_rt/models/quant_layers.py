@@ -31,9 +31,14 @@ class QuantLinear(nnx.Module):
         self.int8_rows = int8_rows
         self.invariant = False
 
+    fake_quant = None  # models/qat.py: the weight as an export to another format will quantize it
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = quant_matmul(x, self.kernel.get_value(), exact=self.exact, int8_rows=self.int8_rows,
-                         invariant=self.invariant)
+        if self.fake_quant is not None:
+            y = jnp.matmul(x, self.fake_quant(dequantize_stacked(self.kernel.get_value())).astype(x.dtype))
+        else:
+            y = quant_matmul(x, self.kernel.get_value(), exact=self.exact, int8_rows=self.int8_rows,
+                             invariant=self.invariant)
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 
@@ -49,13 +54,20 @@ class QuantEmbed(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.invariant = False
 
+    fake_quant = None  # models/qat.py
+
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        if self.fake_quant is not None:  # the whole table as the export will quantize it, then the lookup
+            table_t = self.fake_quant(dequantize(self.table_t.get_value(), jnp.float32))
+            return jnp.take(table_t.T.astype(self.dtype), tokens, axis=0)
         qt = dataclasses.replace(self.table_t.get_value(), lanes=None)  # lanes are whole tiles of columns
         flat = tokens.reshape(-1)
         rows = dataclasses.replace(jax.tree.map(lambda a: a[flat], qt), shape=(qt.shape[0], flat.shape[0]))
         return dequantize_reference(rows, self.dtype).T.reshape(*tokens.shape, qt.shape[0])
 
     def attend(self, h: jax.Array) -> jax.Array:
+        if self.fake_quant is not None:
+            return jnp.matmul(h, self.fake_quant(dequantize(self.table_t.get_value(), jnp.float32)).astype(h.dtype))
         return quant_matmul(h, self.table_t.get_value(), exact=True, invariant=self.invariant)
 
 

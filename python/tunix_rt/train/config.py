@@ -61,6 +61,10 @@ class TrainConfig:
     lora_targets: tuple[str, ...] = ALL_TARGETS
     lora: str | None = None  # a peft LoRA adapter directory to start from: its rank, alpha and targets are the run's
     dequantize: bool | None = None  # None: keep a quantized base for LoRA (QLoRA), dequantize for full
+    # quantization-aware training (models/qat.py): the forward sees each weight as `export --quant` / `quantize`
+    # will store it, the gradient passes straight through; q8_0, q4_0, q4_1, int8 or int4 (qat_group_size for int*)
+    qat: str | None = None
+    qat_group_size: int | None = None
     fsdp: int = -1  # mesh axis sizes; -1 takes the devices the other axis leaves
     tp: int = 1
     logging_steps: int = 1
@@ -126,6 +130,15 @@ class TrainConfig:
             raise ValueError("num_processes > 1 needs coordinator_address (host:port of process 0)")
         if not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"process_id must be in [0, num_processes), got {self.process_id}")
+        if self.qat is not None:
+            from tunix_rt.models.qat import fake_quant
+
+            fake_quant(self.qat, self.qat_group_size)  # the format and group checked now, not at step 1
+            if self.compute_dtype != "float32":
+                raise ValueError("qat needs compute_dtype=float32: it trains against the exact weights the export "
+                                 "writes, which bf16 compute would round first")
+        elif self.qat_group_size is not None:
+            raise ValueError("qat_group_size is set but qat is not")
         if self.lora is not None:
             self._adopt_adapter()
         if self.dequantize is None:
@@ -364,6 +377,9 @@ class RLConfig(TrainConfig, RolloutOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.qat is not None:
+            raise ValueError("qat is for sft, dpo and distill: an RL run samples from the float weights, which "
+                             "fake-quantized training would leave off-policy")
         self.reward = (self.reward,) if isinstance(self.reward, str) else tuple(self.reward)
         self.tool = (self.tool,) if isinstance(self.tool, str) else tuple(self.tool)
         self._check_rollout()

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from tunix_rt.models.decoder import Decoder, Embed, record_router_logits
 from tunix_rt.models.lora import HeadParam, apply_lora, has_lora
+from tunix_rt.models.qat import enable_qat, fake_quant
 from tunix_rt.models.quant_layers import QuantEmbed, set_int8_rows
 from tunix_rt.ops.bf16_matmul import bf16_dot_general
 from tunix_rt.ops.moe import load_balancing_loss, router_z_loss
@@ -235,6 +236,9 @@ class Trainer:
         if self.lora and not has_lora(model):
             apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                        targets=cfg.lora_targets, seed=cfg.seed)
+        if cfg.qat is not None:
+            count = enable_qat(model, fake_quant(cfg.qat, cfg.qat_group_size))
+            log.info("qat=%s: %d weights trained through their %s quantization", cfg.qat, count, cfg.qat)
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         self.inference_dtype = model.dtype  # what the model was loaded in: the rollout engine runs at it
         set_compute_dtype(model, self.compute_dtype, matmul_kernel=cfg.bf16_matmul_kernel)

@@ -133,12 +133,27 @@ def test_llama_cpp_reads_an_f32_export_as_we_do(tiny, tmp_path):
                           flash_attn=False)
     llm.eval(TOKENS[0].tolist())
     theirs = np.asarray(llm.scores[: TOKENS.shape[1]], np.float64)
-    ours = _logits(loaded.model)[0].astype(np.float64)
     log_softmax = lambda x: x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
     # ggml's CPU GELU (Gemma's MLP) rounds its input to f16 and reads an f16 table (GGML_GELU_FP16 in
-    # ggml-cpu/vec.h): ~1e-3 of its own on these log-probs; the SiLU families agree to ~1e-6.
-    atol = 2e-3 if family.startswith("gemma") else 1e-3
-    np.testing.assert_allclose(log_softmax(theirs), log_softmax(ours), atol=atol, err_msg=family)
+    # ggml-cpu/vec.h), which alone moves these log-probs by up to 1.5e-3: our model takes the same rounding here,
+    # so what is compared is how the file is read (then within 2.2e-4; the SiLU families 3.5e-6).
+    mlps = [m for _, m in nnx.iter_modules(loaded.model) if hasattr(m, "act")] if family.startswith("gemma") else []
+    saved = [m.act for m in mlps]
+    for mlp in mlps:
+        mlp.act = _ggml_gelu
+    try:
+        ours = _logits(loaded.model)[0].astype(np.float64)
+    finally:
+        for mlp, act in zip(mlps, saved):
+            mlp.act = act
+    np.testing.assert_allclose(log_softmax(theirs), log_softmax(ours), atol=1e-3, err_msg=family)
+
+
+def _ggml_gelu(x):
+    """ggml's CPU GELU: the input rounded to f16, the tanh GELU of it rounded to f16; x itself past +-10."""
+    y = jax.nn.gelu(x.astype(jnp.float16).astype(jnp.float32), approximate=True)
+    y = y.astype(jnp.float16).astype(jnp.float32)
+    return jnp.where(x <= -10.0, 0.0, jnp.where(x >= 10.0, x, y))
 
 
 @pytest.mark.parametrize("quant", ["q8_0", "q4_0"])

@@ -553,11 +553,11 @@ def test_unreadable_rope_scaling_is_refused_by_name(tmp_path, extra, match):
 def test_llama3_rope_freqs_without_a_blended_band():
     """Factors only 1 and `factor` (no frequency between the bands): any pretraining length the band edges
     allow gives them; all 1: plain rope."""
-    factors = gguf_loader._llama3_factors(10000.0, 8, 8.0, 40.0)
+    factors = gguf_loader.llama3_rope_factors(10000.0, 8, 8.0, 40.0)
     assert set(factors.tolist()) == {1.0, 8.0}
     got = gguf_loader.llama3_rope_scaling(factors.astype(np.float32), 10000.0, 8)
     np.testing.assert_array_equal(
-        gguf_loader._llama3_factors(10000.0, 8, 8.0, got["original_max_position_embeddings"]), factors)
+        gguf_loader.llama3_rope_factors(10000.0, 8, 8.0, got["original_max_position_embeddings"]), factors)
     assert gguf_loader.llama3_rope_scaling(np.ones(4, np.float32), 10000.0, 8) is None
 
 

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tunix_rt.checkpoints.gguf_loader import _llama3_factors, open_gguf, permute_rope
+from tunix_rt.checkpoints.gguf_loader import llama3_rope_factors, open_gguf, permute_rope
 from tunix_rt.checkpoints.hf_export import hf_tensors, inverse_names
 from tunix_rt.checkpoints.output_dir import staged_output_file
 from tunix_rt.checkpoints.tokenizer import BYTE_LEVEL_PRE_NAMES, Tokenizer
@@ -49,7 +49,8 @@ class GGUFExportError(ValueError):
 
 def export_gguf(model: Decoder, tokenizer: Tokenizer, out_file: str | os.PathLike, *, quant: str = "f32",
                 name: str | None = None, source: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
-    """Write `model` (LoRA merged first) and `tokenizer` to `out_file` as GGUF; returns its path.
+    """Write `model` (any LoRA merged into it first: merge_lora) and `tokenizer` to `out_file` as GGUF; returns
+    its path.
 
     `source` is the path the model was loaded from: a .gguf source gives the tokenizer metadata verbatim, and
     the output may be neither it nor (without `overwrite`) any existing file. The file is written beside its
@@ -240,7 +241,7 @@ def _gguf_tensors(model: Decoder, arch: str, quant: str) -> Iterator[tuple[str, 
     packed = _packed_layers(model, quant) if quant in FORMATS else {}
     full = _full_rope(cfg)
     if full.rope_type == "llama3":
-        factors = _llama3_factors(full.theta, cfg.head_dim, full.factor, full.original_max_position_embeddings)
+        factors = llama3_rope_factors(full.theta, cfg.head_dim, full.factor, full.original_max_position_embeddings)
         yield "rope_freqs.weight", factors.astype(np.float32), gguf.GGMLQuantizationType.F32
     for hf_name, data in tensors.items():
         if hf_name == "lm_head.weight" and (cfg.tie_word_embeddings or arch.startswith("gemma")):
@@ -251,7 +252,7 @@ def _gguf_tensors(model: Decoder, arch: str, quant: str) -> Iterator[tuple[str, 
             raise GGUFExportError(f"tensor {hf_name} has no llama.cpp name for architecture {arch}")
         gguf_name = f"{gguf_base}.{suffix}"
         rope_heads = None
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             rope_heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             data = data + np.float32(1.0)

@@ -163,7 +163,7 @@ def _rope_wavelengths(theta: float, head_dim: int) -> np.ndarray:
     return 2 * math.pi / freqs.astype(np.float64)
 
 
-def _llama3_factors(theta: float, head_dim: int, factor: float, original: float) -> np.ndarray:
+def llama3_rope_factors(theta: float, head_dim: int, factor: float, original: float) -> np.ndarray:
     """llama.cpp's `rope_freqs.weight` for HF's llama3 rope: 1 above the high band edge, `factor` below the
     low one, the smoothed inverse between (its converter's arithmetic, float32 frequencies)."""
     low, high = _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR
@@ -197,7 +197,7 @@ def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dic
         longest = low * float(wavelen[factors == factor].min(initial=np.inf))
         candidates = [8192.0] + ([float(math.floor((shortest + longest) / 2))] if np.isfinite(longest) else [])
     for original in candidates:
-        if original > 0 and np.allclose(_llama3_factors(theta, head_dim, factor, original), factors, rtol=1e-5, atol=0):
+        if original > 0 and np.allclose(llama3_rope_factors(theta, head_dim, factor, original), factors, rtol=1e-5, atol=0):
             return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
                     "original_max_position_embeddings": int(original)}
     raise CheckpointError(f"GGUF rope_freqs tensor is not Llama 3's rope scaling (low/high frequency factors "
@@ -297,7 +297,8 @@ def iter_tensors(
             raise CheckpointError(f"unexpected GGUF tensor {t.name!r} for architecture {arch}")
         name = name.replace("{ffn_norm}", ffn_norm)
         rope_heads = None
-        if arch in ("llama", "mixtral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("llama", "mixtral") and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
+                                                           "k_proj.bias")):  # llama.cpp's converter permutes both
             rope_heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
         if keep_quantized and kept_quantized(t):
             qt = _quantized(t)

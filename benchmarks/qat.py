@@ -6,8 +6,8 @@ A small fine-tuning task made here: chats asking for a sum of two numbers below 
 "a + b = c." (400 distinct pairs, 320 trained on, 80 held out). Two LoRA SFT runs with the same seed and
 options, one plain and one with qat=QUANT; each is then evaluated with `tunix-rt eval --task perplexity` on
 the held-out chats (assistant tokens) as f32 and as QUANT (the model written as that GGUF type and read back,
-what llama.cpp would run). Prints both runs' perplexities and the gap QUANT - f32 of each, the train
-steps' wall time and peak RSS.
+what llama.cpp would run). Prints both runs' perplexities and the gap QUANT - f32 of each, and each `sft`
+process's wall time (load, compile, the steps, saving) and peak RSS.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> None:
                 ppl = {r["format"]: r["metrics"]["perplexity"] for r in json.load(f)["results"]}
             rows.append((label, ppl["f32"], ppl[args.quant], seconds, peak_rss_gb(os.path.join(out, "metrics.jsonl"))))
     print(f"default model, LoRA r{args.lora_rank}, {args.steps} steps of 8 chats; held-out perplexity (80 chats)")
-    print(f"{'run':<28} {'f32':>8} {args.quant:>8} {'gap':>8} {'train s':>8} {'peak GB':>8}")
+    print(f"{'run':<28} {'f32':>8} {args.quant:>8} {'gap':>8} {'sft s':>8} {'peak GB':>8}")
     for label, f32, quant, seconds, rss in rows:
         print(f"{label:<28} {f32:8.4f} {quant:8.4f} {quant - f32:+8.4f} {seconds:8.1f} {rss:8.2f}")
 

@@ -388,11 +388,12 @@ def _export(args) -> int:
 
         load_adapter(loaded.model, args.lora)
     model = merge_lora(loaded.model) if has_lora(loaded.model) else loaded.model
+    inputs += loaded.inputs[1:]  # an adapter directory's base
     if gguf:
         from tunix_rt.checkpoints.gguf_export import export_gguf
 
-        out = export_gguf(model, loaded.tokenizer, args.output, quant=args.quant, name=source.stem, source=source,
-                          overwrite=args.overwrite)
+        out = export_gguf(model, loaded.tokenizer, args.output, quant=args.quant, name=source.stem,
+                          source=loaded.base_source or source, inputs=inputs, overwrite=args.overwrite)
     else:
         from tunix_rt.checkpoints.hf_export import export_hf
 
@@ -417,9 +418,11 @@ def _eval(args) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     source = resolve_model_path(args.model)
+    inputs = [source, Path(args.data), *([Path(args.lora)] if args.lora else [])]
     if args.output:
-        check_output_dir(args.output, overwrite=args.overwrite, sources=[source, Path(args.data)], what="eval output")
+        check_output_dir(args.output, overwrite=args.overwrite, sources=inputs, what="eval output")
     loaded = load_model(source)
+    inputs += loaded.inputs[1:]  # an adapter directory's base
     if args.lora is not None:
         from tunix_rt.checkpoints.peft_adapter import load_adapter
 
@@ -435,8 +438,15 @@ def _eval(args) -> int:
     else:
         from tunix_rt.train.rewards import resolve_reward
 
-        reward = resolve_reward(args.reward)[1]
-        prepared = tasks.prepare_accuracy(args.data, tokenizer, max_prompt_length=loaded.model.config.max_position_embeddings)
+        reward = resolve_reward(args.reward)
+        room = loaded.model.config.max_position_embeddings - args.max_tokens
+        if room < 1:
+            raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's "
+                             f"{loaded.model.config.max_position_embeddings} positions")
+        from tunix_rt.train.rewards import ANSWER_COLUMNS, REWARDS
+
+        needs = ANSWER_COLUMNS if reward[1] is REWARDS["accuracy"] else ()
+        prepared = tasks.prepare_accuracy(args.data, tokenizer, max_prompt_length=room, reference_columns=needs)
         total = None
     results = []
     for fmt, model in models_in_formats(loaded, formats):
@@ -453,8 +463,7 @@ def _eval(args) -> int:
     print(report.table(args.task, results))
     if args.output:
         meta = {"model": str(source), "lora": args.lora, "data": str(args.data)}
-        with staged_output_dir(args.output, overwrite=args.overwrite, sources=[source, Path(args.data)],
-                               what="eval output") as staging:
+        with staged_output_dir(args.output, overwrite=args.overwrite, sources=inputs, what="eval output") as staging:
             report.write(staging, args.task, meta, results)
         print(f"wrote {Path(args.output) / 'eval.json'} and eval.png")
     return 0

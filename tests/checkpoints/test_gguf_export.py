@@ -246,3 +246,25 @@ def test_lora_run_exports_merged_and_llama_cpp_reads_it(tmp_path):
     theirs = np.asarray(llm.scores[: tokens.shape[1]], np.float64)
     log_softmax = lambda x: x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
     np.testing.assert_allclose(log_softmax(theirs), log_softmax(want[0].astype(np.float64)), atol=1e-3)
+
+
+def test_an_adapters_base_is_never_written_over(tiny, tmp_path, capsys):
+    """`--model ADAPTER_DIR` reads the base its adapter_config names: exporting onto that base file is refused
+    even with --overwrite, and the base is left as it was."""
+    from tests.train.test_train_cli import cli
+    from tunix_rt.checkpoints.peft_adapter import save_adapter
+    from tunix_rt.models.lora import apply_lora
+
+    _, loaded = tiny
+    base = export_gguf(loaded.model, loaded.tokenizer, tmp_path / "base.gguf")
+    before = base.read_bytes()
+    model = load_model(base).model
+    apply_lora(model, rank=2, alpha=4.0, seed=0)
+    adapter = save_adapter(model, tmp_path / "adapter", base_model=str(base))
+    assert cli("export", "--model", adapter, "--format", "gguf", "--output", base, "--overwrite") == 2
+    assert "is the input" in capsys.readouterr().err
+    assert base.read_bytes() == before
+    out = tmp_path / "merged.gguf"  # elsewhere it is written, with the base's own tokenizer metadata
+    assert cli("export", "--model", adapter, "--format", "gguf", "--output", out) == 0
+    assert open_gguf(out).fields["tokenizer.ggml.tokens"].contents() == \
+        open_gguf(base).fields["tokenizer.ggml.tokens"].contents()

@@ -71,6 +71,9 @@ def test_choice_matches_summed_continuation_logprobs(tiny, tmp_path):
             for ids, start in zip(prepared.sequences, prepared.continuation_starts)]
     picks = [int(np.argmax(sums[:3])), int(np.argmax(sums[3:]))]
     assert result["acc"] == np.mean([picks[0] == 1, picks[1] == 0])
+    lengths = [len(c) for r in rows for c in r["choices"]]  # lm-eval's acc_norm: the choice's own length
+    normed = [s / n for s, n in zip(sums, lengths)]
+    assert result["acc_norm"] == np.mean([int(np.argmax(normed[:3])) == 1, int(np.argmax(normed[3:])) == 0])
     assert result["rows"] == 2
 
 
@@ -94,7 +97,7 @@ def test_accuracy_generates_with_the_engine_and_marks_with_the_reward(tiny, tmp_
     _, loaded = tiny
     seen = {}
 
-    def reward(prompts, completions, answer, **columns):
+    def reward(prompts, completions, answer, completion_ids, **columns):
         seen.update(prompts=prompts, completions=completions, answer=answer)
         return [float(c.startswith(a)) for c, a in zip(completions, answer)]
 
@@ -104,11 +107,21 @@ def test_accuracy_generates_with_the_engine_and_marks_with_the_reward(tiny, tmp_
                                                 SamplingParams(temperature=0, max_tokens=4))]
     rows = [{"prompt": prompts[0], "answer": expected[0][:2]}, {"prompt": prompts[1], "answer": "never" * 9}]
     prepared = tasks.prepare_accuracy(_write(tmp_path / "a.jsonl", rows), loaded.tokenizer, max_prompt_length=64)
-    result = tasks.score_accuracy(loaded.model, loaded.tokenizer, prepared, reward=reward, max_tokens=4)
+    result = tasks.score_accuracy(loaded.model, loaded.tokenizer, prepared, reward=("mine", reward), max_tokens=4)
     assert seen == {"prompts": prompts, "completions": expected, "answer": [r["answer"] for r in rows]}
     assert result["rows"] == 2 and result["accuracy"] == 0.5
-    with pytest.raises(DataError, match='needs its reference in "answer"'):
-        tasks.prepare_accuracy(_write(tmp_path / "b.jsonl", [{"prompt": "x"}]), loaded.tokenizer, max_prompt_length=8)
+    with pytest.raises(DataError, match="need their reference answer in one of answer"):
+        tasks.prepare_accuracy(_write(tmp_path / "b.jsonl", [{"prompt": "x"}]), loaded.tokenizer, max_prompt_length=8,
+                               reference_columns=("answer",))
+    with pytest.raises(DataError, match="columns"):  # rows must share their columns, as RL's prompts do
+        tasks.prepare_accuracy(_write(tmp_path / "c.jsonl", [{"prompt": "x", "answer": "1"},
+                                                             {"prompt": "y", "solution": "2"}]),
+                               loaded.tokenizer, max_prompt_length=8)
+    from tunix_rt.train.rewards import RewardError
+
+    with pytest.raises(RewardError, match="'bad' returned"):
+        tasks.score_accuracy(loaded.model, loaded.tokenizer, prepared, reward=("bad", lambda *a, **k: [1.0]),
+                             max_tokens=2)
 
 
 def test_formats_are_the_gguf_round_trips(tiny):
@@ -132,6 +145,7 @@ def test_cli_prints_the_table_and_writes_json_and_png(tiny, tmp_path, capsys):
     assert [r["format"] for r in written["results"]] == ["source", "q8_0"] and written["task"] == "choice"
     assert (out / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert cli("eval", "--model", path, "--data", data, "--task", "choice", "--output", out) == 2  # not empty
+    assert cli("eval", "--model", path, "--data", data, "--output", tmp_path, "--overwrite") == 2  # holds the data
     assert cli("eval", "--model", path, "--data", data, "--formats", "int3") == 2
     assert cli("eval", "--model", path, "--data", data, "--batch-size", "0") == 2
     assert "--batch-size must be at least 1" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.checkpoints.peft_adapter import load_adapter
 from tunix_rt.models.qat import enable_qat, fake_quant
 from tunix_rt.ops.quant import dequantize, quantize
-from tunix_rt.train.config import GRPOConfig, SFTConfig
+from tunix_rt.train.config import DistillConfig, GRPOConfig, SFTConfig
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 TOKENS = np.random.default_rng(1).integers(3, 100, (2, 12))
@@ -79,6 +79,21 @@ def test_qat_options_are_checked(kwargs, match):
         SFTConfig(data="d", output="o", **kwargs)
 
 
-def test_qat_is_refused_for_rl():
+def test_qat_is_refused_where_rollouts_sample_the_float_weights():
     with pytest.raises(ValueError, match="qat is for sft, dpo and distill"):
         GRPOConfig(data="d", output="o", reward=("brevity",), qat="q4_0")
+    with pytest.raises(ValueError, match="qat with on_policy=true"):
+        DistillConfig(data="d", output="o", teacher="t", qat="q8_0", on_policy=True)
+
+
+def test_int_formats_follow_tunix_rt_quantize(tiny):
+    """int8/int4 QAT covers what `tunix-rt quantize` packs (the projections, an untied lm_head); the GGUF formats
+    also the embedding and a tied head, as the GGUF export quantizes them."""
+    from tunix_rt.models.decoder import Decoder, Embed
+
+    for fmt, group, embedding in (("int8", None, False), ("q8_0", None, True)):
+        model = load_model(tiny).model  # the tiny llama: lm_head untied
+        enable_qat(model, fake_quant(fmt, group))
+        modules = [m for _, m in nnx.iter_modules(model)]
+        assert all((m.fake_quant is not None) == embedding for m in modules if isinstance(m, Embed)), fmt
+        assert [m for m in modules if isinstance(m, Decoder)][0].fake_quant is not None  # untied: always

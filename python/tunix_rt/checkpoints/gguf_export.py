@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -48,13 +49,14 @@ class GGUFExportError(ValueError):
 
 
 def export_gguf(model: Decoder, tokenizer: Tokenizer, out_file: str | os.PathLike, *, quant: str = "f32",
-                name: str | None = None, source: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
+                name: str | None = None, source: str | os.PathLike | None = None,
+                inputs: Sequence[str | os.PathLike] = (), overwrite: bool = False) -> Path:
     """Write `model` (any LoRA merged into it first: merge_lora) and `tokenizer` to `out_file` as GGUF; returns
     its path.
 
-    `source` is the path the model was loaded from: a .gguf source gives the tokenizer metadata verbatim, and
-    the output may be neither it nor (without `overwrite`) any existing file. The file is written beside its
-    target and renamed into place when complete and checked.
+    `source` is the file or directory the weights were loaded from (a .gguf source gives the tokenizer metadata
+    verbatim); the output may be neither it nor any of `inputs`, nor (without `overwrite`) an existing file.
+    The file is written beside its target and renamed into place when complete and checked.
     """
     import gguf
 
@@ -67,8 +69,8 @@ def export_gguf(model: Decoder, tokenizer: Tokenizer, out_file: str | os.PathLik
     _check_llama_cpp_reads_it_the_same(cfg, arch)
     source_gguf = source is not None and Path(source).is_file() and Path(source).suffix.lower() == ".gguf"
     tensors = list(_gguf_tensors(model, arch, quant))  # before writing anything: a bad variable fails first
-    with staged_output_file(out_file, overwrite=overwrite, sources=[] if source is None else [source],
-                            what="GGUF export target") as staging:
+    sources = [*inputs, *([] if source is None else [source])]
+    with staged_output_file(out_file, overwrite=overwrite, sources=sources, what="GGUF export target") as staging:
         writer = gguf.GGUFWriter(str(staging), arch)
         writer.add_name(name or f"{cfg.architecture}-{cfg.num_layers}x{cfg.hidden_size}")
         writer.add_file_type(gguf.LlamaFileType[_FILE_TYPES[quant]])
@@ -296,22 +298,10 @@ def _copy_tokenizer_fields(writer, source: Path) -> None:
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
-        value = field.contents()
         if field.value_type == GGUFValueType.ARRAY:
-            item = _array_item_type(value)
-            writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=item)
+            writer.add_key_value(key, field.contents(), GGUFValueType.ARRAY, sub_type=field.item_type)
         else:
-            writer.add_key_value(key, value, field.value_type)
-
-
-def _array_item_type(values: list):
-    from gguf import GGUFValueType
-
-    if values and isinstance(values[0], str):
-        return GGUFValueType.STRING
-    if values and isinstance(values[0], float):
-        return GGUFValueType.FLOAT32
-    return GGUFValueType.INT32
+            writer.add_key_value(key, field.contents(), field.value_type)
 
 
 def _add_tokenizer(writer, tokenizer: Tokenizer, vocab_size: int) -> None:
@@ -333,9 +323,13 @@ def _add_tokenizer(writer, tokenizer: Tokenizer, vocab_size: int) -> None:
     for token, i in vocab.items():
         tokens[i] = token
     added = {t["id"]: t for t in spec.get("added_tokens", [])}
+    byte_piece = re.compile(r"<0x[0-9A-F]{2}>")  # SentencePiece's byte fallback: llama.cpp decodes them as bytes
+    byte_fallback = bool(model.get("byte_fallback"))
     types = [gguf.TokenType.CONTROL if added.get(i, {}).get("special") else
              gguf.TokenType.USER_DEFINED if i in added else
-             gguf.TokenType.UNUSED if tokens[i] == f"[PAD{i}]" else gguf.TokenType.NORMAL for i in range(size)]
+             gguf.TokenType.UNUSED if tokens[i] == f"[PAD{i}]" else
+             gguf.TokenType.BYTE if byte_fallback and byte_piece.fullmatch(tokens[i]) else
+             gguf.TokenType.NORMAL for i in range(size)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     byte_level = '"ByteLevel"' in json.dumps(spec.get("pre_tokenizer")) or '"ByteLevel"' in json.dumps(spec.get("decoder"))
     if byte_level:

@@ -59,10 +59,12 @@ _ELEMENT_DTYPES = {
 
 
 class GGUFField(NamedTuple):
-    """One metadata value: a str, a Python int/float/bool, or a flat list of them (nested arrays flattened)."""
+    """One metadata value: a str, a Python int/float/bool, or a flat list of them (nested arrays flattened);
+    `item_type`, an array's item type (what a writer copying the field needs, an empty array included)."""
 
     value_type: GGUFValueType
     value: Any
+    item_type: GGUFValueType | None = None
 
     def contents(self) -> Any:
         """The value as gguf's ReaderField.contents() gives it; a list is a fresh copy the caller may change."""
@@ -108,7 +110,8 @@ class GGUFFile:
                 raise ValueError(f"metadata key {key!r} appears twice")
             (value_type,) = cursor.unpack(_U32, f"the type of {key!r}")
             value_type = _value_type(value_type, repr(key))
-            self.fields[key] = GGUFField(value_type, cursor.value(value_type, repr(key)))
+            item_type = cursor.peek_item_type(repr(key)) if value_type == GGUFValueType.ARRAY else None
+            self.fields[key] = GGUFField(value_type, cursor.value(value_type, repr(key)), item_type)
         alignment = self._alignment()
         infos = [cursor.tensor_info(alignment) for _ in range(cursor.check_count(n_tensors, 32, "tensor infos"))]
         data_start = -(-cursor.pos // alignment) * alignment
@@ -174,6 +177,12 @@ class _Cursor:
         if count * min_size > self.size - self.pos:
             raise ValueError(f"{count} {what} at byte {self.pos} cannot fit in the {self.size - self.pos} bytes left")
         return count
+
+    def peek_item_type(self, what: str) -> GGUFValueType:
+        """The item type of the array whose header comes next (the cursor stays where it is)."""
+        if _U32.size > self.size - self.pos:
+            raise ValueError(f"the array header of {what} at byte {self.pos} runs past the end of the file")
+        return _value_type(_U32.unpack_from(self.buf, self.pos)[0], f"an array item of {what}")
 
     def unpack(self, fmt: struct.Struct, what: str) -> tuple:
         return fmt.unpack_from(self.buf, self.take(fmt.size, what))

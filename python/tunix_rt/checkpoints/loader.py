@@ -31,6 +31,12 @@ class LoadedModel:
     generation_config: dict  # HF generation_config.json (empty for GGUF)
     source: Path
     hf_config: dict  # the HF config.json dict the model was built from (what hf_export writes back)
+    base_source: Path | None = None  # an adapter directory's base model: the file or directory the weights came from
+
+    @property
+    def inputs(self) -> list[Path]:
+        """Every path the model was read from: what a command writing output must not write over."""
+        return [self.source] if self.base_source is None else [self.source, self.base_source]
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
@@ -90,7 +96,7 @@ def _load_adapter_model(path: Path, *, dtype, dequantize: bool) -> LoadedModel:
                               "model as --model")
     loaded = load_model(base_path, dtype=dtype, dequantize=dequantize)
     load_adapter(loaded.model, path)
-    return dataclasses.replace(loaded, source=path)
+    return dataclasses.replace(loaded, source=path, base_source=loaded.source)
 
 
 def _adapter_only(path: Path) -> bool:

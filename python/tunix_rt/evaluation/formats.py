@@ -46,7 +46,9 @@ def models_in_formats(loaded: LoadedModel, formats: list[str]) -> Iterator[tuple
             if fmt == SOURCE:
                 yield fmt, model
                 continue
-            path = export_gguf(model, loaded.tokenizer, Path(work) / f"{fmt}.gguf", quant=fmt, source=loaded.source)
+            path = export_gguf(model, loaded.tokenizer, Path(work) / f"{fmt}.gguf", quant=fmt,
+                               source=loaded.base_source or loaded.source)
             converted = load_model(path).model
             path.unlink()
             yield fmt, converted
+            del converted  # before the next format's is made

@@ -22,7 +22,8 @@ import numpy as np
 from tunix_rt.checkpoints.tokenizer import Tokenizer
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.models.scoring import batch_token_logprobs
-from tunix_rt.train.data import DataError, PromptExample, read_jsonl, tokenize_prompt, tokenize_sft
+from tunix_rt.train.data import DataError, PromptExample, load_prompts, read_jsonl, tokenize_sft
+from tunix_rt.train.rewards import score as score_rewards
 
 TASKS = ("perplexity", "choice", "accuracy")
 CHOICE_CONTEXT = "Question: {question}\nAnswer:"
@@ -95,7 +96,7 @@ def prepare_choice(path, tokenizer: Tokenizer) -> Choices:
             whole = tokenizer.encode(context + continuation, add_special_tokens=False)
             out.sequences.append(whole)
             out.continuation_starts.append(min(len(context_ids), len(whole) - 1))
-            out.choice_chars.append(len(continuation))
+            out.choice_chars.append(len(choice))  # lm-eval's acc_norm divides by the choice's own length
         out.choices_per_row.append(len(choices))
         out.labels.append(label)
     return out
@@ -119,22 +120,24 @@ def score_choice(model: Decoder, choices: Choices, *, batch_size: int, progress=
             "tokens_per_s": sum(map(len, choices.sequences)) / seconds}
 
 
-def prepare_accuracy(path, tokenizer: Tokenizer, *, max_prompt_length: int) -> list[PromptExample]:
-    rows = []
-    for line, row in read_jsonl(path):
-        if not any(k in row for k in ("answer", "solution", "ground_truth")):
-            raise DataError(f'{path}:{line}: an accuracy row needs its reference in "answer" (or "solution", '
-                            '"ground_truth")')
-        rows.append(tokenize_prompt(row, tokenizer, max_prompt_length=max_prompt_length, where=f"{path}:{line}"))
+def prepare_accuracy(path, tokenizer: Tokenizer, *, max_prompt_length: int,
+                     reference_columns: tuple[str, ...] = ()) -> list[PromptExample]:
+    """The rows as RL reads its prompts (every row with the same columns); with `reference_columns` (what the
+    reward reads: the math accuracy reward's answer, solution or ground_truth), one of them must be there."""
+    rows = load_prompts(path, tokenizer, max_prompt_length=max_prompt_length)
+    if reference_columns and not any(k in rows[0].columns for k in reference_columns):
+        raise DataError(f"{path}: the rows need their reference answer in one of {', '.join(reference_columns)}")
     return rows
 
 
 def score_accuracy(model: Decoder, tokenizer: Tokenizer, rows: list[PromptExample], *, reward, max_tokens: int,
                    progress=None) -> dict:
+    """Greedy answers from the engine, marked by `reward` (name, function) as RL scores a rollout: the mean over
+    the rows it marks (a None is a row it cannot judge)."""
     from tunix_rt.engine.engine import Engine
     from tunix_rt.engine.params import SamplingParams
 
-    longest = max(len(r.prompt_ids) for r in rows) + max_tokens
+    longest = min(max(len(r.prompt_ids) for r in rows) + max_tokens, model.config.max_position_embeddings)
     engine = Engine(model, tokenizer, max_model_len=longest, max_num_seqs=min(len(rows), 32))
     start = time.perf_counter()
     outputs = engine.generate([r.prompt_ids.tolist() for r in rows],
@@ -144,9 +147,11 @@ def score_accuracy(model: Decoder, tokenizer: Tokenizer, rows: list[PromptExampl
         progress(sum(len(o.token_ids) for o in outputs))
     completions = [o.text if isinstance(r.prompt, str) else [{"role": "assistant", "content": o.text}]
                    for r, o in zip(rows, outputs)]
-    columns = {k: [r.columns.get(k) for r in rows] for k in rows[0].columns}
-    marks = [m for m in reward([r.prompt for r in rows], completions, **columns) if m is not None]
-    if not marks:
-        raise DataError("no row has a reference answer the reward can mark")
-    return {"accuracy": float(np.mean(marks)), "rows": len(marks),
+    columns = {k: [r.columns[k] for r in rows] for k in rows[0].columns}
+    columns["completion_ids"] = [list(o.token_ids) for o in outputs]
+    _, per_fn = score_rewards([reward], [1.0], [r.prompt for r in rows], completions, columns)
+    marks = per_fn[0][~np.isnan(per_fn[0])]
+    if not marks.size:
+        raise DataError("the reward marked no row (it returned None for every one)")
+    return {"accuracy": float(marks.mean()), "rows": int(marks.size),
             "tokens_per_s": sum(len(o.token_ids) for o in outputs) / seconds}

@@ -79,8 +79,9 @@ def quantize_stacked(w: jax.Array, fmt: str, group_size: int | None = None) -> Q
 
 
 def dequantize_stacked(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
-    """The (K, N) float weight of a QuantizedTensor, or (layers, K, N) for a layer stack of them."""
-    if qt.qs.ndim == 2:
+    """The (K, N) float weight of a QuantizedTensor (of a stack's layer `layer` when set), or (layers, K, N) for a
+    layer stack of them."""
+    if qt.qs.ndim == 2 or qt.layer is not None:  # one weight, or one layer of a stack read in place
         return dequantize(qt, dtype)
     return jnp.stack([dequantize(jax.tree.map(lambda a, i=i: a[i], qt), dtype) for i in range(qt.qs.shape[0])])
 

@@ -22,27 +22,18 @@ def bucket(n: int, minimum: int = 32) -> int:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _token_logprobs(graphdef, state, tokens, positions):
+    """log p(token t+1 | tokens to t) through the fused chunked head: no (batch, length, vocab) logits."""
     model = nnx.merge(graphdef, state)
-    logp = jax.nn.log_softmax(model(tokens, positions)[:, :-1], axis=-1)
-    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    h, _ = model.hidden_states(tokens, positions)
+    return model.token_logprobs(h[:, :-1], tokens[:, 1:])[0]
 
 
 def token_logprobs(model: Decoder, token_ids: list[int]) -> list[float | None]:
     """logprobs[i] = log p(token_i | token_0..i-1); None for the first token, which has no context."""
-    n = len(token_ids)
-    if n == 0:
+    if not token_ids:
         return []
-    vocab = model.config.vocab_size
-    if min(token_ids) < 0 or max(token_ids) >= vocab:
-        raise ValueError(f"token ids must lie in [0, {vocab}) for this model, got {min(token_ids)}..{max(token_ids)}")
-    size = bucket(n)
-    tokens = np.zeros((1, size), np.int32)
-    tokens[0, :n] = token_ids
-    positions = np.full((1, size), -1, np.int32)  # padding: never attended to
-    positions[0, :n] = np.arange(n)
-    graphdef, state = nnx.split(model)
-    logp = np.asarray(_token_logprobs(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions)))
-    return [None] + [float(x) for x in logp[0, : n - 1]]
+    [logp] = batch_token_logprobs(model, [list(token_ids)], batch_size=1)
+    return [None] + [float(x) for x in logp]
 
 
 def batch_token_logprobs(model: Decoder, sequences: list[list[int]], *, batch_size: int = 8,
@@ -50,11 +41,15 @@ def batch_token_logprobs(model: Decoder, sequences: list[list[int]], *, batch_si
     """token_logprobs of many sequences: logprobs[i][t] = log p(token_t+1 | tokens 0..t) (one entry fewer than the
     sequence has tokens). Sequences of one bucketed length go together, `batch_size` at a time (a last short
     batch padded with empty rows), so a file's rows compile a handful of programs; `progress(n)` is called with
-    the tokens of each batch done."""
-    vocab = model.config.vocab_size
+    the tokens of each batch done. A sequence longer than the model's positions is refused."""
+    vocab, longest = model.config.vocab_size, model.config.max_position_embeddings
     for i, ids in enumerate(sequences):
         if ids and (min(ids) < 0 or max(ids) >= vocab):
-            raise ValueError(f"sequence {i}: token ids must lie in [0, {vocab}) for this model")
+            raise ValueError(f"token ids must lie in [0, {vocab}) for this model, got {min(ids)}..{max(ids)}"
+                             f"{f' in sequence {i}' if len(sequences) > 1 else ''}")
+        if len(ids) > longest:
+            raise ValueError(f"a sequence of {len(ids)} tokens is longer than the model's {longest} positions"
+                             f"{f' (sequence {i})' if len(sequences) > 1 else ''}")
     graphdef, state = nnx.split(model)
     out: list[np.ndarray | None] = [None] * len(sequences)
     by_size: dict[int, list[int]] = {}

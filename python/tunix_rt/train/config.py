@@ -61,8 +61,9 @@ class TrainConfig:
     lora_targets: tuple[str, ...] = ALL_TARGETS
     lora: str | None = None  # a peft LoRA adapter directory to start from: its rank, alpha and targets are the run's
     dequantize: bool | None = None  # None: keep a quantized base for LoRA (QLoRA), dequantize for full
-    # quantization-aware training (models/qat.py): the forward sees each weight as `export --quant` / `quantize`
-    # will store it, the gradient passes straight through; q8_0, q4_0, q4_1, int8 or int4 (qat_group_size for int*)
+    # quantization-aware training (models/qat.py): the forward sees each weight as the export will store it
+    # (q8_0, q4_0, q4_1: `export --format gguf --quant`; int8, int4: `quantize`, qat_group_size), the gradient
+    # passes straight through
     qat: str | None = None
     qat_group_size: int | None = None
     fsdp: int = -1  # mesh axis sizes; -1 takes the devices the other axis leaves
@@ -237,6 +238,9 @@ class DistillConfig(TrainConfig, RolloutOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.qat is not None and self.on_policy:
+            raise ValueError("qat with on_policy=true: the student's rollouts would sample the float weights, "
+                             "off the fake-quantized policy it trains; use qat with on_policy=false")
         self._check_rollout()
         _positive(self, "max_new_tokens")
         _at_most(self, "max_new_tokens", MAX_TOKENS)

@@ -68,16 +68,16 @@ def answers_match(given: str, expected: str) -> bool:
     return norm(given) == norm(expected)
 
 
-_ANSWER_COLUMNS = ("answer", "solution", "ground_truth")
+ANSWER_COLUMNS = ("answer", "solution", "ground_truth")
 
 
 def accuracy_reward(prompts, completions, **columns) -> list[float | None]:
     """1.0 when the completion's final answer (extract_answer) equals the row's reference answer, exactly or
     as a number, else 0.0. The reference is the column "answer", "solution" or "ground_truth" (its own
     final answer is extracted the same way, so GSM8K's '#### 42' works); None for rows without one."""
-    column = next((c for c in _ANSWER_COLUMNS if c in columns), None)
+    column = next((c for c in ANSWER_COLUMNS if c in columns), None)
     if column is None:
-        raise ValueError(f"the accuracy reward needs a reference column: one of {', '.join(_ANSWER_COLUMNS)}")
+        raise ValueError(f"the accuracy reward needs a reference column: one of {', '.join(ANSWER_COLUMNS)}")
     out: list[float | None] = []
     for completion, reference in zip(completions, columns[column]):
         if reference is None:

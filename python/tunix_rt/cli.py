@@ -436,15 +436,13 @@ def _eval(args) -> int:
         prepared = tasks.prepare_choice(args.data, tokenizer)
         total = sum(map(len, prepared.sequences))
     else:
-        from tunix_rt.train.rewards import resolve_reward
+        from tunix_rt.train.rewards import ANSWER_COLUMNS, REWARDS, resolve_reward
 
         reward = resolve_reward(args.reward)
         room = loaded.model.config.max_position_embeddings - args.max_tokens
         if room < 1:
             raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's "
                              f"{loaded.model.config.max_position_embeddings} positions")
-        from tunix_rt.train.rewards import ANSWER_COLUMNS, REWARDS
-
         needs = ANSWER_COLUMNS if reward[1] is REWARDS["accuracy"] else ()
         prepared = tasks.prepare_accuracy(args.data, tokenizer, max_prompt_length=room, reference_columns=needs)
         total = None

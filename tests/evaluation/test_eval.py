@@ -149,3 +149,21 @@ def test_cli_prints_the_table_and_writes_json_and_png(tiny, tmp_path, capsys):
     assert cli("eval", "--model", path, "--data", data, "--formats", "int3") == 2
     assert cli("eval", "--model", path, "--data", data, "--batch-size", "0") == 2
     assert "--batch-size must be at least 1" in capsys.readouterr().err
+
+
+def answered(prompts, completions, **columns):
+    """A reward for the CLI test (`--reward tests.evaluation.test_eval:answered`): 1 for any completion."""
+    return [1.0 for _ in completions]
+
+
+def test_cli_accuracy_task(tiny, tmp_path, capsys):
+    path, _ = tiny
+    data = _write(tmp_path / "a.jsonl", [{"prompt": "the theme", "answer": "1"}, {"prompt": "thesis", "answer": "2"}])
+    assert cli("eval", "--model", path, "--data", data, "--task", "accuracy", "--max-tokens", "4",
+               "--reward", "tests.evaluation.test_eval:answered") == 0
+    assert "accuracy" in capsys.readouterr().out
+    bare = _write(tmp_path / "b.jsonl", [{"prompt": "the theme"}])
+    assert cli("eval", "--model", path, "--data", bare, "--task", "accuracy", "--max-tokens", "4") == 2  # no answer
+    assert "reference answer" in capsys.readouterr().err
+    assert cli("eval", "--model", path, "--data", data, "--task", "accuracy", "--max-tokens", "100000") == 2
+    assert "leaves no room" in capsys.readouterr().err

@@ -107,8 +107,7 @@ class LoRALinear(nnx.Module):
     def _fake_quantized(self, x: jax.Array) -> jax.Array:
         """x @ fake_quant(W + s A B) (+ b): the merged weight as the export quantizes it (models/qat.py); dropout
         still reaches only the adapter's path, through the difference it makes to x."""
-        kernel = dense_kernel(self.base).astype(jnp.float32) + self.scaling * (self.lora_a[...] @ self.lora_b[...])
-        y = jnp.matmul(x, self.fake_quant(kernel).astype(x.dtype))
+        y = jnp.matmul(x, self.fake_quant(self.merged_kernel()).astype(x.dtype))
         if self.dropout is not None:
             flat = (self.dropout(x) - x).reshape(-1, x.shape[-1])
             delta = lora_delta(flat, self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype), self.scaling)
@@ -116,9 +115,13 @@ class LoRALinear(nnx.Module):
         bias = getattr(self.base, "bias", None)
         return y if bias is None else y + bias[...].astype(y.dtype)
 
+    def merged_kernel(self) -> jax.Array:
+        """W + s A B in f32, (..., in, out): what merging writes and QAT quantizes (one expression for both)."""
+        return dense_kernel(self.base).astype(jnp.float32) + self.scaling * (self.lora_a[...] @ self.lora_b[...])
+
     def merged(self) -> nnx.Linear:
         """A plain float Linear computing the same function (dropout off), stacked as the base is."""
-        kernel = dense_kernel(self.base).astype(jnp.float32) + self.scaling * (self.lora_a[...] @ self.lora_b[...])
+        kernel = self.merged_kernel()
         din, dout = kernel.shape[-2:]
         bias = getattr(self.base, "bias", None)
         dtype = kernel.dtype

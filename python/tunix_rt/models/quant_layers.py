@@ -58,8 +58,7 @@ class QuantEmbed(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         if self.fake_quant is not None:  # the whole table as the export will quantize it, then the lookup
-            table_t = self.fake_quant(dequantize(self.table_t.get_value(), jnp.float32))
-            return jnp.take(table_t.T.astype(self.dtype), tokens, axis=0)
+            return jnp.take(self._fake_quantized_t().T.astype(self.dtype), tokens, axis=0)
         qt = dataclasses.replace(self.table_t.get_value(), lanes=None)  # lanes are whole tiles of columns
         flat = tokens.reshape(-1)
         rows = dataclasses.replace(jax.tree.map(lambda a: a[flat], qt), shape=(qt.shape[0], flat.shape[0]))
@@ -67,8 +66,12 @@ class QuantEmbed(nnx.Module):
 
     def attend(self, h: jax.Array) -> jax.Array:
         if self.fake_quant is not None:
-            return jnp.matmul(h, self.fake_quant(dequantize(self.table_t.get_value(), jnp.float32)).astype(h.dtype))
+            return jnp.matmul(h, self._fake_quantized_t().astype(h.dtype))
         return quant_matmul(h, self.table_t.get_value(), exact=True, invariant=self.invariant)
+
+    def _fake_quantized_t(self) -> jax.Array:
+        """The (hidden, vocab) table dequantized and quantized again by `fake_quant` (models/qat.py)."""
+        return self.fake_quant(dequantize(self.table_t.get_value(), jnp.float32))
 
 
 def quantize_stacked(w: jax.Array, fmt: str, group_size: int | None = None) -> QuantizedTensor:

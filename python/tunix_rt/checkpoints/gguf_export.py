@@ -21,10 +21,9 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
 from tunix_rt.checkpoints.gguf_loader import llama3_rope_factors, open_gguf, permute_rope
-from tunix_rt.checkpoints.hf_export import hf_tensors, inverse_names
+from tunix_rt.checkpoints.hf_export import hf_tensors
 from tunix_rt.checkpoints.output_dir import staged_output_file
 from tunix_rt.checkpoints.tokenizer import BYTE_LEVEL_PRE_NAMES, Tokenizer
 from tunix_rt.models.config import ModelConfig
@@ -201,20 +200,6 @@ def _blocks(qt: QuantizedTensor) -> np.ndarray:
     return out.view(np.uint8).reshape(n, -1)
 
 
-def _packed_layers(model: Decoder, fmt: str) -> dict[str, QuantizedTensor]:
-    """HF name -> the packed weight of every layer already held in `fmt` (32-blocks), in the decoder's (K, N)."""
-    inverse = inverse_names(model.config)
-    packed = {}
-    for path, var in nnx.to_flat_state(nnx.state(model)):
-        qt = var.get_value()
-        if not isinstance(qt, QuantizedTensor) or qt.fmt != fmt or qt.group != 32:
-            continue
-        key = (*path[:-1], "embedding") if path[-1] == "table_t" else path
-        for name, _, index in inverse.get(key, ()):
-            packed[name] = jax.tree.map(lambda a, index=index: np.asarray(a)[index] if index else np.asarray(a), qt)
-    return packed
-
-
 def _stacked_experts(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Per-expert HF tensors stacked per layer and projection, as llama.cpp's `ffn_*_exps` hold them."""
     if not cfg.num_experts:
@@ -239,8 +224,7 @@ def _gguf_tensors(model: Decoder, arch: str, quant: str) -> Iterator[tuple[str, 
 
     cfg = model.config
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), cfg.num_layers)
-    tensors = _stacked_experts(hf_tensors(model, "float32"), cfg)
-    packed = _packed_layers(model, quant) if quant in FORMATS else {}
+    tensors = _stacked_experts(hf_tensors(model, "float32", keep_packed=quant if quant in FORMATS else None), cfg)
     full = _full_rope(cfg)
     if full.rope_type == "llama3":
         factors = llama3_rope_factors(full.theta, cfg.head_dim, full.factor, full.original_max_position_embeddings)
@@ -256,16 +240,15 @@ def _gguf_tensors(model: Decoder, arch: str, quant: str) -> Iterator[tuple[str, 
         rope_heads = None
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             rope_heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
+        if isinstance(data, QuantizedTensor):  # packed in the export's format: its blocks as they are
+            if rope_heads:
+                data = jax.tree.map(lambda a: permute_rope(a, rope_heads), data)
+            yield gguf_name, _blocks(data), gguf.GGMLQuantizationType[quant.upper()]
+            continue
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             data = data + np.float32(1.0)
         if hf_name.endswith("shared_expert_gate.weight"):
             data = data.reshape(-1)  # llama.cpp's (hidden,)
-        if hf_name in packed:
-            qt = packed[hf_name]
-            if rope_heads:
-                qt = jax.tree.map(lambda a: permute_rope(a, rope_heads), qt)
-            yield gguf_name, _blocks(qt), gguf.GGMLQuantizationType[quant.upper()]
-            continue
         if rope_heads:
             data = permute_rope(data, rope_heads)
         yield (gguf_name, *_encode(data, quant, gguf))
@@ -331,8 +314,7 @@ def _add_tokenizer(writer, tokenizer: Tokenizer, vocab_size: int) -> None:
              gguf.TokenType.BYTE if byte_fallback and byte_piece.fullmatch(tokens[i]) else
              gguf.TokenType.NORMAL for i in range(size)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    byte_level = '"ByteLevel"' in json.dumps(spec.get("pre_tokenizer")) or '"ByteLevel"' in json.dumps(spec.get("decoder"))
-    if byte_level:
+    if tokenizer.byte_level:
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(_byte_level_pre(tokenizer, tokens, types, merges))
         writer.add_token_merges(merges)

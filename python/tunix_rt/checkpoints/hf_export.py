@@ -63,22 +63,29 @@ def inverse_names(cfg: ModelConfig) -> dict[tuple, list[tuple[str, bool, tuple[i
     return inverse
 
 
-def hf_tensors(model: Decoder, dtype: str = "float32") -> dict[str, np.ndarray]:
-    """The model's parameters as HF-named arrays in HF orientation (quantized weights dequantized)."""
+def hf_tensors(model: Decoder, dtype: str = "float32", *,
+               keep_packed: str | None = None) -> dict[str, np.ndarray | QuantizedTensor]:
+    """The model's parameters as HF-named arrays in HF orientation (quantized weights dequantized). With
+    `keep_packed` (a format), weights packed in it with 32-blocks stay QuantizedTensors in the decoder's (K, N),
+    each layer's sliced out of its stack: the GGUF export writes their blocks as they are."""
     if dtype not in _DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     inverse = inverse_names(model.config)
     tensors, unknown = {}, []
     for path, var in nnx.to_flat_state(nnx.state(model)):
         value = var.get_value()
-        key = path
-        if isinstance(value, QuantizedTensor):
-            value = dequantize_stacked(value)  # (..., K, N) = (..., in, out): the decoder's kernel orientation
-            if path[-1] == "table_t":  # QuantEmbed keeps the embedding transposed, (hidden, vocab)
-                key, value = (*path[:-1], "embedding"), value.T
+        key = (*path[:-1], "embedding") if path[-1] == "table_t" else path  # QuantEmbed: the table transposed
         if key not in inverse or not hasattr(value, "shape"):
             unknown.append(".".join(map(str, path)) + f" ({type(var).__name__})")
             continue
+        if isinstance(value, QuantizedTensor) and value.fmt == keep_packed and value.group == 32:
+            for name, _, index in inverse[key]:
+                tensors[name] = jax.tree.map(lambda a, index=index: np.asarray(a)[index], value)
+            continue
+        if isinstance(value, QuantizedTensor):
+            value = dequantize_stacked(value)  # (..., K, N) = (..., in, out): the decoder's kernel orientation
+            if path[-1] == "table_t":  # (hidden, vocab) -> the embedding's (vocab, hidden)
+                value = value.T
         array = np.asarray(jax.device_get(jnp.asarray(value, jnp.float32)))
         for name, transpose, index in inverse[key]:
             part = array[index]

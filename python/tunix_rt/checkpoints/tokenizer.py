@@ -76,7 +76,7 @@ class Tokenizer:
             return b""
         if int(token_id) in self._added_ids:
             return piece.encode()
-        if self._byte_level:
+        if self.byte_level:
             table = _byte_level_decoder()
             return bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode()
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
@@ -91,7 +91,7 @@ class Tokenizer:
         return frozenset(self.backend.get_added_tokens_decoder())
 
     @functools.cached_property
-    def _byte_level(self) -> bool:
+    def byte_level(self) -> bool:
         """Whether tokens are written in GPT-2's byte-level alphabet (one character per byte)."""
         decoder = json.loads(self.backend.to_str()).get("decoder") or {}
         kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]

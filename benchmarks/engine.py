@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import time
@@ -124,6 +125,11 @@ def batched_bench_rates(binary: str, streams: tuple[int, ...], tokens: int) -> d
     return {int(r["pl"]): float(r["speed_tg"]) for r in rows}
 
 
+def peak_rss_gb(who: int) -> float:
+    """Peak resident memory of this process (RUSAGE_SELF) or of its largest finished child, in GB (Linux: KiB)."""
+    return resource.getrusage(who).ru_maxrss / 1024**2
+
+
 def shared_prompt_hit_rate(engine: Engine) -> float:
     engine.reset_prefix_cache()
     before = engine.stats()
@@ -199,6 +205,8 @@ def main() -> None:
                   f"{decode[s] / rate:.2f}x" + (f", {decode[s] / ll_decode:.2f}x one llama.cpp stream" if ll_decode else ""))
     if ll_decode is None:
         print("llama.cpp: not installed (pip install llama-cpp-python) - no peer column")
+    print(f"peak RSS: this process (engine, reference and llama-cpp-python) {peak_rss_gb(resource.RUSAGE_SELF):.2f} GB"
+          + (f", llama-batched-bench {peak_rss_gb(resource.RUSAGE_CHILDREN):.2f} GB" if args.batched_bench else ""))
     print(f"n=8 samples of one 400-token prompt: prefix-cache hit rate {shared_prompt_hit_rate(engine):.1%} "
           f"(7/8 of the prompt, block-rounded, is the most possible)")
     warm, after = recompiles_after_warmup(engine, 50 if args.quick else 200)

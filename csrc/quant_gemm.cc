@@ -465,6 +465,7 @@ VNNI_FN void VnniColumns(const Weights& w, const RowPackedActivations& a, int64_
       dw[c] = ScaleAt<kF16>(w.scales, si);
       if constexpr (kHasMin) mw[c] = _cvtsh_ss(w.mins[si]) + 8.0f * dw[c];
     }
+    asm volatile("" ::: "memory");  // codes are broadcast from memory (load ports), not shuffled from registers
     __m512i dot[G][C];
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {

@@ -86,3 +86,30 @@ def make_tiny_model_dir(out_dir: Path, family: str = "llama", seed: int = 0, **o
     model = make_hf_model(family, out_dir, seed, **overrides)
     write_tiny_tokenizer(out_dir)
     return model
+
+
+# Gemma3ForConditionalGeneration: the gemma3_text decoder above (one full layer among sliding ones) with a
+# 2-layer SigLIP tower of 32x32 images in 8x8 patches (16 patches), pooled 2x2 into 4 soft tokens. Image
+# placeholders 101 <start_of_image> 102 <end_of_image> 103 <image_soft_token> (after the tiny tokenizer's 0..100).
+VISION = dict(
+    text_config=dict(COMMON, vocab_size=128, num_hidden_layers=3, head_dim=16, sliding_window=6, query_pre_attn_scalar=16,
+                     layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                       patch_size=8, vision_use_head=False),
+    mm_tokens_per_image=4, boi_token_index=101, eoi_token_index=102, image_token_index=103)
+
+
+def make_hf_gemma3_vision(out_dir: Path, seed: int = 0):
+    """A tiny random Gemma3ForConditionalGeneration (every parameter randomised) and the tiny tokenizer, saved."""
+    import torch
+    import transformers
+
+    config = transformers.Gemma3Config(**VISION, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval().to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out_dir)
+    write_tiny_tokenizer(out_dir)
+    return model

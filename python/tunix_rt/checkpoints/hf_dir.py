@@ -89,7 +89,8 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def check_layer_count(model_dir: Path, num_layers: int) -> None:
     """A config that asks for more decoder layers than the checkpoint holds fails here, at once, instead of
     after the whole model is built."""
-    held = {int(m.group(1)) for m in map(_LAYER.search, tensor_names(model_dir)) if m}
+    names = [n for n in tensor_names(model_dir) if "vision_tower" not in n]  # a multimodal model's decoder layers
+    held = {int(m.group(1)) for m in map(_LAYER.search, names) if m}
     if held and num_layers > len(held):  # (no layer names at all: an unknown scheme, left to the loader)
         raise CheckpointError(f"{model_dir / 'config.json'} asks for num_hidden_layers={num_layers}, but the "
                               f"checkpoint holds the weights of {len(held)} layer(s)")

@@ -37,6 +37,15 @@ _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED = re.compile(r"^mlp\.experts\.(gate_proj|up_proj|down_proj)(?:\.weight)?$")
 _MIXTRAL_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+# Gemma3ForConditionalGeneration: transformers 5's names and the 4.x ones of the published checkpoints
+_LANGUAGE_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                      ("language_model.lm_head.", "lm_head."))
+_VISION = re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?(.+)$")
+_PROJECTOR = re.compile(r"^(?:model\.)?multi_modal_projector\.(mm_input_projection_weight|mm_soft_emb_norm\.weight)$")
+_VISION_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_VISION_LAYER_PARTS = {"layer_norm1": "layer_norm1", "layer_norm2": "layer_norm2", "self_attn.q_proj": "q_proj",
+                       "self_attn.k_proj": "k_proj", "self_attn.v_proj": "v_proj", "self_attn.out_proj": "out_proj",
+                       "mlp.fc1": "fc1", "mlp.fc2": "fc2"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +112,42 @@ def _places(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
     return layer_places([cfg.layer_kind(i) for i in range(cfg.num_layers)])
 
 
+def _vision_target(name: str, cfg: ModelConfig) -> Target | None:
+    """A Gemma 3 image encoder tensor's Target (models/vision.ImageEncoder); None for SigLIP's pooling head, which
+    Gemma 3 never runs."""
+    if m := _PROJECTOR.match(name):
+        return Target(("vision", "mm_input_projection" if m.group(1) == "mm_input_projection_weight"
+                       else "mm_soft_emb_norm"), False)
+    rest = _VISION.match(name).group(1)
+    if rest.startswith("head."):
+        return None
+    if rest == "embeddings.patch_embedding.weight":  # flattened to (C * p * p, D) by _flatten_patch_conv
+        return Target(("vision", "patch_embedding", "kernel"), False)
+    if rest == "embeddings.patch_embedding.bias":
+        return Target(("vision", "patch_embedding", "bias"), False)
+    if rest == "embeddings.position_embedding.weight":
+        return Target(("vision", "position_embedding"), False)
+    if rest in ("post_layernorm.weight", "post_layernorm.bias"):
+        return Target(("vision", "post_layernorm", "scale" if rest.endswith("weight") else "bias"), False)
+    m = _VISION_LAYER.match(rest)
+    if m and int(m.group(1)) < cfg.vision.num_layers and m.group(2) in _VISION_LAYER_PARTS:
+        part = _VISION_LAYER_PARTS[m.group(2)]
+        kind = "bias" if m.group(3) == "bias" else ("scale" if part.startswith("layer_norm") else "kernel")
+        return Target(("vision", "layers", int(m.group(1)), part, kind), kind == "kernel")
+    raise CheckpointError(f"unexpected vision tensor {name!r}")
+
+
 def hf_to_path(name: str, cfg: ModelConfig) -> Target | None:
     """HF tensor name -> its Target; None for tensors to skip."""
     if _IGNORED.search(name):
         return None
+    if cfg.vision is not None:
+        if _VISION.match(name) or _PROJECTOR.match(name):
+            return _vision_target(name, cfg)
+        for prefix, canonical in _LANGUAGE_PREFIXES:
+            if name.startswith(prefix):
+                name = canonical + name[len(prefix):]
+                break
     if name == "model.embed_tokens.weight":
         return Target(("embed", "embedding"), False)
     if name == "model.norm.weight":
@@ -136,6 +177,16 @@ def _split_fused(
             base = name[: -len("gate_up_proj")]
             yield base + "gate_proj", array[:, :half]
             yield base + "up_proj", array[:, half:]
+        else:
+            yield name, array
+
+
+def _flatten_patch_conv(
+        tensors: Iterable[tuple[str, np.ndarray | QuantizedTensor]]) -> Iterator[tuple[str, np.ndarray | QuantizedTensor]]:
+    """SigLIP's patch convolution (D, C, p, p) as the (C * p * p, D) product over flattened patches."""
+    for name, array in tensors:
+        if name.endswith("patch_embedding.weight") and getattr(array, "ndim", 0) == 4:
+            yield name, np.asarray(array).reshape(array.shape[0], -1).T
         else:
             yield name, array
 
@@ -178,7 +229,7 @@ def build_decoder(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray | Qu
     expected = dict(nnx.to_flat_state(nnx.state(model)))
     loaded = {}
     stacks: dict[tuple, tuple[dict, str]] = {}  # path -> ({index: host array or QuantizedTensor}, a tensor's name)
-    for name, array in _split_fused(tensors):
+    for name, array in _flatten_patch_conv(_split_fused(tensors)):
         target = hf_to_path(name, cfg)
         if target is None:
             continue

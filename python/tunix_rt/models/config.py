@@ -5,7 +5,7 @@ soft-capping, sliding-window layers, embedding scaling, rope per layer type, a M
 MLP on some layers), so one decoder implementation serves all of them. The MoE families reuse
 their dense base's switches: Mixtral is Mistral's, Qwen2-MoE Qwen2's, Qwen3-MoE Qwen3's. Both the
 transformers 4.x keys (rope_theta, rope_scaling, rope_local_base_freq) and the 5.x `rope_parameters`
-layout are read.
+layout are read. A Gemma 3 multimodal config is its text config plus a VisionConfig (models/vision.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,71 @@ class UnsupportedArchitecture(ValueError):
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The SigLIP tower, the projector and the prompt's image tokens of a Gemma 3 multimodal checkpoint."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    mm_tokens_per_image: int
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-6
+    activation: str = "gelu_tanh"
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_side(self) -> int:
+        return math.isqrt(self.mm_tokens_per_image)
+
+    @property
+    def pool(self) -> int:
+        """The side of the square of patches averaged into one soft token."""
+        return self.patches_per_side // self.tokens_per_side
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "image_size", "patch_size",
+                     "mm_tokens_per_image", "num_channels"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"vision config: {name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"vision config: hidden_size ({self.hidden_size}) is not a multiple of num_attention_heads "
+                             f"({self.num_heads})")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"vision config: image_size ({self.image_size}) is not a multiple of patch_size "
+                             f"({self.patch_size})")
+        if self.tokens_per_side ** 2 != self.mm_tokens_per_image or self.patches_per_side % self.tokens_per_side:
+            raise ValueError(f"mm_tokens_per_image ({self.mm_tokens_per_image}) must be the square of a divisor of "
+                             f"the {self.patches_per_side} patches per side")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "VisionConfig":
+        """From a Gemma3ForConditionalGeneration config.json (its vision_config and image token fields)."""
+        v = d["vision_config"]
+        if v.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+            raise ValueError(f"vision_config: unsupported vision tower {v.get('model_type')!r} (Gemma 3's is "
+                             "siglip_vision_model)")
+        act = _ACTIVATIONS.get(v.get("hidden_act", "gelu_pytorch_tanh"))
+        if act not in ("gelu_tanh", "gelu"):
+            raise ValueError(f"vision_config: unsupported hidden_act {v.get('hidden_act')!r}")
+        return cls(hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+                   num_layers=v["num_hidden_layers"], num_heads=v["num_attention_heads"], image_size=v["image_size"],
+                   patch_size=v["patch_size"], num_channels=v.get("num_channels", 3),
+                   layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)), activation=act,
+                   mm_tokens_per_image=d.get("mm_tokens_per_image", 256),
+                   image_token_id=d.get("image_token_index", d.get("image_token_id", 262144)),
+                   boi_token_id=d.get("boi_token_index", 255999), eoi_token_id=d.get("eoi_token_index", 256000))
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -98,6 +163,8 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert behind a sigmoid gate
     moe_layers: tuple[bool, ...] = ()
+    # Gemma 3 multimodal: the image encoder and the prompt's image tokens (models/vision.py); None: text only
+    vision: VisionConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -158,10 +225,14 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Parse an HF config.json dictionary."""
         arch = d.get("model_type")
-        if arch == "gemma3" and isinstance(d.get("text_config"), dict):
-            raise UnsupportedArchitecture(
-                "gemma3 multimodal checkpoints are not supported; use a gemma3_text (text-only) checkpoint"
-            )
+        if arch == "gemma3" and isinstance(d.get("text_config"), dict):  # Gemma3ForConditionalGeneration
+            text = {"model_type": "gemma3_text", **d["text_config"]}
+            text.setdefault("tie_word_embeddings", d.get("tie_word_embeddings", True))
+            try:
+                vision = VisionConfig.from_hf_dict(d)
+            except KeyError as e:
+                raise ValueError(f"config.json for gemma3 is missing the vision key {e.args[0]!r}") from None
+            return dataclasses.replace(cls.from_hf_dict(text), vision=vision)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitecture(
                 f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"

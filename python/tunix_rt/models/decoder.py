@@ -18,6 +18,7 @@ from tunix_rt.models.layer_stack import LayerStack, LayerView
 from tunix_rt.models.quant_layers import QuantEmbed, QuantLinear
 from tunix_rt.models.remat import recompute_in_backward, tie
 from tunix_rt.models.rope import apply_rope, attention_scaling, dynamic_inverse_frequencies, inverse_frequencies
+from tunix_rt.models.vision import ImageEncoder, image_attend_until, merge_image_tokens
 from tunix_rt.ops import attention, grouped_matmul, permute, rms_norm, router_topk, unpermute
 from tunix_rt.ops.attention import SAVED_NAMES as ATTENTION_SAVED
 from tunix_rt.ops.fused_head import head_logprobs
@@ -108,7 +109,8 @@ class Attention(nnx.Module):
         self.shape = (h, kv, d)
         self.scale, self.softcap, self.qk_norm = cfg.query_scale, cfg.attn_logit_softcap, cfg.qk_norm
 
-    def __call__(self, x, positions, cache: DenseKVCache | PagedKVCache | None, segment_ids=None, layer=None):
+    def __call__(self, x, positions, cache: DenseKVCache | PagedKVCache | None, segment_ids=None, layer=None,
+                 attend_until=None):
         b, t, _ = x.shape
         h, kv, d = self.shape
         q = self.q_proj(x).reshape(b, t, h, d)
@@ -125,7 +127,11 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, inv_freq, scaling)
         if cache is None:
             q, k, v = (checkpoint_name(a, name) for a, name in zip((q, k, v), ("attention_q", "attention_k", "attention_v")))
-            out = attention(q, k, v, positions, segment_ids, scale=self.scale, window=self.window, softcap=self.softcap)
+            out = attention(q, k, v, positions, segment_ids, scale=self.scale, window=self.window, softcap=self.softcap,
+                            attend_until=attend_until)
+        elif attend_until is not None:
+            cache, out = cache.attend(layer, q, k, v, positions, window=self.window, scale=self.scale,
+                                      softcap=self.softcap, attend_until=attend_until)
         else:
             cache, out = cache.attend(layer, q, k, v, positions, window=self.window, scale=self.scale,
                                       softcap=self.softcap)
@@ -220,21 +226,24 @@ class DecoderLayer(nnx.Module):
             self.post_attn_norm = norm()
             self.post_mlp_norm = norm()
 
-    def __call__(self, x, positions, cache, segment_ids=None, layer=None):
-        """`layer`: the layer's index in the decoder (a traced int32 in a scanned segment), which the cache needs."""
-        attn, cache = self.attn(self.input_norm(x), positions, cache, segment_ids, layer)
+    def __call__(self, x, positions, cache, segment_ids=None, layer=None, attend_until=None):
+        """`layer`: the layer's index in the decoder (a traced int32 in a scanned segment), which the cache needs;
+        `attend_until`: the last key position each query sees, where images' tokens see their whole image."""
+        attn, cache = self.attn(self.input_norm(x), positions, cache, segment_ids, layer, attend_until)
         x = checkpoint_name(x + (self.post_attn_norm(attn) if self.sandwich else attn), "residual")
         mlp = self.mlp(self.pre_mlp_norm(x))
         return x + (self.post_mlp_norm(mlp) if self.sandwich else mlp), cache
 
 
 class Decoder(nnx.Module):
-    """tokens (B, T) + positions (B, T) [+ dense cache] -> f32 logits (B, T, vocab) [, cache].
+    """tokens (B, T) + positions (B, T) [+ dense cache] [+ images] -> f32 logits (B, T, vocab) [, cache].
 
     Training on packed rows passes `segment_ids` (B, T) instead of a cache: attention stays
     within each packed example. Training takes `hidden_states` and `token_logprobs` instead of logits,
     so no (tokens, vocab) logits exist; `remat` (gradient checkpointing) recomputes each layer's
-    activations in the backward pass instead of keeping them.
+    activations in the backward pass instead of keeping them. A Gemma 3 multimodal config adds `vision`
+    (models/vision.py): `pixel_values` (N, C, H, W) become the soft tokens of the prompt's N runs of image
+    placeholders, in order.
     """
 
     fake_quant = None  # models/qat.py: the output head as the export will quantize it
@@ -249,27 +258,53 @@ class Decoder(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(dtype, rngs, cfg.hidden_size, cfg.vocab_size, False)
+        if cfg.vision is not None:
+            self.vision = ImageEncoder(cfg.vision, cfg.hidden_size, rngs=rngs)
         self.remat = False
 
-    def hidden_states(self, tokens, positions, cache: DenseKVCache | PagedKVCache | None = None, segment_ids=None):
-        x = self.embed(tokens)
-        if self.config.embed_scale is not None:  # HF rounds the scale to the weights' dtype first
-            x = x * jnp.asarray(self.config.embed_scale, self.dtype)
+    def hidden_states(self, tokens, positions, cache: DenseKVCache | PagedKVCache | None = None, segment_ids=None,
+                      pixel_values=None):
+        x, attend_until = self._embed(tokens, positions, pixel_values)
         if cache is not None:
             cache = cache.begin(positions)
         if cache is not None and segment_ids is not None:
             raise ValueError("segment_ids are for training on packed rows, not for decoding with a cache")
+        if attend_until is not None and cache is not None and not isinstance(cache, DenseKVCache):
+            raise ValueError("images take the dense KV cache (the reference generator): the paged engine does not "
+                             "run them yet")
 
         def run(layer: DecoderLayer, carry, index):
             x, cache = carry
             if self.remat and cache is None:
-                return _remat_layer(layer, x, positions, segment_ids, self.dtype), cache
-            return layer(x, positions, cache, segment_ids, index)
+                return _remat_layer(layer, x, positions, segment_ids, attend_until, self.dtype), cache
+            return layer(x, positions, cache, segment_ids, index, attend_until)
 
         x, cache = self.layers((x, cache), run)
         if cache is not None:
             cache = cache.end(tokens.shape[1])
         return self.final_norm(x), cache
+
+    def _embed(self, tokens, positions, pixel_values):
+        """The scaled token embeddings with the images' soft tokens in their placeholders, and the attention's
+        `attend_until` (None without images)."""
+        vision = self.config.vision
+        if pixel_values is not None and vision is None:
+            raise ValueError(f"pixel_values given to a text-only {self.config.architecture} model")
+        ids = tokens
+        if vision is not None and vision.image_token_id >= self.config.vocab_size:
+            ids = jnp.where(tokens == vision.image_token_id, 0, tokens)  # a placeholder outside the vocabulary: HF embeds 0
+        x = self.embed(ids)
+        if self.config.embed_scale is not None:  # HF rounds the scale to the weights' dtype first
+            x = x * jnp.asarray(self.config.embed_scale, self.dtype)
+        if pixel_values is None:
+            return x, None
+        if not isinstance(tokens, jax.core.Tracer):
+            placeholders = int((tokens == vision.image_token_id).sum())
+            if placeholders != pixel_values.shape[0] * vision.mm_tokens_per_image:
+                raise ValueError(f"{pixel_values.shape[0]} image(s) need {vision.mm_tokens_per_image} placeholder "
+                                 f"tokens (id {vision.image_token_id}) each, the tokens hold {placeholders}")
+        x = merge_image_tokens(x, tokens, self.vision(pixel_values), vision.image_token_id)
+        return x, image_attend_until(tokens, positions, vision.image_token_id)
 
     def output_head(self) -> nnx.Module:
         """The module mapping hidden states to vocabulary scores: the tied embedding or lm_head."""
@@ -302,8 +337,9 @@ class Decoder(nnx.Module):
         return head_logprobs(h, w, targets, transpose_w=transpose_w, temperature=temperature,
                              softcap=self.config.final_logit_softcap, entropy=entropy)
 
-    def __call__(self, tokens, positions, cache: DenseKVCache | PagedKVCache | None = None, segment_ids=None):
-        h, cache = self.hidden_states(tokens, positions, cache, segment_ids)
+    def __call__(self, tokens, positions, cache: DenseKVCache | PagedKVCache | None = None, segment_ids=None,
+                 pixel_values=None):
+        h, cache = self.hidden_states(tokens, positions, cache, segment_ids, pixel_values)
         logits = self.logits(h)
         return logits if cache is None else (logits, cache)
 
@@ -312,7 +348,7 @@ class Decoder(nnx.Module):
         return DenseKVCache.create(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, self.dtype)
 
 
-def _remat_layer(layer: DecoderLayer, x, positions, segment_ids, dtype):
+def _remat_layer(layer: DecoderLayer, x, positions, segment_ids, attend_until, dtype):
     """The layer with its activations recomputed in the backward (models/remat.py). Its f32 params are
     cast to the compute `dtype` inside, so the backward recasts them instead of keeping a bf16 copy
     of every layer from the forward. A layer whose call changes its own state (dropout's RNG counters,
@@ -320,20 +356,20 @@ def _remat_layer(layer: DecoderLayer, x, positions, segment_ids, dtype):
     on XLA:CPU."""
     if nnx.state(layer, nnx.RngState) or any(isinstance(m, MoEMLP) and m.record_router_logits
                                              for _, m in nnx.iter_modules(layer)):
-        return _nnx_remat_layer(layer, x, positions, segment_ids)
+        return _nnx_remat_layer(layer, x, positions, segment_ids, attend_until)
     graphdef, state = nnx.split(layer)
 
-    def run(state, x, positions, segment_ids):
+    def run(state, x, positions, segment_ids, attend_until):
         if dtype != jnp.float32:  # the cast waits for x: one layer's bf16 copy at a time, forward and backward
             state = jax.tree.map(lambda v: v.astype(dtype) if v.dtype == jnp.float32 else v, tie(state, x))
-        return nnx.merge(graphdef, state)(x, positions, None, segment_ids)[0]
+        return nnx.merge(graphdef, state)(x, positions, None, segment_ids, None, attend_until)[0]
 
-    return recompute_in_backward(run, state, x, (positions, segment_ids))
+    return recompute_in_backward(run, state, x, (positions, segment_ids, attend_until))
 
 
 @nnx.remat
-def _nnx_remat_layer(layer: DecoderLayer, x, positions, segment_ids):
-    return layer(x, positions, None, segment_ids)[0]
+def _nnx_remat_layer(layer: DecoderLayer, x, positions, segment_ids, attend_until):
+    return layer(x, positions, None, segment_ids, None, attend_until)[0]
 
 
 def record_router_logits(model: nnx.Module, on: bool = True) -> None:

@@ -58,12 +58,14 @@ class DenseKVCache:
         new = jax.lax.dynamic_update_slice(self.positions, positions.astype(jnp.int32), (0, self.index))
         return dataclasses.replace(self, positions=new)
 
-    def attend(self, layer, q, k, v, positions, *, window, scale, softcap) -> tuple["DenseKVCache", jax.Array]:
-        """Store this step's k/v (B, T, KV, D) for `layer`, then attend q (B, T, H, D) over the layer's cache."""
+    def attend(self, layer, q, k, v, positions, *, window, scale, softcap,
+               attend_until=None) -> tuple["DenseKVCache", jax.Array]:
+        """Store this step's k/v (B, T, KV, D) for `layer`, then attend q (B, T, H, D) over the layer's cache
+        (`attend_until`: see ops.attention.attention_mask)."""
         start = (layer, 0, self.index, 0, 0)
         all_k = jax.lax.dynamic_update_slice(self.k, k.astype(self.k.dtype)[None], start)
         all_v = jax.lax.dynamic_update_slice(self.v, v.astype(self.v.dtype)[None], start)
-        mask = attention_mask(positions, self.positions, window)
+        mask = attention_mask(positions, self.positions, window, attend_until=attend_until)
         read = lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)
         out = dot_product_attention(q, read(all_k), read(all_v), mask, scale=scale, softcap=softcap)
         return dataclasses.replace(self, k=all_k, v=all_v), out

@@ -29,8 +29,11 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None,
-                   segment_ids: jax.Array | None = None) -> jax.Array:
+                   segment_ids: jax.Array | None = None, attend_until: jax.Array | None = None) -> jax.Array:
     """(B, T) query and (B, S) key positions -> boolean mask (B, T, S).
+
+    `attend_until` (B, T), when given, is the last key position each query sees in place of its own (an image's
+    tokens see their whole image: models/vision.image_attend_until); the window still counts from the query.
 
     With `segment_ids` (B, T) (training on packed rows: queries and keys are the same tokens, each
     packed example numbered, positions restarting at 0), a query sees only keys of its own segment. A
@@ -40,7 +43,7 @@ def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None,
     """
     q = q_pos[:, :, None]
     k = k_pos[:, None, :]
-    mask = (k >= 0) & (k <= q)
+    mask = (k >= 0) & (k <= (q if attend_until is None else attend_until[:, :, None]))
     if window is not None:
         mask &= (q - k) < window
     if segment_ids is not None:
@@ -75,7 +78,7 @@ def dot_product_attention(
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def _check(q, k, v, positions, segment_ids, scale, window, softcap) -> None:
+def _check(q, k, v, positions, segment_ids, scale, window, softcap, attend_until=None) -> None:
     for name, arr in (("q", q), ("k", k), ("v", v)):
         if jnp.dtype(require_array("attention", name, arr).dtype) not in _DTYPES:
             raise ValueError(f"attention: {name} must be float32 or bfloat16, got {jnp.dtype(arr.dtype)}")
@@ -87,7 +90,7 @@ def _check(q, k, v, positions, segment_ids, scale, window, softcap) -> None:
     if k.shape[:2] != (b, t) or k.shape[3] != d or k.shape[2] < 1 or h % k.shape[2]:
         raise ValueError(f"attention: k must be (B, T, KV, D) with q's B, T, D and KV dividing q's {h} heads, got "
                          f"q {q.shape} and k {k.shape}")
-    for name, ids in (("positions", positions), ("segment_ids", segment_ids)):
+    for name, ids in (("positions", positions), ("segment_ids", segment_ids), ("attend_until", attend_until)):
         if ids is None:
             continue
         if require_array("attention", name, ids).shape != (b, t) or not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -101,11 +104,11 @@ def _check(q, k, v, positions, segment_ids, scale, window, softcap) -> None:
 
 
 def attention_reference(q, k, v, positions, segment_ids=None, *, scale: float, window: int | None = None,
-                        softcap: float | None = None):
+                        softcap: float | None = None, attend_until=None):
     """Self-attention of q (B, T, H, D) over k, v (B, T, KV, D) of the same tokens, masked by
-    `attention_mask(positions, positions, window, segment_ids)`: the dense reference."""
-    _check(q, k, v, positions, segment_ids, scale, window, softcap)
-    mask = attention_mask(positions, positions, window, segment_ids)
+    `attention_mask(positions, positions, window, segment_ids, attend_until)`: the dense reference."""
+    _check(q, k, v, positions, segment_ids, scale, window, softcap, attend_until)
+    mask = attention_mask(positions, positions, window, segment_ids, attend_until)
     return dot_product_attention(q, k, v, mask, scale=scale, softcap=softcap)
 
 
@@ -153,11 +156,15 @@ _attention_ffi.defvjp(_vjp_fwd, _vjp_bwd)
 
 
 def attention(q, k, v, positions, segment_ids=None, *, scale: float, window: int | None = None,
-              softcap: float | None = None):
+              softcap: float | None = None, attend_until=None):
     """Self-attention of q (B, T, H, D) over k, v (B, T, KV, D) of the same tokens (GQA when KV < H),
     query t seeing key s by `attention_mask`'s rule; f32 math, the output in q's dtype; differentiable
-    in q, k and v."""
-    _check(q, k, v, positions, segment_ids, scale, window, softcap)
+    in q, k and v. Rows with `attend_until` (images' tokens seeing their whole image) take the dense
+    reference: the FFI kernel's tiles skip what positions alone rule out."""
+    _check(q, k, v, positions, segment_ids, scale, window, softcap, attend_until)
+    if attend_until is not None:
+        return attention_reference(q, k, v, positions, segment_ids, scale=scale, window=window, softcap=softcap,
+                                   attend_until=attend_until)
     segments = segment_ids is not None
     ids = (positions.astype(jnp.int32), (segment_ids if segments else positions).astype(jnp.int32))
     attrs_key = tuple(_attrs(scale, window, softcap, segments).items())

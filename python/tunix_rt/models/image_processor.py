@@ -1,0 +1,117 @@
+"""Images into Gemma 3's pixel values, as HF's Gemma3 image processor (its PIL backend) makes them: RGB,
+resized bilinearly to the tower's square, scaled by 1/255, normalised per channel; optionally pan-and-scan
+crops of an elongated image after the image itself. Bytes from users are decoded with bounds (`decode_image`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from tunix_rt.models.config import VisionConfig
+
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # a decoded image larger than this is refused (PIL's own bomb limit is 89M)
+
+
+class ImageError(ValueError):
+    """An image that cannot be used: not an image, truncated, too large, or of an unsupported mode."""
+
+
+def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS):
+    """PNG/JPEG/... bytes -> an RGB PIL image, fully decoded; ImageError naming what is wrong otherwise."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            width, height = probe.size
+            if width < 1 or height < 1 or width * height > max_pixels:
+                raise ImageError(f"image of {width}x{height} pixels is outside 1..{max_pixels} pixels")
+            probe.load()  # decodes now: a truncated file fails here, not later
+            return _rgb(probe)
+    except UnidentifiedImageError:
+        raise ImageError("not an image (PIL cannot identify the bytes)") from None
+    except (OSError, SyntaxError, Image.DecompressionBombError) as e:
+        raise ImageError(f"image cannot be decoded: {e}") from None
+
+
+def _rgb(image):
+    """HF's convert_rgb: RGBA over white, everything else through PIL's conversion."""
+    from PIL import Image
+
+    if image.mode == "RGB":
+        return image.copy()
+    if image.mode == "RGBA":
+        background = Image.new("RGBA", image.size, (255, 255, 255))
+        return Image.alpha_composite(background, image).convert("RGB")
+    return image.convert("RGB")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageProcessor:
+    """HF's Gemma3ImageProcessor settings (preprocessor_config.json's names)."""
+
+    size: int
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+    resample: int = 2  # PIL's BILINEAR
+    do_pan_and_scan: bool = False
+    pan_and_scan_min_crop_size: int = 256
+    pan_and_scan_max_num_crops: int = 4
+    pan_and_scan_min_ratio_to_activate: float = 1.2
+
+    @classmethod
+    def for_model(cls, vision: VisionConfig, model_dir: str | Path | None = None) -> "ImageProcessor":
+        """The checkpoint's preprocessor_config.json where it has one, else HF's defaults at the tower's size."""
+        path = None if model_dir is None else Path(model_dir) / "preprocessor_config.json"
+        if path is None or not path.is_file():
+            return cls(size=vision.image_size)
+        d = json.loads(path.read_text())
+        size = d.get("size") or {}
+        height, width = size.get("height", vision.image_size), size.get("width", vision.image_size)
+        if height != width or height != vision.image_size:
+            raise ValueError(f"{path}: size {height}x{width} is not the vision tower's {vision.image_size}x"
+                             f"{vision.image_size}")
+        keys = {f.name for f in dataclasses.fields(cls)} - {"size"}
+        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in keys and v is not None}
+        return cls(size=height, **kw)
+
+    def crops(self, image) -> list:
+        """The image's pan-and-scan crops (HF's rule: 2..max crops along the long side when its aspect ratio
+        reaches min_ratio_to_activate and each crop keeps min_crop_size); [] when off or not worth it."""
+        if not self.do_pan_and_scan:
+            return []
+        width, height = image.size
+        long, short = (width, height) if width >= height else (height, width)
+        if long / short < self.pan_and_scan_min_ratio_to_activate:
+            return []
+        n = min(int(math.floor(long / short + 0.5)), int(math.floor(long / self.pan_and_scan_min_crop_size)))
+        n = min(self.pan_and_scan_max_num_crops, max(2, n))
+        across, down = (n, 1) if width >= height else (1, n)
+        crop_w, crop_h = int(math.ceil(width / across)), int(math.ceil(height / down))
+        if min(crop_w, crop_h) < self.pan_and_scan_min_crop_size:
+            return []
+        return [image.crop((x, y, min(x + crop_w, width), min(y + crop_h, height)))
+                for y, x in itertools.product(range(0, crop_h * down, crop_h), range(0, crop_w * across, crop_w))]
+
+    def pixel_values(self, images) -> tuple[np.ndarray, list[int]]:
+        """RGB PIL images -> (pixel values (N, 3, size, size) f32 of each image followed by its crops, crops per
+        image)."""
+        out, num_crops = [], []
+        for image in images:
+            crops = self.crops(image)
+            num_crops.append(len(crops))
+            out.extend(self._normalise(im) for im in [image, *crops])
+        return np.stack(out).astype(np.float32), num_crops
+
+    def _normalise(self, image) -> np.ndarray:
+        resized = np.asarray(image.resize((self.size, self.size), resample=self.resample)).transpose(2, 0, 1)
+        scaled = (resized.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        mean = np.asarray(self.image_mean, np.float32)[:, None, None]
+        std = np.asarray(self.image_std, np.float32)[:, None, None]
+        return (scaled - mean) / std

@@ -3,10 +3,11 @@
 //
 // Cache: (num_blocks, block_size, kv_heads, head_dim), f32 or bf16; slot s = block * block_size +
 // offset. Queries are the step's tokens packed together (T, heads, head_dim), each tagged with its
-// sequence (token_seq, -1 = padding) and absolute position. Token t of sequence s sees the keys at
-// positions [start, pos] of s, read through block_tables[s, position / block_size], where start is
-// 0 or pos - window + 1 on sliding-window layers. The same rule covers decode, chunked prefill
-// (a chunk's own keys are written before it attends) and prefix-cached blocks. Every block id,
+// sequence (token_seq, -1 = padding), absolute position and the last position it sees (token_until,
+// >= its position: past it for the tokens of an image, which see their whole image). Token t of sequence
+// s sees the keys at positions [start, until] of s, read through block_tables[s, position / block_size],
+// where start is 0 or pos - window + 1 on sliding-window layers. The same rule covers decode, chunked
+// prefill (a chunk's own keys are written before it attends) and prefix-cached blocks. Every block id,
 // sequence id, slot and position comes from data and is checked before use: a bad one is an FFI
 // error, never an out-of-bounds read.
 #include <algorithm>
@@ -329,6 +330,7 @@ struct AttnArgs {
   const int32_t* tables;
   const int32_t* seq;
   const int32_t* pos;
+  const int32_t* until;
   void* out;
 };
 
@@ -368,10 +370,13 @@ ffi::Error AttendRun(const AttnArgs& a, BlockFn block_fn, int64_t t0, int64_t t1
                              std::to_string(a.seqs) + ")");
     int64_t first_block = a.max_blocks, last_block = -1;
     for (int64_t t = t0; t < t1; ++t) {
-      const int32_t p = a.pos[t];
+      const int32_t p = a.pos[t], u = a.until[t];
       if (p < 0 || p / bs >= a.max_blocks)
         return InvalidArgument("token_pos[" + std::to_string(t) + "] = " + std::to_string(p) + " is outside [0, " +
                                std::to_string(a.max_blocks * bs) + ") (block_tables width x block size)");
+      if (u < p || u / bs >= a.max_blocks)
+        return InvalidArgument("token_until[" + std::to_string(t) + "] = " + std::to_string(u) + " is outside [" +
+                               std::to_string(p) + ", " + std::to_string(a.max_blocks * bs) + ")");
       for (int64_t h = h0; h < h1; ++h) {
         const int64_t i = (t - t0) * nh + (h - h0);
         // The group's query heads are row t * kv_heads + h of q viewed as (T * kv_heads, group * head_dim).
@@ -381,16 +386,16 @@ ffi::Error AttendRun(const AttnArgs& a, BlockFn block_fn, int64_t t0, int64_t t1
       }
       const int64_t start = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
       first_block = std::min(first_block, start / bs);
-      last_block = std::max<int64_t>(last_block, p / bs);
+      last_block = std::max<int64_t>(last_block, u / bs);
     }
     const int32_t* table = a.tables + s * a.max_blocks;
     for (int64_t b = first_block; b <= last_block; ++b) {
       int64_t lo_all = bs, hi_all = -1;  // the block's rows any token of the run sees
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t p = a.pos[t], start = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
-        if (start / bs <= b && b <= p / bs) {
+        const int64_t p = a.pos[t], u = a.until[t], start = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+        if (start / bs <= b && b <= u / bs) {
           lo_all = std::min(lo_all, std::max<int64_t>(start, b * bs) - b * bs);
-          hi_all = std::max(hi_all, std::min<int64_t>(p, b * bs + bs - 1) - b * bs);
+          hi_all = std::max(hi_all, std::min<int64_t>(u, b * bs + bs - 1) - b * bs);
         }
       }
       if (hi_all < 0) continue;  // between two tokens' windows: no token of the run reads it
@@ -406,10 +411,10 @@ ffi::Error AttendRun(const AttnArgs& a, BlockFn block_fn, int64_t t0, int64_t t1
             RowAsF32(a.vc, true, row0 + j * a.c.kv_heads, d, vscratch + j * d);
           }
         for (int64_t t = t0; t < t1; ++t) {
-          const int64_t p = a.pos[t], start = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
-          if (b < start / bs || b > p / bs) continue;
+          const int64_t p = a.pos[t], u = a.until[t], start = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+          if (b < start / bs || b > u / bs) continue;
           const int64_t lo = std::max<int64_t>(start, b * bs) - b * bs;
-          const int64_t hi = std::min<int64_t>(p, b * bs + bs - 1) - b * bs;  // inclusive
+          const int64_t hi = std::min<int64_t>(u, b * bs + bs - 1) - b * bs;  // inclusive
           const int64_t i = (t - t0) * nh + (h - h0);
           float *mi = m + i * g, *li = l + i * g, *ai = acc + i * g * d;
           if (a.cache_bf16) {
@@ -444,8 +449,8 @@ ffi::Error AttendRun(const AttnArgs& a, BlockFn block_fn, int64_t t0, int64_t t1
 
 ffi::Future PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                            ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> token_seq,
-                           ffi::Buffer<ffi::S32> token_pos, ffi::Result<ffi::AnyBuffer> out, float scale, float softcap,
-                           int64_t window) {
+                           ffi::Buffer<ffi::S32> token_pos, ffi::Buffer<ffi::S32> token_until,
+                           ffi::Result<ffi::AnyBuffer> out, float scale, float softcap, int64_t window) {
   AttnArgs a{};
   if (auto err = ReadCacheShape(k_cache, v_cache, &a.c); !err.success()) return ReadyFuture(err);
   auto qd = q.dimensions();
@@ -457,8 +462,9 @@ ffi::Future PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   auto bt = block_tables.dimensions();
   if (bt.size() != 2) return ReadyFuture(InvalidArgument("block_tables must be (num_seqs, max_blocks)"));
   a.tokens = qd[0];
-  if (token_seq.element_count() != a.tokens || token_pos.element_count() != a.tokens)
-    return ReadyFuture(InvalidArgument("token_seq and token_pos must hold one entry per query token"));
+  if (token_seq.element_count() != a.tokens || token_pos.element_count() != a.tokens ||
+      token_until.element_count() != a.tokens)
+    return ReadyFuture(InvalidArgument("token_seq, token_pos and token_until must hold one entry per query token"));
   a.heads = qd[1];
   a.group = a.heads / a.c.kv_heads;
   a.seqs = bt[0];
@@ -474,13 +480,14 @@ ffi::Future PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   a.tables = block_tables.typed_data();
   a.seq = token_seq.typed_data();
   a.pos = token_pos.typed_data();
+  a.until = token_until.typed_data();
   a.out = out->untyped_data();
 
   // Cost per item ~ visible keys x group x head_dim; small steps stay on the calling thread.
   int64_t work = 0;
   for (int64_t t = 0; t < a.tokens; ++t)
     if (a.seq[t] >= 0) {
-      const int64_t keys = std::max<int64_t>(a.pos[t], 0) + 1;
+      const int64_t keys = std::max<int64_t>(a.until[t], 0) + 1;
       work += (a.window > 0 ? std::min(keys, a.window) : keys) * a.heads * a.c.head_dim;
     }
   // Runs: a sequence's consecutive tokens cut into near-equal pieces of at most `longest` (kMaxRun, or fewer
@@ -534,6 +541,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionHandler, PagedAttention,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -89,7 +89,7 @@ def test_pixels_on_a_text_model(tmp_path):
 
     make_tiny_model_dir(tmp_path, "llama")
     model = load_model(tmp_path).model
-    with pytest.raises(ValueError, match="text-only llama model"):
+    with pytest.raises(ValueError, match="images given to a text-only llama model"):
         model(jnp.asarray([[1, 2]]), jnp.arange(2)[None], pixel_values=jnp.zeros((1, 3, 32, 32)))
 
 

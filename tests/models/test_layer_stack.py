@@ -175,7 +175,7 @@ def test_the_engine_step_copies_no_weight_and_no_pool():
     forward = runner._programs.function("forward")
     hlo = forward.lower(runner.leaves, runner.k, runner.v, np.zeros(t, np.int32), np.zeros(t, np.int32),
                         np.full((1, t), -1, np.int32), np.full(t, -1, np.int32),
-                        np.zeros((1, 1, runner.max_blocks_per_seq), np.int32), None).compile().as_text()
+                        np.zeros((1, 1, runner.max_blocks_per_seq), np.int32), None, None).compile().as_text()
     layer_shapes = {tuple(leaf.shape[1:]) for leaf in runner.leaves if leaf.ndim >= 3 and leaf.shape[0] == 8}
     shape_of = lambda line: tuple(int(d) for d in re.search(r"= \w+\[([\d,]*)\]", line).group(1).split(",") if d)
     for line in hlo.splitlines():

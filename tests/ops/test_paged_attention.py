@@ -68,11 +68,13 @@ def _write_pair(kc, vc, k, v, slots):
     return write_kv(kc, vc, k, v, slots), write_kv_reference(kc, vc, k, v, slots)
 
 
-def dense_oracle(q, kc, vc, bt, ts, tp, *, scale, softcap=None, window=None) -> np.ndarray:
-    """float64 NumPy: for each real token, gather its visible keys position by position through the
-    block table, repeat kv heads (repeat_kv) and take an ordinary softmax. Padding rows are zero."""
+def dense_oracle(q, kc, vc, bt, ts, tp, tu=None, *, scale, softcap=None, window=None) -> np.ndarray:
+    """float64 NumPy: for each real token, gather its visible keys (positions [start, until], until = the
+    token's own position unless `tu` says) position by position through the block table, repeat kv heads
+    (repeat_kv) and take an ordinary softmax. Padding rows are zero."""
     q, kc, vc = (np.asarray(_f32(a), np.float64) for a in (q, kc, vc))
     bt, ts, tp = (np.asarray(a, np.int64) for a in (bt, ts, tp))
+    tu = tp if tu is None else np.asarray(tu, np.int64)
     nb, bs, kv, d = kc.shape
     g = q.shape[1] // kv
     kflat, vflat = kc.reshape(nb * bs, kv, d), vc.reshape(nb * bs, kv, d)
@@ -82,7 +84,7 @@ def dense_oracle(q, kc, vc, bt, ts, tp, *, scale, softcap=None, window=None) -> 
         if s < 0:
             continue
         start = max(0, p - window + 1) if window else 0
-        positions = np.arange(start, p + 1)
+        positions = np.arange(start, tu[t] + 1)
         slots = bt[s, positions // bs] * bs + positions % bs
         keys = np.repeat(kflat[slots], g, axis=1)  # (L, H, D): kv head j // g for query head j
         values = np.repeat(vflat[slots], g, axis=1)
@@ -337,6 +339,41 @@ def test_eager_call_matches_jitted():
     eager = paged_attention(*case.arrays(), **case.kw)
     np.testing.assert_array_equal(np.asarray(eager), np.asarray(_attn_jit(*case.arrays(), **case.kw)))
     np.testing.assert_allclose(np.asarray(eager), dense_oracle(*case.arrays(), **case.kw), rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=20)
+@given(seed=st.integers(0, 2**32 - 1), window=st.one_of(st.none(), st.integers(1, 12)),
+       softcap=st.one_of(st.none(), st.just(5.0)), bs=st.integers(1, 8), group=st.integers(1, 4))
+def test_token_until_extends_what_a_token_sees(seed, window, softcap, bs, group):
+    """token_until (an image's tokens see up to its end): keys [pos - window + 1, until], the window counted from
+    the token's own position; the op, its reference and the Pallas kernel (interpreted) against the oracle."""
+    from tunix_rt.ops.paged_attention_pallas import paged_attention_pallas
+
+    rng = np.random.default_rng(seed)
+    case = build_case(rng, bs=bs, d=8, kv=2, group=group, nseq=3, max_blocks=4, n_pad=1, softcap=softcap,
+                      window=window)
+    cap = case.bt.shape[1] * bs
+    until = np.where(case.ts >= 0, case.tp + (rng.random(case.tp.shape) * (cap - case.tp)).astype(np.int32),
+                     case.tp).astype(np.int32)
+    assert np.all(until >= case.tp) and np.all(until[case.ts >= 0] < cap)
+    args = (*case.arrays(), jnp.asarray(until))
+    want = dense_oracle(*args, **case.kw)
+    tol = dict(rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(_attn_jit(*args, **case.kw)), want, **tol)
+    np.testing.assert_allclose(np.asarray(_attn_ref_jit(*args, **case.kw)), want, **tol)
+    if bs & (bs - 1) == 0:  # the kernel's block sizes
+        pallas = jax.jit(functools.partial(paged_attention_pallas, interpret=True, **case.kw))
+        np.testing.assert_allclose(np.asarray(pallas(*args)), want, **tol)
+
+
+def test_token_until_before_the_position_raises():
+    case = build_case(np.random.default_rng(4), bs=4, d=8, kv=1, group=1, nseq=2, max_blocks=3)
+    until = case.tp.copy()
+    real = int(np.flatnonzero(case.ts >= 0)[0])
+    until[real] = case.tp[real] - 1
+    _expect_ffi_error(lambda: _attn_jit(*case.arrays(), jnp.asarray(until), **case.kw), f"token_until[{real}]")
+    until[real] = case.bt.shape[1] * 4
+    _expect_ffi_error(lambda: _attn_jit(*case.arrays(), jnp.asarray(until), **case.kw), f"token_until[{real}]")
 
 
 # ----------------------------------------------------------------------------------------------

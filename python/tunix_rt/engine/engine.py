@@ -9,6 +9,7 @@ drive it, `AsyncEngine` (async_engine.py) drives it from a thread for the server
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import os
@@ -32,7 +33,7 @@ from tunix_rt.engine.errors import (
 from tunix_rt.engine.kv_cache_manager import HybridKVCacheManager, KVCacheManager
 from tunix_rt.engine.lora_manager import Adapter, LoRAManager, LoRARequest
 from tunix_rt.engine.params import RequestOutput, SamplingParams
-from tunix_rt.engine.request import Request, Status
+from tunix_rt.engine.request import Request, RequestImage, Status
 from tunix_rt.engine.runner import ModelRunner
 from tunix_rt.engine.scheduler import Scheduler
 from tunix_rt.engine.speculative import NgramProposer, Proposer, SpeculativeConfig
@@ -41,8 +42,10 @@ from tunix_rt.models.decoder import Decoder
 from tunix_rt.models.kv_cache import KVLayout
 from tunix_rt.models.lora import has_lora
 from tunix_rt.models.multi_lora import with_adapter_slots
+from tunix_rt.models.vision import image_spans
 
 log = logging.getLogger(__name__)
+_ENCODED_IMAGES = 64  # images whose soft tokens the engine keeps, so a repeated image is not encoded again
 
 Prompt = str | Sequence[int]
 
@@ -122,6 +125,7 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self._prompt_tokens = 0
+        self._encoded: dict[str, np.ndarray] = {}  # images' soft tokens by digest, the most recent last
         log.info("engine: KV blocks of %d tokens per group %s (windows %s; %.0f MiB), max_model_len %d", block_size,
                  layout.blocks, layout.windows, layout.total_blocks * ModelRunner.block_bytes(model, block_size, 1)
                  / 2**20, max_model_len)
@@ -194,14 +198,56 @@ class Engine:
                 max_model_len=self.max_model_len, num_tokens=len(ids))
         return ids
 
+    def _images(self, ids: list[int], images: Sequence[np.ndarray]) -> tuple[RequestImage, ...]:
+        """Each image's pixel values (C, H, W) checked against the prompt's runs of placeholders (one run of
+        mm_tokens_per_image per image, in order) and encoded (an image seen before is not encoded again)."""
+        vision = self.model.config.vision
+        if vision is None:
+            if images:
+                raise InvalidRequestError(f"images given to a text-only {self.model.config.architecture} model",
+                                          param="images")
+            return ()
+        spans = image_spans(ids, vision.image_token_id)
+        if len(spans) != len(images):
+            raise InvalidRequestError(f"the prompt holds {len(spans)} run(s) of image placeholders (id "
+                                      f"{vision.image_token_id}) for {len(images)} image(s)", param="images")
+        if images and vision.mm_tokens_per_image > self.config.max_num_batched_tokens:
+            raise InvalidRequestError(f"an image's {vision.mm_tokens_per_image} tokens exceed max_num_batched_tokens "
+                                      f"({self.config.max_num_batched_tokens}): they must fit one step",
+                                      param="images")
+        shape = (vision.num_channels, vision.image_size, vision.image_size)
+        out = []
+        for i, ((start, end), pixels) in enumerate(zip(spans, images)):
+            if end - start != vision.mm_tokens_per_image:
+                raise InvalidRequestError(f"image {i}'s run of placeholders holds {end - start} tokens, not "
+                                          f"mm_tokens_per_image ({vision.mm_tokens_per_image})", param="images")
+            pixels = np.asarray(pixels)
+            if pixels.shape != shape or not np.issubdtype(pixels.dtype, np.floating) or not np.isfinite(pixels).all():
+                raise InvalidRequestError(f"image {i}: pixel values must be finite floats of shape {shape}, got "
+                                          f"{pixels.dtype} {pixels.shape}", param="images")
+            pixels = np.ascontiguousarray(pixels, np.float32)
+            digest = hashlib.sha256(pixels.tobytes()).hexdigest()
+            embeds = self._encoded.pop(digest, None)
+            if embeds is None:
+                embeds = self.runner.encode_image(pixels)
+            self._encoded[digest] = embeds  # most recent last
+            while len(self._encoded) > _ENCODED_IMAGES:
+                self._encoded.pop(next(iter(self._encoded)))
+            out.append(RequestImage(start, end, embeds, digest))
+        return tuple(out)
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    *, cache_salt: str | None = None, lora_request: LoRARequest | str | None = None) -> str:
+                    *, cache_salt: str | None = None, lora_request: LoRARequest | str | None = None,
+                    images: Sequence[np.ndarray] = ()) -> str:
         """Queue a prompt (text or token ids); returns its request id. n > 1 queues n sequences. `lora_request`
-        (vLLM's LoRARequest, or an adapter's name) runs it with that LoRA adapter (an engine with max_loras)."""
+        (vLLM's LoRARequest, or an adapter's name) runs it with that LoRA adapter (an engine with max_loras).
+        `images` (a model with a vision encoder): each image's pixel values (C, H, W), as the model's
+        ImageProcessor makes them, for the prompt's runs of image placeholders in order."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self._prompt_ids(prompt)
+        request_images = self._images(ids, images)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise DuplicateRequestIdError(f"request id {request_id!r} is already in use")
@@ -238,7 +284,7 @@ class Engine:
             seqs.append(Request(request_id, i, ids, params, max_tokens=max_tokens, stop_ids=stop_ids,
                                 seed=(base_seed + i) % 2**32, detokenizer=detok,
                                 extra_keys=extra_keys, matcher=None if matcher is None else matcher.deep_copy(),
-                                lora=lora))
+                                lora=lora, images=request_images))
         if lora is not None:
             self.loras.request_added(lora, params.n)
         self._requests[request_id] = seqs
@@ -303,10 +349,12 @@ class Engine:
             self.loras.request_done(req.lora)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False, lora_request: LoRARequest | str | Sequence | None = None
+                 *, use_tqdm: bool = False, lora_request: LoRARequest | str | Sequence | None = None,
+                 images: Sequence[Sequence[np.ndarray]] | None = None
                  ) -> list[RequestOutput] | list[list[RequestOutput]]:
         """Run prompts to completion: one RequestOutput per prompt, or a list of n per prompt when n > 1.
-        `lora_request`, as in vLLM: one adapter for every prompt, or one (or None) per prompt."""
+        `lora_request`, as in vLLM: one adapter for every prompt, or one (or None) per prompt; `images`: each
+        prompt's images (add_request's)."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         prompts = [prompts] if single else list(prompts)
         if params is None or isinstance(params, SamplingParams):
@@ -316,10 +364,13 @@ class Engine:
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+        images = [()] * len(prompts) if images is None else list(images)
+        if len(images) != len(prompts):
+            raise ValueError(f"got images for {len(images)} prompts, there are {len(prompts)}")
         ids = []
         try:
-            for prompt, p, lora in zip(prompts, params, loras):
-                ids.append(self.add_request(prompt, p, lora_request=lora))
+            for prompt, p, lora, pixels in zip(prompts, params, loras, images):
+                ids.append(self.add_request(prompt, p, lora_request=lora, images=pixels))
         except ValueError:
             for rid in ids:
                 self.abort(rid)
@@ -393,13 +444,14 @@ class Engine:
 
     def update_weights(self, params: nnx.State | Decoder) -> None:
         """Swap the model's weights in place (same shapes and dtypes: nothing recompiles); the
-        prefix cache is reset since cached K/V came from the old weights."""
+        prefix cache and the images' soft tokens are dropped, since they came from the old weights."""
         if self.loras is not None:
             raise RuntimeError("update_weights on an engine with adapter slots (max_loras) is not supported: its "
                                "slots hold the adapters' weights; make a new engine")
         state = nnx.split(params)[1] if isinstance(params, Decoder) else params
         self.runner.update_weights(state)
         self.kv.reset_prefix_cache()
+        self._encoded.clear()
 
     def sleep(self) -> None:
         """Free the KV cache memory (e.g. for a training phase); requests must be finished first."""

@@ -54,9 +54,9 @@ class Generation:
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnames="cache")
-def _prefill(graphdef, state, tokens, positions, cache):
+def _prefill(graphdef, state, tokens, positions, cache, pixel_values):
     model = use_batch_invariant_kernels(nnx.merge(graphdef, state))
-    h, cache = model.hidden_states(tokens, positions, cache)
+    h, cache = model.hidden_states(tokens, positions, cache, pixel_values=pixel_values)
     return model.logits(h[:, -1]), cache
 
 
@@ -69,7 +69,9 @@ def _decode(graphdef, state, logits, positions, cache, key, temperature, top_k, 
     return tokens, model.logits(h[:, -1]), cache
 
 
-def generate(model: Decoder, prompts: Sequence[Sequence[int]], config: GenerationConfig) -> list[Generation]:
+def generate(model: Decoder, prompts: Sequence[Sequence[int]], config: GenerationConfig,
+             pixel_values: np.ndarray | None = None) -> list[Generation]:
+    """`pixel_values` (N, C, H, W): the images of the prompts' N runs of image placeholders, in order."""
     if not prompts:
         return []
     for i, p in enumerate(prompts):
@@ -90,7 +92,14 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], config: Generatio
 
     graphdef, state = nnx.split(model)
     cache = model.new_cache(batch, cache_len)
-    logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), cache)
+    vision = model.config.vision
+    if pixel_values is not None and vision is not None:  # counted here, where the tokens are concrete
+        held = sum(int(np.sum(np.asarray(p) == vision.image_token_id)) for p in prompts)
+        if held != len(pixel_values) * vision.mm_tokens_per_image:
+            raise ValueError(f"{len(pixel_values)} image(s) need {vision.mm_tokens_per_image} placeholder tokens each, "
+                             f"the prompts hold {held}")
+    logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), cache,
+                             None if pixel_values is None else jnp.asarray(pixel_values, jnp.float32))
     temperature = jnp.full((batch,), config.temperature, jnp.float32)
     top_k = jnp.full((batch,), config.top_k, jnp.int32)
     top_p = jnp.full((batch,), config.top_p, jnp.float32)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+
+import numpy as np
 
 from tunix_rt.engine.detokenizer import IncrementalDetokenizer
 from tunix_rt.engine.params import RequestOutput, SamplingParams
@@ -14,10 +17,21 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class RequestImage:
+    """One image of a prompt, encoded at admission: its soft tokens (M, D) f32 on the host fill the prompt's
+    placeholders [start, end); `digest` (of its pixel values) keys the prefix cache's blocks that hold it."""
+
+    start: int
+    end: int
+    embeds: np.ndarray
+    digest: str
+
+
 class Request:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, *,
                  max_tokens: int, stop_ids: frozenset[int], seed: int, detokenizer: IncrementalDetokenizer | None,
-                 extra_keys: tuple = (), matcher=None, lora=None):
+                 extra_keys: tuple = (), matcher=None, lora=None, images: tuple[RequestImage, ...] = ()):
         self.request_id = request_id
         self.index = index
         self.seq_id = f"{request_id}#{index}"  # the unit the KV manager keys blocks by
@@ -33,6 +47,11 @@ class Request:
         self.lora_slot = -1  # the adapter's slot while admitted (-1: none)
         self.long_prefill_waits = 0  # steps in a row this long prefill gave to others (scheduler)
         self.all_token_ids = list(prompt_token_ids)
+        self.images = images
+        # what the prefix cache keys blocks by: the tokens, an image's placeholders as (its digest, offset)
+        self._prompt_keys = list(prompt_token_ids)
+        for image in images:
+            self._prompt_keys[image.start:image.end] = [(image.digest, i) for i in range(image.end - image.start)]
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0  # catches up with len(all_token_ids); reset to 0 by preemption
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
@@ -55,6 +74,24 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def block_tokens(self) -> list:
+        """The tokens as the prefix cache keys them: an image's placeholders by its digest, so only a block
+        holding the same image (and everything before it) is shared."""
+        return self.all_token_ids if not self.images else self._prompt_keys + self.output_token_ids
+
+    def chunk_size(self, start: int, num_new: int, budget: int) -> int:
+        """`num_new` tokens from `start`, cut so that no image's placeholders are split between steps (each sees
+        its whole image, whose keys must all be written in the step it attends): a chunk that would end inside
+        an image ends before it, or, starting inside or at it, takes the rest of it if `budget` allows (else 0)."""
+        end = start + num_new
+        for image in self.images:
+            if image.start < end < image.end:
+                if image.start > start:
+                    return image.start - start
+                return image.end - start if image.end - start <= budget else 0
+        return num_new
 
     def append(self, token: int, logprob: float, top: dict[int, float] | None) -> None:
         """Record a sampled token and decide whether the sequence ends with it."""

@@ -40,6 +40,7 @@ from tunix_rt.models.batch_invariant import use_batch_invariant_kernels
 from tunix_rt.models.decoder import Decoder, head_logits
 from tunix_rt.models.kv_cache import KVLayout, PagedKVCache
 from tunix_rt.models.multi_lora import MultiLoRALinear, set_adapter_ids
+from tunix_rt.models.vision import ImageTokens
 from tunix_rt.ops.quant import QuantizedTensor, lane_scales
 
 log = logging.getLogger(__name__)
@@ -77,11 +78,19 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, layout, blo
         return model
 
     @functools.partial(jax.jit, donate_argnums=(1, 2))
-    def forward(leaves, k, v, tokens, positions, slots, token_seq, block_tables, lora_ids):
+    def forward(leaves, k, v, tokens, positions, slots, token_seq, block_tables, lora_ids, images):
+        """`images`: None for a text-only model; else (soft token per step token (T, D), attend_until (T,))."""
         model = merged(leaves, lora_ids)
         cache = PagedKVCache(k, v, slots, token_seq, block_tables, layout)
-        h, cache = model.hidden_states(tokens[None], positions[None], cache)
+        image_tokens = None if images is None else ImageTokens(images[0][None], images[1][None])
+        h, cache = model.hidden_states(tokens[None], positions[None], cache, image_tokens=image_tokens)
         return h[0], cache.k, cache.v, _nonfinite_rows(h[0], token_seq, block_tables.shape[1])
+
+    @jax.jit
+    def encode_image(leaves, pixel_values):
+        """One image's soft tokens (1, M, D) f32, through the batch-invariant kernels as the decoder's are."""
+        return use_batch_invariant_kernels(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))).vision(
+            pixel_values)
 
     @jax.jit
     def take_rows(hidden, rows):
@@ -148,7 +157,8 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, layout, blo
         up two programs of its own on every engine start, ~40 ms of a warm `generate`)."""
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
-    return {"forward": (forward, ()), "rows": (take_rows, ()), "sample": (sample, (5, 8)),
+    return {"forward": (forward, ()), "encode_image": (encode_image, ()), "rows": (take_rows, ()),
+            "sample": (sample, (5, 8)),
             "empty_cache": (empty_cache, (0, 1)),
             "score_prompt": (score_prompt, (3,)), "decode_loop": (decode_loop, (9, 11))}
 
@@ -247,6 +257,7 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.dtype = model.dtype
         self.hidden_size = cfg.hidden_size
+        self.vision = cfg.vision
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -332,9 +343,11 @@ class ModelRunner:
             if stop():
                 return compiled
             compiled += self._is_new(("forward", t_b))
+            positions = np.zeros(t_b, np.int32)
             hidden, self.k, self.v, _ = self._programs(("forward", t_b), self.leaves, self.k, self.v,
-                                                       np.zeros(t_b, np.int32), np.zeros(t_b, np.int32),
-                                                       np.full((groups, t_b), -1, np.int32), pad, tables, pad)
+                                                       np.zeros(t_b, np.int32), positions,
+                                                       np.full((groups, t_b), -1, np.int32), pad, tables, pad,
+                                                       self._step_images([], t_b, positions))
             for b_b in row_buckets:
                 if stop():
                     return compiled
@@ -407,6 +420,27 @@ class ModelRunner:
         """1 when the program `key` is yet to be made (it is, when it runs next), else 0."""
         return int(key not in self._programs.keys())
 
+    def encode_image(self, pixel_values: np.ndarray) -> np.ndarray:
+        """An image's (C, H, W) pixel values -> its soft tokens (M, D) f32 on the host."""
+        return np.asarray(self._programs(("encode_image",), self.leaves, pixel_values[None]))[0]
+
+    def _step_images(self, scheduled: list[ScheduledRequest], t_b: int, positions: np.ndarray):
+        """The forward's `images` input: each step token's soft token (an image placeholder's; zeros elsewhere)
+        and the last position it sees (an image's end for its tokens); None for a text-only model."""
+        if self.vision is None:
+            return None
+        embeds = np.zeros((t_b, self.hidden_size), np.float32)
+        until = positions.copy()
+        offset = 0
+        for s in scheduled:
+            for image in s.request.images:
+                lo, hi = max(s.start, image.start), min(s.start + s.num_new, image.end)
+                if lo < hi:
+                    embeds[offset + lo - s.start:offset + hi - s.start] = image.embeds[lo - image.start:hi - image.start]
+                    until[offset + lo - s.start:offset + hi - s.start] = image.end - 1
+            offset += s.num_new
+        return embeds, until
+
     def execute(self, scheduled: list[ScheduledRequest], block_lists: Sequence[dict[str, list[int]]]) -> StepResult:
         """Run one step; block_lists[g] maps each sequence to its blocks in KV group g (the KV manager's tables;
         -1: a block freed outside a sliding window, which no token reads). A request with drafts is sampled at
@@ -448,7 +482,8 @@ class ModelRunner:
         params, prompt_hist, output_hist, num_top = self._sampling_inputs(by_row, b_b, ahead)
         all_greedy = _all_greedy(scheduled)
         hidden, self.k, self.v, nonfinite = self._programs(("forward", t_b), self.leaves, self.k, self.v, tokens,
-                                                           positions, slots, token_seq, tables, lora_ids)
+                                                           positions, slots, token_seq, tables, lora_ids,
+                                                           self._step_images(scheduled, t_b, positions))
         bitmask = self._grammar_masks(by_row, b_b)
         bias = self._logit_biases(by_row, b_b)
         out: SamplerOutput = self._programs(

@@ -114,16 +114,19 @@ class Scheduler:
         # Admitting while preempting would only thrash: the queue waits for the next step.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            cached, num_cached = self.kv.computed_blocks(req.all_token_ids, req.extra_keys)
+            cached, num_cached = self.kv.computed_blocks(req.block_tokens, req.extra_keys)
             if req.params.prompt_logprobs is not None:  # every prompt position's logits are needed: compute all
                 cached, num_cached = [], 0
-            num_new = min(req.num_tokens - num_cached, budget, self._chunk_cap(req, num_cached))
+            num_new = req.chunk_size(num_cached, min(req.num_tokens - num_cached, budget,
+                                                     self._chunk_cap(req, num_cached)), budget)
+            if num_new == 0:  # an image's placeholders do not fit what is left of this step
+                break
             if req.lora is not None:
                 slot = self.loras.acquire(req.lora)
                 if slot is None:  # every adapter slot serves running requests: wait for one to end
                     break
                 req.lora_slot = slot
-            if not self.kv.allocate(req.seq_id, req.all_token_ids, num_cached, num_new, cached, req.extra_keys):
+            if not self.kv.allocate(req.seq_id, req.block_tokens, num_cached, num_new, cached, req.extra_keys):
                 self._leave_slot(req)
                 break
             self.waiting.popleft()
@@ -160,14 +163,17 @@ class Scheduler:
         until it fits: its ScheduledRequest, or None when it had to go itself; and whether anything was
         preempted."""
         self.kv.release_behind(req.seq_id, req.num_computed_tokens)  # sliding-window blocks it has passed
-        num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap(req, req.num_computed_tokens))
+        num_new = req.chunk_size(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget,
+                                                              self._chunk_cap(req, req.num_computed_tokens)), budget)
+        if num_new == 0:  # an image's placeholders do not fit what is left of this step
+            return None, False
         draft = self._drafts(req, budget) if num_new == 1 else ()
-        if draft and self.kv.allocate(req.seq_id, req.all_token_ids, req.num_computed_tokens, 1 + len(draft),
+        if draft and self.kv.allocate(req.seq_id, req.block_tokens, req.num_computed_tokens, 1 + len(draft),
                                       extra=req.extra_keys):
             return ScheduledRequest(req, req.num_computed_tokens, 1 + len(draft), limit=1 + len(draft),
                                     draft=draft), False
         preempted = False  # no room for drafts: the plain decode, preempting as it needs
-        while not self.kv.allocate(req.seq_id, req.all_token_ids, req.num_computed_tokens, num_new,
+        while not self.kv.allocate(req.seq_id, req.block_tokens, req.num_computed_tokens, num_new,
                                    extra=req.extra_keys):
             victim = self.running.pop()
             self._preempt(victim)
@@ -224,7 +230,7 @@ class Scheduler:
             return scheduled
         for s, limit in zip(scheduled, limits):
             req = s.request
-            if not self.kv.allocate(req.seq_id, req.all_token_ids, s.start + 1, limit - 1, extra=req.extra_keys):
+            if not self.kv.allocate(req.seq_id, req.block_tokens, s.start + 1, limit - 1, extra=req.extra_keys):
                 return scheduled  # room taken so far stays with its requests and serves their next steps
         return [dataclasses.replace(s, limit=limit) for s, limit in zip(scheduled, limits)]
 

@@ -18,7 +18,7 @@ from tunix_rt.models.layer_stack import LayerStack, LayerView
 from tunix_rt.models.quant_layers import QuantEmbed, QuantLinear
 from tunix_rt.models.remat import recompute_in_backward, tie
 from tunix_rt.models.rope import apply_rope, attention_scaling, dynamic_inverse_frequencies, inverse_frequencies
-from tunix_rt.models.vision import ImageEncoder, image_attend_until, merge_image_tokens
+from tunix_rt.models.vision import ImageEncoder, ImageTokens, image_attend_until, merge_image_tokens
 from tunix_rt.ops import attention, grouped_matmul, permute, rms_norm, router_topk, unpermute
 from tunix_rt.ops.attention import SAVED_NAMES as ATTENTION_SAVED
 from tunix_rt.ops.fused_head import head_logprobs
@@ -263,15 +263,14 @@ class Decoder(nnx.Module):
         self.remat = False
 
     def hidden_states(self, tokens, positions, cache: DenseKVCache | PagedKVCache | None = None, segment_ids=None,
-                      pixel_values=None):
-        x, attend_until = self._embed(tokens, positions, pixel_values)
+                      pixel_values=None, image_tokens: ImageTokens | None = None):
+        """`pixel_values` (N, C, H, W): images for the tokens' N runs of placeholders, encoded here; or
+        `image_tokens`: images encoded already, laid on the tokens (the engine's steps)."""
+        x, attend_until = self._embed(tokens, positions, pixel_values, image_tokens)
         if cache is not None:
             cache = cache.begin(positions)
         if cache is not None and segment_ids is not None:
             raise ValueError("segment_ids are for training on packed rows, not for decoding with a cache")
-        if attend_until is not None and cache is not None and not isinstance(cache, DenseKVCache):
-            raise ValueError("images take the dense KV cache (the reference generator): the paged engine does not "
-                             "run them yet")
 
         def run(layer: DecoderLayer, carry, index):
             x, cache = carry
@@ -284,18 +283,23 @@ class Decoder(nnx.Module):
             cache = cache.end(tokens.shape[1])
         return self.final_norm(x), cache
 
-    def _embed(self, tokens, positions, pixel_values):
+    def _embed(self, tokens, positions, pixel_values, image_tokens):
         """The scaled token embeddings with the images' soft tokens in their placeholders, and the attention's
         `attend_until` (None without images)."""
         vision = self.config.vision
-        if pixel_values is not None and vision is None:
-            raise ValueError(f"pixel_values given to a text-only {self.config.architecture} model")
+        if (pixel_values is not None or image_tokens is not None) and vision is None:
+            raise ValueError(f"images given to a text-only {self.config.architecture} model")
+        if pixel_values is not None and image_tokens is not None:
+            raise ValueError("give images as pixel_values or as image_tokens, not both")
         ids = tokens
         if vision is not None and vision.image_token_id >= self.config.vocab_size:
             ids = jnp.where(tokens == vision.image_token_id, 0, tokens)  # a placeholder outside the vocabulary: HF embeds 0
         x = self.embed(ids)
         if self.config.embed_scale is not None:  # HF rounds the scale to the weights' dtype first
             x = x * jnp.asarray(self.config.embed_scale, self.dtype)
+        if image_tokens is not None:
+            is_image = (tokens == vision.image_token_id)[..., None]
+            return jnp.where(is_image, image_tokens.embeds.astype(x.dtype), x), image_tokens.attend_until
         if pixel_values is None:
             return x, None
         if not isinstance(tokens, jax.core.Tracer):

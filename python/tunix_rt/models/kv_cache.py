@@ -136,7 +136,9 @@ class PagedKVCache:
     def begin(self, positions: jax.Array) -> "PagedKVCache":
         return self
 
-    def attend(self, layer, q, k, v, positions, *, window, scale, softcap) -> tuple["PagedKVCache", jax.Array]:
+    def attend(self, layer, q, k, v, positions, *, window, scale, softcap,
+               attend_until=None) -> tuple["PagedKVCache", jax.Array]:
+        """`attend_until` (1, T): the last position each token sees (an image's tokens: its end); None: its own."""
         _check_packed("PagedKVCache", q)
         layout = self.layout
         if layout.num_groups == 1:
@@ -146,7 +148,8 @@ class PagedKVCache:
             base = jnp.asarray(layout.bases, jnp.int32)[layer]
         all_k, all_v, out = _write_and_attend(q[0], k[0], v[0], positions[0].astype(jnp.int32), self.k, self.v, base,
                                               self.slots[group], self.token_seq, self.block_tables[group], None, None,
-                                              window, scale, softcap)
+                                              window, scale, softcap,
+                                              None if attend_until is None else attend_until[0].astype(jnp.int32))
         return dataclasses.replace(self, k=all_k, v=all_v), out[None]
 
     def end(self, num_tokens: int) -> "PagedKVCache":
@@ -180,7 +183,10 @@ class ExactPagedLayout:
     def begin(self, positions: jax.Array) -> "ExactPagedLayout":
         return self
 
-    def attend(self, layer, q, k, v, positions, *, window, scale, softcap) -> tuple["ExactPagedLayout", jax.Array]:
+    def attend(self, layer, q, k, v, positions, *, window, scale, softcap,
+               attend_until=None) -> tuple["ExactPagedLayout", jax.Array]:
+        if attend_until is not None:
+            raise ValueError("exact_on_policy training does not run images (their tokens' two-way attention) yet")
         _check_packed("ExactPagedLayout", q)
         pool = jnp.zeros((self.num_blocks, self.block_size, *k.shape[2:]), self.dtype)
         layout = (self.slots, self.token_seq, self.block_tables, self.copy_src, self.copy_slots, self.segment_ids)
@@ -202,7 +208,7 @@ def _offset(index, by):
 
 
 def _write_and_attend(q, k, v, positions, pool_k, pool_v, base, slots, token_seq, tables, copy_src,
-                      copy_slots, window, scale, softcap):
+                      copy_slots, window, scale, softcap, until=None):
     """The engine's arithmetic: k/v written into one layer's blocks of the pools (and the copies, if any), then
     paged_attention; returns the updated pools and the attention output. The layer's block b is the pools'
     block base + b."""
@@ -213,7 +219,7 @@ def _write_and_attend(q, k, v, positions, pool_k, pool_v, base, slots, token_seq
     if copy_src is not None:
         pool_k, pool_v = write_kv(pool_k, pool_v, k[copy_src].astype(pool_k.dtype), v[copy_src].astype(pool_v.dtype),
                                   _offset(copy_slots, base * block_size))
-    out = paged_attention(q, pool_k, pool_v, _offset(tables, base), token_seq, positions, scale=scale,
+    out = paged_attention(q, pool_k, pool_v, _offset(tables, base), token_seq, positions, until, scale=scale,
                           softcap=softcap, window=window)
     return pool_k, pool_v, out
 

@@ -9,6 +9,8 @@ the decoder; the patch convolution (kernel = stride = patch) is a product over f
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -90,6 +92,29 @@ class ImageEncoder(nnx.Module):
         pooled = x.reshape(n, t, k, t, k, d).mean(axis=(2, 4)).reshape(n, t * t, d)
         normed = rms_norm(pooled, self.mm_soft_emb_norm[...], eps=cfg.layer_norm_eps, offset=1.0)
         return jnp.matmul(normed, self.mm_input_projection[...], precision=jax.lax.Precision.HIGHEST)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ImageTokens:
+    """Images already encoded, laid on a step's tokens (the engine's form: its chunks cut images nowhere but the
+    prompt's tokens arrive a chunk at a time). `embeds` (B, T, D): each image placeholder's soft token (anything
+    elsewhere); `attend_until` (B, T): the last position each token sees (image_attend_until's rule)."""
+
+    embeds: jax.Array
+    attend_until: jax.Array
+
+
+def image_spans(tokens, image_token_id: int) -> list[tuple[int, int]]:
+    """[start, end) of each run of image placeholders in a host token list, in order."""
+    spans, start = [], None
+    for i, t in enumerate([*tokens, None]):
+        if t == image_token_id and start is None:
+            start = i
+        elif t != image_token_id and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
 
 
 def merge_image_tokens(embeddings: jax.Array, tokens: jax.Array, soft_tokens: jax.Array,

@@ -3,10 +3,12 @@ through block tables.
 
 A cache is (num_blocks, block_size, kv_heads, head_dim), f32 or bf16; slot = block * block_size +
 offset. A step's query tokens are packed (T, heads, head_dim), each tagged with its sequence
-(`token_seq`, -1 = padding, whose output is zero) and absolute position (`token_pos`). Token t sees
-its sequence's keys at positions [start, pos], read through `block_tables[seq, pos // block_size]`,
-where start is pos - window + 1 on sliding-window layers and 0 otherwise. Writing a chunk's keys
-before it attends makes the one rule serve decode, chunked prefill and prefix-cached blocks.
+(`token_seq`, -1 = padding, whose output is zero), absolute position (`token_pos`) and the last position
+it sees (`token_until`, its own by default; the end of its image for an image's tokens, which see their
+whole image). Token t sees its sequence's keys at positions [start, until], read through
+`block_tables[seq, pos // block_size]`, where start is pos - window + 1 on sliding-window layers and 0
+otherwise. Writing a chunk's keys before it attends makes the one rule serve decode, chunked prefill and
+prefix-cached blocks.
 
 The compiled ops check every block id, sequence id, slot and position and fail with an error
 instead of reading out of bounds; the references below (same signatures) are the tests' oracle and
@@ -109,7 +111,8 @@ def _write_bwd(residuals, g):
 _write_kv_with_grad.defvjp(_write_fwd, _write_bwd)
 
 
-def _check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window) -> None:
+def _check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window,
+                     token_until=None) -> None:
     op = "paged_attention"
     _check_caches(op, k_cache, v_cache)
     _check_array(op, "q", q, 3, _DTYPES)
@@ -119,7 +122,9 @@ def _check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, sc
              f"{op}: q's {q.shape[1]} heads must be a positive multiple of the cache's {kv} kv heads")
     i32 = (jnp.dtype(jnp.int32),)
     _check_array(op, "block_tables", block_tables, 2, i32)
-    for name, a in (("token_seq", token_seq), ("token_pos", token_pos)):
+    for name, a in (("token_seq", token_seq), ("token_pos", token_pos), ("token_until", token_until)):
+        if a is None:
+            continue
         _check_array(op, name, a, 1, i32)
         _require(a.shape[0] == q.shape[0], f"{op}: {name} must hold one entry per query token ({q.shape[0]}), got {a.shape[0]}")
     real = lambda x: isinstance(x, (numbers.Real, np.floating, np.integer)) and not isinstance(x, (bool, np.bool_))
@@ -130,10 +135,10 @@ def _check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, sc
                                 and window > 0), f"{op}: window must be None or a positive integer, got {window!r}")
 
 
-def paged_attention_reference(q, k_cache, v_cache, block_tables, token_seq, token_pos, *, scale: float,
-                              softcap: float | None = None, window: int | None = None):
+def paged_attention_reference(q, k_cache, v_cache, block_tables, token_seq, token_pos, token_until=None, *,
+                              scale: float, softcap: float | None = None, window: int | None = None):
     """Gathers each token's whole block-table row of keys and masks by position (simple, memory-hungry)."""
-    _check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window)
+    _check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window, token_until)
     t, h, d = q.shape
     nb, bs, kv, _ = k_cache.shape
     seq = jnp.clip(token_seq, 0, block_tables.shape[0] - 1)
@@ -142,7 +147,7 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, token_seq, toke
     values = v_cache[tables].reshape(t, tables.shape[1] * bs, kv, d)
     k_pos = jnp.arange(keys.shape[1])[None, :]
     p = token_pos[:, None]
-    visible = (k_pos <= p) & (token_seq[:, None] >= 0)
+    visible = (k_pos <= (p if token_until is None else token_until[:, None])) & (token_seq[:, None] >= 0)
     if window is not None:
         visible &= p - k_pos < window
     qg = q.reshape(t, kv, h // kv, d)
@@ -160,29 +165,30 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, token_seq, toke
     return out.reshape(t, h, d).astype(q.dtype)
 
 
-def _attention_ffi(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window):
+def _attention_ffi(q, k_cache, v_cache, block_tables, token_seq, token_pos, token_until, scale, softcap, window):
     call = jax.ffi.ffi_call(_ATTEND, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
-    return call(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale=np.float32(scale),
+    return call(q, k_cache, v_cache, block_tables, token_seq, token_pos, token_until, scale=np.float32(scale),
                 softcap=np.float32(softcap or 0.0), window=np.int64(window or 0))
 
 
 def _with_reference_vjp(forward):
     """`forward` (the FFI op or the Pallas kernel, neither differentiable) with the reference's gradients."""
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-    def attend(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window):
-        return forward(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window)
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+    def attend(q, k_cache, v_cache, block_tables, token_seq, token_pos, token_until, scale, softcap, window):
+        return forward(q, k_cache, v_cache, block_tables, token_seq, token_pos, token_until, scale, softcap, window)
 
-    def fwd(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window):
-        out = attend(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window)
-        return out, (q, k_cache, v_cache, block_tables, token_seq, token_pos)
+    def fwd(q, k_cache, v_cache, block_tables, token_seq, token_pos, token_until, scale, softcap, window):
+        out = attend(q, k_cache, v_cache, block_tables, token_seq, token_pos, token_until, scale, softcap, window)
+        return out, (q, k_cache, v_cache, block_tables, token_seq, token_pos, token_until)
 
     def bwd(scale, softcap, window, residuals, g):
-        q, k_cache, v_cache, block_tables, token_seq, token_pos = residuals
+        q, k_cache, v_cache, block_tables, token_seq, token_pos, token_until = residuals
         ref = functools.partial(paged_attention_reference, block_tables=block_tables, token_seq=token_seq,
-                                token_pos=token_pos, scale=scale, softcap=softcap, window=window)
+                                token_pos=token_pos, token_until=token_until, scale=scale, softcap=softcap,
+                                window=window)
         _, vjp = jax.vjp(lambda a, b, c: ref(a, b, c), q, k_cache, v_cache)
-        zeros = tuple(np.zeros(x.shape, jax.dtypes.float0) for x in (block_tables, token_seq, token_pos))
+        zeros = tuple(np.zeros(x.shape, jax.dtypes.float0) for x in (block_tables, token_seq, token_pos, token_until))
         return (*vjp(g), *zeros)
 
     attend.defvjp(fwd, bwd)
@@ -194,22 +200,25 @@ _attention_with_grad = _with_reference_vjp(_attention_ffi)
 
 @functools.cache
 def _pallas_with_grad(interpret: bool):
-    def forward(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window):
-        return paged_attention_pallas(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale=scale,
-                                      softcap=softcap, window=window, interpret=interpret)
+    def forward(q, k_cache, v_cache, block_tables, token_seq, token_pos, token_until, scale, softcap, window):
+        return paged_attention_pallas(q, k_cache, v_cache, block_tables, token_seq, token_pos, token_until,
+                                      scale=scale, softcap=softcap, window=window, interpret=interpret)
 
     return _with_reference_vjp(forward)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, *, scale: float,
+def paged_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, token_until=None, *, scale: float,
                     softcap: float | None = None, window: int | None = None):
     """Attention of packed query tokens q (T, heads, head_dim) over their sequences' cached keys.
 
-    block_tables (S, max_blocks) int32; token_seq, token_pos (T,) int32. GQA/MQA when heads is a
-    multiple of the cache's kv heads; `softcap` applies tanh capping to the scaled scores; `window`
-    limits each query to its last `window` positions. Output: (T, heads, head_dim) in q's dtype.
+    block_tables (S, max_blocks) int32; token_seq, token_pos (T,) int32; token_until (T,) int32 >= token_pos,
+    the last position each token sees (None: its own). GQA/MQA when heads is a multiple of the cache's kv
+    heads; `softcap` applies tanh capping to the scaled scores; `window` limits each query to the `window`
+    positions up to its own. Output: (T, heads, head_dim) in q's dtype.
     """
-    _check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window)
+    _check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, softcap, window, token_until)
+    if token_until is None:
+        token_until = token_pos
     scale = float(scale)
     softcap = None if softcap is None else float(softcap)
     window = None if window is None else int(window)
@@ -218,4 +227,4 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, *, 
     if pallas_supported(k_cache):
         pallas = lambda *a, interpret: _pallas_with_grad(interpret)(*a, scale, softcap, window)  # noqa: E731
     return platform_dispatch(_ATTEND, lambda *a: _attention_with_grad(*a, scale, softcap, window), reference,
-                             q, k_cache, v_cache, block_tables, token_seq, token_pos, cuda=pallas)
+                             q, k_cache, v_cache, block_tables, token_seq, token_pos, token_until, cuda=pallas)

@@ -66,19 +66,19 @@ def launch_shape(tokens: int, kv_heads: int, block_size: int, max_blocks: int, b
     return blocks_per_step, max(1, min(splits, steps))
 
 
-def _kernel(seq_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs, scale, softcap, window, blocks_per_step,
-            splits):
+def _kernel(seq_ref, pos_ref, until_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs, scale, softcap, window,
+            blocks_per_step, splits):
     from jax.experimental import pallas as pl
 
     t, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_blocks, block_size = k_ref.shape[0], k_ref.shape[1]
     max_blocks = tables_ref.shape[1] - blocks_per_step  # the table arrives padded by one step
-    seq, pos = seq_ref[t], pos_ref[t]
+    seq, pos, until = seq_ref[t], pos_ref[t], until_ref[t]  # keys [start, until]: until >= pos (an image's end)
     real = seq >= 0
     row = jnp.maximum(seq, 0)
     start = jnp.maximum(pos - window + 1, 0) if window else 0
     first = start // block_size
-    last = jnp.where(real & (pos >= 0), jnp.minimum(pos // block_size + 1, max_blocks), first)
+    last = jnp.where(real & (pos >= 0), jnp.minimum(until // block_size + 1, max_blocks), first)
     # this program's share of the token's blocks: whole loop steps, the last share possibly short or empty
     per_split = pl.cdiv(pl.cdiv(jnp.maximum(last - first, 0), blocks_per_step), splits) * blocks_per_step
     lo = first + s * per_split
@@ -95,7 +95,7 @@ def _kernel(seq_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs, scale,
         k = k_ref[(ids, *head)].reshape(keys, -1)  # (B*BS, D)
         v = v_ref[(ids, *head)].reshape(keys, -1)
         k_pos = j * block_size + jnp.arange(keys)
-        visible = (k_pos <= pos) & (k_pos < hi * block_size)  # hi: a position past its row reads no padding
+        visible = (k_pos <= until) & (k_pos < hi * block_size)  # hi: a position past its row reads no padding
         if window:
             visible &= pos - k_pos < window
         qk, kk = (q, k) if q.dtype == k.dtype else (q.astype(jnp.float32), k.astype(jnp.float32))
@@ -136,7 +136,7 @@ def _combine(acc, m, total):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "window", "interpret", "blocks_per_step", "splits"))
-def paged_attention_pallas(q, k_cache, v_cache, block_tables, token_seq, token_pos, *, scale: float,
+def paged_attention_pallas(q, k_cache, v_cache, block_tables, token_seq, token_pos, token_until=None, *, scale: float,
                            softcap: float | None = None, window: int | None = None, interpret: bool = False,
                            blocks_per_step: int | None = None, splits: int | None = None):
     """The op's forward as a Pallas kernel; arguments as `paged_attention`'s (checked there).
@@ -147,6 +147,7 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, token_seq, token_p
     t, heads, d = q.shape
     num_blocks, block_size, kv, _ = k_cache.shape
     group = heads // kv
+    token_until = token_pos if token_until is None else token_until
     padded = max(_next_pow2(group), _MIN_TILE)
     step, splits = launch_shape(t, kv, block_size, block_tables.shape[1], blocks_per_step, splits, interpret)
     qg = q.reshape(t, kv, group, d)
@@ -172,11 +173,11 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, token_seq, token_p
         functools.partial(_kernel, scale=scale, softcap=softcap, window=window, blocks_per_step=step, splits=splits),
         out_shape=out_shape,
         grid=(t, kv, splits),
-        in_specs=[whole, whole, whole, query_rows, cache, cache],
+        in_specs=[whole, whole, whole, whole, query_rows, cache, cache],
         out_specs=out_specs,
         interpret=interpret,
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),  # Triton, not Mosaic GPU
         name="tunix_rt_paged_attention",
-    )(token_seq, token_pos, tables, qg, k_cache, v_cache)
+    )(token_seq, token_pos, token_until, tables, qg, k_cache, v_cache)
     out = out[0] if splits == 1 else _combine(*out).astype(q.dtype)
     return out[:, :, :group].reshape(t, heads, d)

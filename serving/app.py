@@ -27,6 +27,7 @@ from serving import protocol as p
 from serving.errors import APIError, error_body
 from serving.errors import install as install_errors
 from serving.handlers import ServerState
+from serving.images import ImageTokensText
 from serving.metrics import ServerMetrics
 from tunix_rt.engine.config import EngineConfig
 from tunix_rt.engine.errors import InvalidRequestError
@@ -46,6 +47,7 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()
     max_waiting: int = 256  # sequences queued beyond max_num_seqs before 429
     max_body_bytes: int = 8 << 20
+    limit_mm_per_prompt: int = 4  # images in one chat request (vLLM's --limit-mm-per-prompt '{"image": N}')
     dequantize: bool = False
     lora: str | None = None  # a peft LoRA adapter directory applied on the model
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) adapters served beside the base model
@@ -281,7 +283,7 @@ def build_state(options: ServeOptions) -> ServerState:
     state = ServerState(engine=None, tokenizer=None, model_name=name, max_model_len=0,
                         tool_format=tool_format_for(None), metrics=None,
                         capacity=options.engine.max_num_seqs + options.max_waiting, root=str(options.model),
-                        reasoning_parser=options.reasoning_parser)
+                        reasoning_parser=options.reasoning_parser, max_images=options.limit_mm_per_prompt)
     state.metrics = ServerMetrics(lambda: None if state.engine is None else state.engine.stats(), name,
                                   lambda: state.engine is not None and state.engine.warming_up)
     return state
@@ -314,6 +316,20 @@ def load_engine(state: ServerState, options: ServeOptions, stopping: threading.E
     if state.tokenizer is None:
         raise ValueError(f"{options.model} has no tokenizer; the server needs one to read and write text")
     state.max_model_len = engine.max_model_len
+    vision = engine.model.config.vision
+    if vision is not None:  # the checkpoint's own preprocessor_config.json when it is a directory
+        from pathlib import Path
+
+        from tunix_rt.models.image_processor import ImageProcessor
+
+        source = Path(str(options.model))
+        state.image_processor = ImageProcessor.for_model(vision, source if source.is_dir() else None)
+        ids = (vision.boi_token_id, vision.image_token_id, vision.eoi_token_id)
+        texts = [engine.tokenizer.backend.id_to_token(i) for i in ids]
+        if None in texts:
+            raise ValueError(f"{options.model}: the tokenizer has no token for the image token id(s) "
+                             f"{[i for i, t in zip(ids, texts) if t is None]}")
+        state.image_text = ImageTokensText(*texts, vision.mm_tokens_per_image)
     engine.grammars.prepare()  # tool choices and response formats then never wait for it
     start = time.perf_counter()
     # Before /health: what a lone request of any length needs, so early requests with short client timeouts

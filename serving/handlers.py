@@ -19,11 +19,13 @@ from collections.abc import AsyncIterator
 
 from serving import protocol as p
 from serving.errors import APIError, error_body
+from serving.images import ImageInputError, ImageTokensText, place_images, take_images
 from serving.metrics import SequenceTimer, ServerMetrics
 from tunix_rt.engine.async_engine import AsyncEngine
 from tunix_rt.engine.errors import EngineUnavailableError, InvalidRequestError, UnknownLoRAAdapterError
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.structured import StructuredOutputsParams
+from tunix_rt.models.image_processor import ImageProcessor
 from tunix_rt.tools.chat import render_chat
 from tunix_rt.tools.reasoning import ReasoningDelta, ReasoningParser
 from tunix_rt.tools.tool_calls import ParsedCall, ParserOutput, ToolFormat, check_json_schema, check_tools
@@ -45,6 +47,9 @@ class ServerState:
     active: int = 0
     adapters: dict[str, str] = dataclasses.field(default_factory=dict)  # LoRA adapters served: name -> path
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: replies' <think> blocks go to `reasoning`
+    max_images: int = 4  # image parts in one chat request
+    image_processor: ImageProcessor | None = None  # a model with a vision encoder: its images' pixel values
+    image_text: ImageTokensText | None = None  # and the token strings that place them in a prompt
 
     def lora_for(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model); any other name is OpenAI's 404."""
@@ -297,6 +302,7 @@ class ChatPlan:
     model: str  # the name replies carry: the base model's or the adapter's
     lora: str | None  # the LoRA adapter it runs with
     reasoning: bool = False  # read the reply's reasoning apart (a reasoning parser, include_reasoning)
+    images: tuple = ()  # pixel values of the prompt's images (and crops), in order
 
 
 def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
@@ -346,13 +352,21 @@ def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
     try:
         all_tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        prompt = render_chat(state.tokenizer, messages, fmt, all_tools if choice != "none" else None,
+        chat = take_images(messages, state.max_images)
+        if chat.images and state.image_processor is None:
+            raise ImageInputError(f"messages: {state.model_name} does not take images")
+        prompt = render_chat(state.tokenizer, chat.messages, fmt, all_tools if choice != "none" else None,
                              template_kwargs=template_kwargs(req.chat_template_kwargs))
+        images = ()
+        if chat.images:
+            prompt, pixels = place_images(prompt, chat, state.image_processor, state.image_text)
+            images = tuple(pixels)
     except ValueError as e:
         raise _bad(str(e), "messages") from None
     lora = state.lora_for(req.model)
     return ChatPlan(prompt, params, parse_tools=choice != "none", tools=tools, forced=forced,
-                    model=lora or state.model_name, lora=lora, reasoning=state.reasoning_parser is not None)
+                    model=lora or state.model_name, lora=lora, reasoning=state.reasoning_parser is not None,
+                    images=images)
 
 
 def template_kwargs(given: dict | None) -> dict:
@@ -403,7 +417,7 @@ async def chat_full(state: ServerState, req: p.ChatCompletionRequest, plan: Chat
 async def started(state: ServerState, plan: ChatPlan, rid: str, param: str):
     """A chat plan's engine stream and its first output, the stream closed if admission fails: admission errors
     are plain 400s (`param` names the field at fault), and a stream raises them before it sends a byte."""
-    gen = state.engine.generate(plan.prompt, plan.params, rid, lora_request=plan.lora)
+    gen = state.engine.generate(plan.prompt, plan.params, rid, lora_request=plan.lora, images=plan.images)
     try:
         return gen, await first_output(gen, param)
     except BaseException:

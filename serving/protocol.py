@@ -100,9 +100,15 @@ class ToolCall(_Request):
     function: FunctionCall
 
 
+class ImageURL(_Request):
+    url: str
+    detail: str | None = None  # accepted as OpenAI's; the model's processor decides the resolution
+
+
 class ContentPart(_Request):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(_Request):

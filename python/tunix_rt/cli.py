@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="return a reply's <think> block as message.reasoning (and reasoning_content) apart from "
                             "its content, as vLLM's reasoning parsers do")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    serve.add_argument("--limit-mm-per-prompt", default='{"image": 4}', metavar="JSON",
+                       help="most images in one chat request, as vLLM's flag: '{\"image\": N}' (a model with a vision "
+                            "encoder; more get 400)")
     _add_compile_cache_arg(serve)
     for field in EngineConfig.flags():  # the engine's own options, named and defaulted as EngineConfig has them
         flag = "--" + field.name.replace("_", "-")
@@ -335,6 +338,7 @@ def _serve(args) -> int:
         raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    max_images = _images_per_prompt(args.limit_mm_per_prompt)
     engine = EngineConfig(**{f.name: getattr(args, f.name) for f in EngineConfig.flags()})  # checks them
     modules = _lora_modules(args.lora_modules)
     if modules and args.lora is not None:
@@ -345,8 +349,21 @@ def _serve(args) -> int:
                        served_model_name=args.served_model_name, allowed_origins=tuple(args.allowed_origins),
                        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, dequantize=args.dequantize,
                        lora=args.lora, lora_modules=modules, reasoning_parser=args.reasoning_parser, engine=engine,
-                       compile_cache_dir=args.compile_cache_dir))
+                       compile_cache_dir=args.compile_cache_dir, limit_mm_per_prompt=max_images))
     return 0
+
+
+def _images_per_prompt(text: str) -> int:
+    """--limit-mm-per-prompt's image count: a JSON object whose only key is "image", 0..64."""
+    try:
+        limits = json.loads(text)
+    except json.JSONDecodeError:
+        limits = None
+    if not isinstance(limits, dict) or set(limits) - {"image"} or not isinstance(limits.get("image", 0), int) \
+            or isinstance(limits.get("image"), bool) or not 0 <= limits.get("image", 0) <= 64:
+        raise ValueError(f"--limit-mm-per-prompt must be a JSON object like '{{\"image\": 4}}' (0..64 images), "
+                         f"got {text!r}")
+    return limits.get("image", 0)
 
 
 def _train(args) -> int:

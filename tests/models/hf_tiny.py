@@ -62,9 +62,9 @@ TEMPLATE = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['conten
             "{% if add_generation_prompt %}{{ bos_token }}assistant:{% endif %}")
 
 
-def write_tiny_tokenizer(model_dir: Path) -> None:
+def write_tiny_tokenizer(model_dir: Path, extra_special: tuple[str, ...] = ()) -> None:
     """An HF-style tokenizer with ids < 105: characters, a few merges, <s> added in front by the post-processor,
-    and TEMPLATE as its chat template."""
+    and TEMPLATE as its chat template; `extra_special` tokens take ids 105, 106, ..."""
     from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
     from tokenizers import Tokenizer as Backend
 
@@ -74,7 +74,8 @@ def write_tiny_tokenizer(model_dir: Path) -> None:
     backend = Backend(models.BPE({t: i for i, t in enumerate(vocab)}, merges, unk_token="<unk>", fuse_unk=True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>", "<pad>")])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in ("<unk>", "<s>", "</s>", "<pad>", *extra_special)])
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     backend.save(str(Path(model_dir) / "tokenizer.json"))
     (Path(model_dir) / "tokenizer_config.json").write_text(json.dumps(
@@ -90,13 +91,15 @@ def make_tiny_model_dir(out_dir: Path, family: str = "llama", seed: int = 0, **o
 
 # Gemma3ForConditionalGeneration: the gemma3_text decoder above (one full layer among sliding ones) with a
 # 2-layer SigLIP tower of 32x32 images in 8x8 patches (16 patches), pooled 2x2 into 4 soft tokens. Image
-# placeholders 101 <start_of_image> 102 <end_of_image> 103 <image_soft_token> (after the tiny tokenizer's 0..100).
+# tokens 105 <start_of_image> 106 <end_of_image> 107 <image_soft_token>: the tiny tokenizer's specials after its
+# 0..104.
+IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 VISION = dict(
     text_config=dict(COMMON, vocab_size=128, num_hidden_layers=3, head_dim=16, sliding_window=6, query_pre_attn_scalar=16,
                      layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
                        patch_size=8, vision_use_head=False),
-    mm_tokens_per_image=4, boi_token_index=101, eoi_token_index=102, image_token_index=103)
+    mm_tokens_per_image=4, boi_token_index=105, eoi_token_index=106, image_token_index=107)
 
 
 def make_hf_gemma3_vision(out_dir: Path, seed: int = 0):
@@ -111,5 +114,5 @@ def make_hf_gemma3_vision(out_dir: Path, seed: int = 0):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out_dir)
-    write_tiny_tokenizer(out_dir)
+    write_tiny_tokenizer(out_dir, IMAGE_TOKENS)
     return model

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 from tunix_rt.engine.engine import Engine, EngineStats, Prompt
@@ -39,7 +39,7 @@ class AsyncEngine:
         self._warming = warm_up_when_idle  # engine thread only: warm-up left to compile while idle
         self._warm_compiled, self._warm_seconds = 0, 0.0
         self._wake = threading.Condition()  # guards the inbox and _stopped
-        self._inbox: list[tuple] = []  # ("add", id, prompt, params, target) | ("abort", id)
+        self._inbox: list[tuple] = []  # ("add", id, prompt, params, target, lora, images) | ("abort", id) | ("call", ...)
         self._stopped = False
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
         self._stats = engine.stats()
@@ -47,12 +47,13 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None, *, lora_request=None) -> AsyncIterator[RequestOutput]:
-        """Yield each sample's output as it advances until all n samples finished."""
+                       request_id: str | None = None, *, lora_request=None,
+                       images: Sequence = ()) -> AsyncIterator[RequestOutput]:
+        """Yield each sample's output as it advances until all n samples finished (`images`: Engine.add_request's)."""
         params = params or SamplingParams()
         rid = uuid.uuid4().hex if request_id is None else str(request_id)
         queue: asyncio.Queue = asyncio.Queue()
-        self._post(("add", rid, prompt, params, (asyncio.get_running_loop(), queue), lora_request))
+        self._post(("add", rid, prompt, params, (asyncio.get_running_loop(), queue), lora_request, images))
         remaining = params.n
         try:
             while remaining:
@@ -173,9 +174,9 @@ class AsyncEngine:
                 result = _Raised(e)
             _deliver(target, result)
             return
-        _, rid, prompt, params, target, lora_request = item
+        _, rid, prompt, params, target, lora_request, images = item
         try:
-            self.engine.add_request(prompt, params, rid, lora_request=lora_request)
+            self.engine.add_request(prompt, params, rid, lora_request=lora_request, images=images)
         except Exception as e:  # noqa: BLE001 - the caller's error, raised from its stream
             _deliver(target, e)
             return

@@ -27,7 +27,6 @@ from serving import protocol as p
 from serving.errors import APIError, error_body
 from serving.errors import install as install_errors
 from serving.handlers import ServerState
-from serving.images import ImageTokensText
 from serving.metrics import ServerMetrics
 from tunix_rt.engine.config import EngineConfig
 from tunix_rt.engine.errors import InvalidRequestError
@@ -320,16 +319,11 @@ def load_engine(state: ServerState, options: ServeOptions, stopping: threading.E
     if vision is not None:  # the checkpoint's own preprocessor_config.json when it is a directory
         from pathlib import Path
 
-        from tunix_rt.models.image_processor import ImageProcessor
+        from tunix_rt.models.image_processor import ImageProcessor, ImageTokensText
 
         source = Path(str(options.model))
         state.image_processor = ImageProcessor.for_model(vision, source if source.is_dir() else None)
-        ids = (vision.boi_token_id, vision.image_token_id, vision.eoi_token_id)
-        texts = [engine.tokenizer.backend.id_to_token(i) for i in ids]
-        if None in texts:
-            raise ValueError(f"{options.model}: the tokenizer has no token for the image token id(s) "
-                             f"{[i for i, t in zip(ids, texts) if t is None]}")
-        state.image_text = ImageTokensText(*texts, vision.mm_tokens_per_image)
+        state.image_text = ImageTokensText.of(engine.tokenizer, vision)
     engine.grammars.prepare()  # tool choices and response formats then never wait for it
     start = time.perf_counter()
     # Before /health: what a lone request of any length needs, so early requests with short client timeouts

@@ -19,13 +19,13 @@ from collections.abc import AsyncIterator
 
 from serving import protocol as p
 from serving.errors import APIError, error_body
-from serving.images import ImageInputError, ImageTokensText, place_images, take_images
+from serving.images import ImageInputError, place_images, take_images
 from serving.metrics import SequenceTimer, ServerMetrics
 from tunix_rt.engine.async_engine import AsyncEngine
 from tunix_rt.engine.errors import EngineUnavailableError, InvalidRequestError, UnknownLoRAAdapterError
 from tunix_rt.engine.params import RequestOutput, SamplingParams
 from tunix_rt.engine.structured import StructuredOutputsParams
-from tunix_rt.models.image_processor import ImageProcessor
+from tunix_rt.models.image_processor import ImageProcessor, ImageTokensText
 from tunix_rt.tools.chat import render_chat
 from tunix_rt.tools.reasoning import ReasoningDelta, ReasoningParser
 from tunix_rt.tools.tool_calls import ParsedCall, ParserOutput, ToolFormat, check_json_schema, check_tools

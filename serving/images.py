@@ -12,11 +12,17 @@ import re
 
 import numpy as np
 
-from tunix_rt.models.image_processor import ImageError, ImageProcessor, decode_image
+from tunix_rt.models.image_processor import (
+    IMAGE_SENTINEL,
+    ImageError,
+    ImageProcessor,
+    ImageTokensText,
+    decode_image,
+    place_sentinels,
+)
 
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")  # what a data: URL may carry
 _DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+);base64,(.*)$", re.DOTALL)
-_SENTINEL = "\x00tunix-rt-image\x00"  # stands for an image while the chat template renders the messages
 
 
 class ImageInputError(ValueError):
@@ -73,39 +79,18 @@ def take_images(messages: list[dict], max_images: int) -> ChatImages:
                 images.append(decode_image(image_bytes(url, where)))
             except ImageError as e:
                 raise ImageInputError(f"{where}: {e}") from None
-            parts.append({"type": "text", "text": _SENTINEL})
+            parts.append({"type": "text", "text": IMAGE_SENTINEL})
         out.append({**message, "content": parts})
     return ChatImages(out, images)
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageTokensText:
-    """The token strings of a Gemma 3 processor's image sequence."""
-
-    begin: str  # <start_of_image>
-    soft: str  # <image_soft_token>, mm_tokens_per_image times
-    end: str  # <end_of_image>
-    count: int
-
-    def sequence(self) -> str:
-        return f"\n\n{self.begin}{self.soft * self.count}{self.end}\n\n"
-
-    def with_crops(self, crops: int) -> str:
-        """An image and its pan-and-scan crops, as HF's Gemma3Processor writes them."""
-        if not crops:
-            return self.sequence()
-        return (f"Here is the original image {self.sequence()} and here are some crops to help you see better "
-                + " ".join([self.sequence()] * crops))
 
 
 def place_images(prompt: str, chat: ChatImages, processor: ImageProcessor, text: ImageTokensText
                  ) -> tuple[str, list[np.ndarray]]:
     """The rendered prompt with each image's sentinel replaced by its placeholder sequence (its crops' too), and
     the pixel values of every image and crop in the prompt's order."""
-    pieces = prompt.split(_SENTINEL)
-    if len(pieces) != len(chat.images) + 1:
-        raise ImageInputError(f"messages: the chat template kept {len(pieces) - 1} of the {len(chat.images)} "
-                              "image(s)")
     pixels, crops = processor.pixel_values(chat.images) if chat.images else (np.zeros((0,)), [])
-    placed = pieces[0] + "".join(text.with_crops(c) + piece for c, piece in zip(crops, pieces[1:]))
+    try:
+        placed = place_sentinels(prompt, [text.with_crops(c) for c in crops])
+    except ValueError as e:
+        raise ImageInputError(f"messages: {e}") from None
     return placed, list(pixels)

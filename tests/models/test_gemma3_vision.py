@@ -159,3 +159,22 @@ def test_dense_cache_prefill_with_images_then_decode(pair):
         logits, cache = ours(tokens[:, t:t + 1], jnp.asarray([[t]]), cache)
         steps.append(logits)
     np.testing.assert_allclose(np.concatenate([np.asarray(s) for s in steps], axis=1), np.asarray(full), atol=2e-5)
+
+
+def test_hf_export_loads_in_transformers(pair, tmp_path):
+    """Our export (transformers 5's names; the patch convolution unflattened) is the same model to transformers."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from tunix_rt.checkpoints.gguf_export import GGUFExportError, export_gguf
+    from tunix_rt.checkpoints.hf_export import export_hf
+
+    hf, _, out = pair
+    loaded = load_model(out)
+    export_hf(loaded.model, loaded.tokenizer, loaded.hf_config, tmp_path / "export")
+    back = Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "export").eval()
+    tokens = [[2, 5, *_image(), 9, 10]]
+    pixels = np.random.default_rng(5).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    np.testing.assert_allclose(_hf_logprobs(back, tokens, pixels), _hf_logprobs(hf, tokens, pixels), atol=1e-5)
+    assert load_model(tmp_path / "export").model.config == loaded.model.config
+    with pytest.raises(GGUFExportError, match="mmproj"):
+        export_gguf(loaded.model, loaded.tokenizer, tmp_path / "m.gguf")

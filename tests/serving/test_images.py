@@ -11,13 +11,13 @@ import httpx2 as httpx
 import numpy as np
 import pytest
 
-from serving.images import ImageTokensText, place_images, take_images
-from tests.models.hf_tiny import IMAGE_TOKENS, make_hf_gemma3_vision
+from serving.images import place_images, take_images
+from tests.models.hf_tiny import make_hf_gemma3_vision
 from tests.serving.conftest import running_server
 from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.engine.engine import Engine
 from tunix_rt.engine.params import SamplingParams
-from tunix_rt.models.image_processor import ImageProcessor
+from tunix_rt.models.image_processor import ImageProcessor, ImageTokensText
 from tunix_rt.tools.chat import render_chat
 from tunix_rt.tools.tool_calls import tool_format_for
 
@@ -65,7 +65,7 @@ def test_chat_with_a_base64_image_through_openai(vision_server):
     prompt = render_chat(loaded.tokenizer, chat.messages, tool_format_for(loaded.tokenizer.chat_template), None)
     vision = loaded.model.config.vision
     prompt, pixels = place_images(prompt, chat, ImageProcessor.for_model(vision, model_dir),
-                                  ImageTokensText(*(IMAGE_TOKENS[i] for i in (0, 2, 1)), vision.mm_tokens_per_image))
+                                  ImageTokensText.of(loaded.tokenizer, vision))
     engine = Engine(loaded.model, loaded.tokenizer, max_model_len=96, max_num_seqs=2, max_num_batched_tokens=32,
                     block_size=4)
     want = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0), images=[pixels])[0]

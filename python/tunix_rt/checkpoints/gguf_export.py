@@ -62,6 +62,9 @@ def export_gguf(model: Decoder, tokenizer: Tokenizer, out_file: str | os.PathLik
     if quant not in QUANTS:
         raise GGUFExportError(f"GGUF quant must be one of {', '.join(QUANTS)}, got {quant!r}")
     cfg = model.config
+    if cfg.vision is not None:
+        raise GGUFExportError("GGUF export of a model with an image encoder is not supported (llama.cpp keeps the "
+                              "vision tower in a separate mmproj file); export it as an HF directory")
     arch = _ARCH.get(cfg.architecture)
     if arch is None:
         raise GGUFExportError(f"cannot export architecture {cfg.architecture!r} as GGUF (supported: {', '.join(_ARCH)})")

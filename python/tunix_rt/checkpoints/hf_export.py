@@ -38,6 +38,7 @@ ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",  # with its image encoder (models/vision.py)
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -53,6 +54,8 @@ def inverse_names(cfg: ModelConfig) -> dict[tuple, list[tuple[str, bool, tuple[i
     # expert names first: Mixtral's router is block_sparse_moe.gate, not the table's mlp.gate
     layer_rest = [*(expert_names(cfg) if any(cfg.moe_layers) else ()), *_layer_names(cfg)]
     names += [f"model.layers.{i}.{rest}" for i in range(cfg.num_layers) for rest in dict.fromkeys(layer_rest)]
+    if cfg.vision is not None:  # transformers 5's Gemma3ForConditionalGeneration names
+        names = [n.replace("model.", "model.language_model.", 1) for n in names] + vision_names(cfg)
     inverse, taken = {}, set()
     for name in names:
         target = hf_to_path(name, cfg)
@@ -61,6 +64,19 @@ def inverse_names(cfg: ModelConfig) -> dict[tuple, list[tuple[str, bool, tuple[i
         taken.add((target.path, target.index))
         inverse.setdefault(target.path, []).append((name, target.transpose, target.index))
     return inverse
+
+
+def vision_names(cfg: ModelConfig) -> list[str]:
+    """The HF names of a Gemma 3 image encoder's tensors (SigLIP's pooling head, which Gemma 3 never runs, aside)."""
+    tower = "model.vision_tower."
+    names = [f"{tower}embeddings.patch_embedding.weight", f"{tower}embeddings.patch_embedding.bias",
+             f"{tower}embeddings.position_embedding.weight", f"{tower}post_layernorm.weight",
+             f"{tower}post_layernorm.bias", "model.multi_modal_projector.mm_input_projection_weight",
+             "model.multi_modal_projector.mm_soft_emb_norm.weight"]
+    parts = ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+             "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
+    return names + [f"{tower}encoder.layers.{i}.{part}.{kind}" for i in range(cfg.vision.num_layers) for part in parts
+                    for kind in ("weight", "bias")]
 
 
 def hf_tensors(model: Decoder, dtype: str = "float32", *,
@@ -89,6 +105,9 @@ def hf_tensors(model: Decoder, dtype: str = "float32", *,
         array = np.asarray(jax.device_get(jnp.asarray(value, jnp.float32)))
         for name, transpose, index in inverse[key]:
             part = array[index]
+            if name.endswith("patch_embedding.weight"):  # (C * p * p, D) -> the convolution's (D, C, p, p)
+                v = model.config.vision
+                part = part.T.reshape(v.hidden_size, v.num_channels, v.patch_size, v.patch_size)
             tensors[name] = np.ascontiguousarray(part.T if transpose else part).astype(_DTYPES[dtype])
     if unknown:
         raise ValueError(f"cannot export {len(unknown)} model variable(s) with no HF tensor name: {', '.join(unknown[:8])}"

@@ -15,6 +15,7 @@ import numpy as np
 
 from tunix_rt.models.config import VisionConfig
 
+IMAGE_SENTINEL = "\x00tunix-rt-image\x00"  # stands for an image while a chat template renders the messages
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # a decoded image larger than this is refused (PIL's own bomb limit is 89M)
 
 
@@ -115,3 +116,43 @@ class ImageProcessor:
         mean = np.asarray(self.image_mean, np.float32)[:, None, None]
         std = np.asarray(self.image_std, np.float32)[:, None, None]
         return (scaled - mean) / std
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageTokensText:
+    """The token strings of a Gemma 3 processor's image sequence."""
+
+    begin: str  # <start_of_image>
+    soft: str  # <image_soft_token>, mm_tokens_per_image times
+    end: str  # <end_of_image>
+    count: int
+
+    def sequence(self) -> str:
+        return f"\n\n{self.begin}{self.soft * self.count}{self.end}\n\n"
+
+    def with_crops(self, crops: int) -> str:
+        """An image and its pan-and-scan crops, as HF's Gemma3Processor writes them."""
+        if not crops:
+            return self.sequence()
+        return (f"Here is the original image {self.sequence()} and here are some crops to help you see better "
+                + " ".join([self.sequence()] * crops))
+
+
+    @classmethod
+    def of(cls, tokenizer, vision: VisionConfig) -> "ImageTokensText":
+        """The model's image token strings from its tokenizer; ValueError when the tokenizer lacks one."""
+        ids = (vision.boi_token_id, vision.image_token_id, vision.eoi_token_id)
+        texts = [tokenizer.backend.id_to_token(i) for i in ids]
+        if None in texts:
+            raise ValueError(f"the tokenizer has no token for the image token id(s) "
+                             f"{[i for i, t in zip(ids, texts) if t is None]}")
+        return cls(*texts, vision.mm_tokens_per_image)
+
+
+def place_sentinels(text: str, sequences: list[str]) -> str:
+    """`text` with its IMAGE_SENTINELs replaced by `sequences`, in order; ValueError when the counts differ (a
+    chat template that dropped or repeated a message's content)."""
+    pieces = text.split(IMAGE_SENTINEL)
+    if len(pieces) != len(sequences) + 1:
+        raise ValueError(f"the chat template kept {len(pieces) - 1} of the {len(sequences)} image(s)")
+    return pieces[0] + "".join(seq + piece for seq, piece in zip(sequences, pieces[1:]))

@@ -79,6 +79,7 @@ class TrainConfig:
     router_aux_loss_coef: float = 0.0  # MoE models: Switch/Mixtral load-balancing loss weight (HF's name)
     router_z_loss_coef: float = 0.0  # MoE models: ST-MoE router z-loss weight
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass
+    train_vision_tower: bool = False  # a model with an image encoder: full fine-tuning trains it too (LoRA never)
     progress: bool = True
     coordinator_address: str | None = None  # multi-process (jax.distributed): host:port of process 0
     num_processes: int = 1

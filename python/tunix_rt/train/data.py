@@ -17,6 +17,9 @@ from typing import NamedTuple
 import numpy as np
 
 from tunix_rt.checkpoints.tokenizer import Tokenizer
+from tunix_rt.train.image_data import ImageDataError, VisionRows
+from tunix_rt.train.image_data import cut as cut_images
+from tunix_rt.train.image_data import prepare as prepare_images
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +33,7 @@ class DataError(ValueError):
 class SFTExample(NamedTuple):
     input_ids: np.ndarray  # int32
     loss_mask: np.ndarray  # bool, per input token: whether the model should learn to produce it
+    pixel_values: np.ndarray | None = None  # (runs, C, H, W): the images of its runs of image placeholders, in order
 
 
 class PreferenceExample(NamedTuple):
@@ -84,13 +88,24 @@ def tokenize_sft(
     where: str,
     assistant_only_loss: bool = True,
     completion_only_loss: bool = True,
+    vision: VisionRows | None = None,
 ) -> SFTExample:
     """Token ids and loss mask of one SFT row: {"messages"}, {"prompt", "completion"} (strings or messages) or
     {"text"}. assistant_only_loss applies to conversations, completion_only_loss to prompt/completion rows; both
-    together keep only the completion's assistant turns, as in TRL. Truncated to the first max_length tokens."""
+    together keep only the completion's assistant turns, as in TRL. Truncated to the first max_length tokens.
+    A "messages" row may carry images (TRL's vision format, train/image_data.py; `vision`: the model's)."""
     if "messages" in row:
-        messages = _messages(row["messages"], "messages", where)
-        ids, mask = _conversation(tokenizer, messages, None, assistant_only_loss, where)
+        try:
+            prepared = prepare_images(row, vision)
+        except ImageDataError as e:
+            raise DataError(f"{where}: {e}") from None
+        messages = _messages(prepared.messages, "messages", where)
+        ids, mask = _conversation(tokenizer, messages, None, assistant_only_loss, where, prepared.expand)
+        if prepared.pixel_values is not None:
+            ids, mask, pixels = cut_images(ids, mask, prepared.pixel_values, vision.image_token_id, max_length)
+            return SFTExample(np.asarray(ids, np.int32), np.asarray(mask, bool), pixels)
+    elif "images" in row:
+        raise DataError(f'{where}: images go with a "messages" row (TRL\'s vision format)')
     elif "prompt" in row or "completion" in row:
         prompt, completion = _field(row, "prompt", where), _field(row, "completion", where)
         if isinstance(prompt, str) and isinstance(completion, str):
@@ -122,7 +137,8 @@ def tokenize_sft(
 
 
 def load_sft(
-    path, tokenizer: Tokenizer, *, max_length: int, assistant_only_loss: bool = True, completion_only_loss: bool = True
+    path, tokenizer: Tokenizer, *, max_length: int, assistant_only_loss: bool = True, completion_only_loss: bool = True,
+    vision: VisionRows | None = None,
 ) -> list[SFTExample]:
     """Every row of a JSONL file tokenized; rows left with no trained token (say, the assistant turn truncated
     away) are dropped with a warning, and only a dataset with none left is an error."""
@@ -136,6 +152,7 @@ def load_sft(
                 where=f"{path}:{line}",
                 assistant_only_loss=assistant_only_loss,
                 completion_only_loss=completion_only_loss,
+                vision=vision,
             ),
         )
         for line, row in read_jsonl(path)
@@ -144,18 +161,19 @@ def load_sft(
 
 
 def _conversation(
-    tokenizer: Tokenizer, messages: list[dict], completion_from: int | None, assistant_only: bool, where: str
+    tokenizer: Tokenizer, messages: list[dict], completion_from: int | None, assistant_only: bool, where: str,
+    expand=None,
 ) -> tuple[list[int], np.ndarray]:
     """Render and tokenize a conversation once; train only on tokens after the generation prompt that follows
     messages[:completion_from] (unless None) and, with `assistant_only`, inside an assistant turn (the turn's
-    end-of-turn text included). A token counts as where it starts."""
-    text = _render(tokenizer, messages, False, where)
+    end-of-turn text included). A token counts as where it starts. `expand` puts images in every render."""
+    text = _render(tokenizer, messages, False, where, expand)
     encoding = tokenizer.backend.encode(text, add_special_tokens=False)
     starts = np.array([start for start, _ in encoding.offsets], dtype=np.int64)
     mask = np.ones(len(starts), bool)
     if completion_from is not None:
         prompt_end = _prefix_length(
-            _render(tokenizer, messages[:completion_from], True, where),
+            _render(tokenizer, messages[:completion_from], True, where, expand),
             text,
             f"{where}: completion-only loss needs the chat template's render of the prompt (with the generation "
             "prompt) to be a prefix of its render of prompt + completion; it is not, so set "
@@ -164,13 +182,14 @@ def _conversation(
         mask &= starts >= prompt_end
     if assistant_only:
         in_turn = np.zeros_like(mask)
-        for begin, end in _assistant_spans(tokenizer, messages, text, where):
+        for begin, end in _assistant_spans(tokenizer, messages, text, where, expand):
             in_turn |= (starts >= begin) & (starts < end)
         mask &= in_turn
     return encoding.ids, mask
 
 
-def _assistant_spans(tokenizer: Tokenizer, messages: list[dict], text: str, where: str) -> list[tuple[int, int]]:
+def _assistant_spans(tokenizer: Tokenizer, messages: list[dict], text: str, where: str,
+                     expand=None) -> list[tuple[int, int]]:
     """Character spans of the assistant turns in `text`, found by rendering each turn's prefix -- so any template
     works that renders a conversation's first turns as a prefix of the whole, no `{% generation %}` tags needed."""
     spans = []
@@ -182,8 +201,9 @@ def _assistant_spans(tokenizer: Tokenizer, messages: list[dict], text: str, wher
             f"prefix of its render of the whole; this one renders messages[:{i}] or messages[:{i + 1}] differently, "
             "so set assistant_only_loss=False to train on every token"
         )
-        before = _prefix_length(_render(tokenizer, messages[:i], True, where), text, problem)
-        spans.append((before, _prefix_length(_render(tokenizer, messages[: i + 1], False, where), text, problem)))
+        before = _prefix_length(_render(tokenizer, messages[:i], True, where, expand), text, problem)
+        spans.append((before, _prefix_length(_render(tokenizer, messages[: i + 1], False, where, expand), text,
+                                             problem)))
     return spans
 
 
@@ -386,7 +406,10 @@ def pack(examples: Sequence[SFTExample], seq_len: int) -> list[PackedRow]:
     rows: list[PackedRow] = []
     used = 0
     for example in examples:
-        example = SFTExample(example.input_ids[:seq_len], example.loss_mask[:seq_len])
+        if example.pixel_values is not None and len(example.input_ids) > seq_len:
+            raise ValueError(f"an example with images is longer ({len(example.input_ids)}) than the packed rows "
+                             f"({seq_len}): tokenize it with max_length <= {seq_len}")
+        example = example._replace(input_ids=example.input_ids[:seq_len], loss_mask=example.loss_mask[:seq_len])
         if not rows or used + len(example.input_ids) > seq_len:
             rows.append(PackedRow([]))
             used = 0
@@ -395,9 +418,11 @@ def pack(examples: Sequence[SFTExample], seq_len: int) -> list[PackedRow]:
     return rows
 
 
-def sft_batch(rows: Sequence[PackedRow | SFTExample], seq_len: int, *, pad_id: int = 0) -> dict[str, np.ndarray]:
+def sft_batch(rows: Sequence[PackedRow | SFTExample], seq_len: int, *, pad_id: int = 0,
+              images: int | None = None) -> dict[str, np.ndarray]:
     """One (len(rows), seq_len) batch; a PackedRow's examples become segments 1, 2, ..., a lone SFTExample is a
-    row of its own (segment 1), cut to seq_len.
+    row of its own (segment 1), cut to seq_len. With `images` (the slots of a batch of a dataset with images),
+    pixel_values (images, C, H, W): the examples' images in the order of their placeholders, zeros after.
 
     tokens: the ids, pad_id after the last segment. positions: the index within the segment (-1 on padding).
     segment_ids: 0 on padding. targets: the next token of the same segment, 0 where there is none.
@@ -425,7 +450,31 @@ def sft_batch(rows: Sequence[PackedRow | SFTExample], seq_len: int, *, pad_id: i
             batch["targets"][r, predicting] = ids[1:]
             batch["loss_mask"][r, predicting] = example.loss_mask[1:n]
             offset += n
+    if images is not None:
+        batch["pixel_values"] = batch_images(rows, images)
     return batch
+
+
+def examples_of(rows: Sequence[PackedRow | SFTExample]) -> list[SFTExample]:
+    return [e for row in rows for e in (row.segments if isinstance(row, PackedRow) else [row])]
+
+
+def image_count(rows: Sequence[PackedRow | SFTExample]) -> int:
+    return sum(len(e.pixel_values) for e in examples_of(rows) if e.pixel_values is not None)
+
+
+def batch_images(rows: Sequence[PackedRow | SFTExample], slots: int) -> np.ndarray:
+    """The rows' images in their placeholders' order (row after row, segment after segment), zeros after."""
+    arrays = [e.pixel_values for e in examples_of(rows) if e.pixel_values is not None]
+    if not arrays:
+        raise ValueError("sft_batch: images asked of rows that hold none")
+    shape = arrays[0].shape[1:]
+    out = np.zeros((slots, *shape), np.float32)
+    taken = np.concatenate(arrays)
+    if len(taken) > slots:
+        raise ValueError(f"the batch holds {len(taken)} images, more than its {slots} slots")
+    out[:len(taken)] = taken
+    return out
 
 
 def preference_rows(examples: Sequence[PreferenceExample]) -> list[SFTExample]:
@@ -507,11 +556,15 @@ def _messages(value, field: str, where: str) -> list[dict]:
     return value
 
 
-def _render(tokenizer: Tokenizer, messages: list[dict], generation_prompt: bool, where: str) -> str:
+def _render(tokenizer: Tokenizer, messages: list[dict], generation_prompt: bool, where: str, expand=None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
     except Exception as e:  # the template is the checkpoint's code: whatever it raises, this row is what it rejects
         raise DataError(f"{where}: the chat template cannot render this row: {type(e).__name__}: {e}") from e
+    try:
+        return text if expand is None else expand(text)
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from None
 
 
 def _prefix_length(prefix: str, text: str, problem: str) -> int:

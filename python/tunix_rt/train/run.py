@@ -29,6 +29,7 @@ from tunix_rt.models.lora import merge_lora
 from tunix_rt.parallel.mesh import initialize_distributed
 from tunix_rt.train.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RLConfig, SFTConfig, TrainConfig
 from tunix_rt.train.data import load_preferences, load_prompts, load_sft, pack
+from tunix_rt.train.image_data import VisionRows
 from tunix_rt.train.rl_trainer import RLTrainer
 from tunix_rt.train.trainer import Objective, Trainer
 
@@ -53,8 +54,10 @@ def _sft_items(cfg: SFTConfig | DistillConfig, tokenizer, path: str, **options):
 def _sft(cfg: SFTConfig, loaded: LoadedModel, data: str):
     from tunix_rt.train.sft import SFTObjective
 
+    vision = loaded.model.config.vision
+    images = None if vision is None else VisionRows.for_model(vision, loaded.tokenizer, loaded.source, data)
     items = _sft_items(cfg, loaded.tokenizer, data, assistant_only_loss=cfg.assistant_only_loss,
-                       completion_only_loss=cfg.completion_only_loss)
+                       completion_only_loss=cfg.completion_only_loss, vision=images)
     return SFTObjective(items, max_length=cfg.max_length, pad_id=_pad_id(loaded.tokenizer))
 
 

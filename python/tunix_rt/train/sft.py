@@ -11,19 +11,35 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from tunix_rt.train.data import PackedRow, SFTExample, bucket_length, head_window, row_length, sft_batch, trained_tokens
+from tunix_rt.train.data import (
+    PackedRow,
+    SFTExample,
+    bucket_length,
+    head_window,
+    image_count,
+    row_length,
+    sft_batch,
+    trained_tokens,
+)
 from tunix_rt.train.trainer import LossContext
 
 
 def window_hidden(model, batch: dict) -> jax.Array:
-    """(K, D) final hidden states at the batch's head window (data.head_window)."""
-    h, _ = model.hidden_states(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"])
+    """(K, D) final hidden states at the batch's head window (data.head_window); a batch of a dataset with images
+    carries their pixel values."""
+    h, _ = model.hidden_states(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
+                               pixel_values=batch.get("pixel_values"))
     return h.reshape(-1, h.shape[-1])[batch["head_index"]]
 
 
 def window_logprobs(model, batch: dict) -> jax.Array:
     """(K,) log-probs of the head window's targets (0-weight slots included)."""
     return model.token_logprobs(window_hidden(model, batch), batch["head_targets"])[0]
+
+
+def image_slots(n: int) -> int:
+    """A batch's image slots: at least one, then powers of two (one program per bucket, not per count)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class RowsObjective:
@@ -39,19 +55,21 @@ class RowsObjective:
     def rows(self, indices: np.ndarray) -> list[PackedRow | SFTExample]:
         raise NotImplementedError
 
-    def batch_lengths(self, indices: np.ndarray) -> tuple[int, int]:
-        """(row length, head window) these items need, bucketed: the trainer takes the largest over its
-        micro-batches, so one step's micro-batches share a shape."""
-        rows = self.rows(indices)
-        return (bucket_length(max(row_length(r) for r in rows), self.max_length),
-                bucket_length(trained_tokens(rows)))
+    has_images = False  # a dataset with images: batches carry pixel values in a bucketed number of slots
 
-    def host_batch(self, indices: np.ndarray, valid: np.ndarray, lengths: tuple[int, int]) -> dict[str, np.ndarray]:
-        """tokens, positions, segment_ids (rows, length) and the head window; rows with valid False train on
-        nothing."""
-        seq_len, head = lengths
+    def batch_lengths(self, indices: np.ndarray) -> tuple[int, ...]:
+        """(row length, head window[, image slots]) these items need, bucketed: the trainer takes the largest over
+        its micro-batches, so one step's micro-batches share a shape."""
         rows = self.rows(indices)
-        batch = sft_batch(rows, seq_len, pad_id=self.pad_id)
+        lengths = (bucket_length(max(row_length(r) for r in rows), self.max_length), bucket_length(trained_tokens(rows)))
+        return (*lengths, image_slots(image_count(rows))) if self.has_images else lengths
+
+    def host_batch(self, indices: np.ndarray, valid: np.ndarray, lengths: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """tokens, positions, segment_ids (rows, length) and the head window (and the images); rows with valid False
+        train on nothing."""
+        seq_len, head = lengths[:2]
+        rows = self.rows(indices)
+        batch = sft_batch(rows, seq_len, pad_id=self.pad_id, images=lengths[2] if self.has_images else None)
         mask = batch.pop("loss_mask") * np.tile(valid, len(rows) // len(valid))[:, None]  # DPO: B pairs, 2B rows
         batch.update(head_window(mask, batch.pop("targets"), head))
         return batch
@@ -70,6 +88,7 @@ class SFTObjective(RowsObjective):
         super().__init__(max_length=max_length, pad_id=pad_id)
         self.items = list(items)
         self.num_items = len(self.items)
+        self.has_images = image_count(self.items) > 0
 
     def rows(self, indices: np.ndarray) -> list[PackedRow | SFTExample]:
         return [self.items[i] for i in indices]

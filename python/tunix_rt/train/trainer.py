@@ -255,6 +255,8 @@ class Trainer:
                         "XLA:CPU (models/remat.py)", "router losses" if self.router_losses else "lora_dropout")
         model.train()
         trainable = nnx.Any(nnx.LoRAParam, HeadParam) if self.lora else nnx.Param
+        if not self.lora and not cfg.train_vision_tower:  # an image encoder stays as loaded unless asked
+            trainable = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("vision")))
         self.graphdef, params, rngs, frozen, rest = nnx.split(model, trainable, nnx.RngState, nnx.Param, ...)
         self.eval_graphdef = self._graphdef_in_eval_mode(model)
         shard = lambda tree: put_global(tree, state_shardings(tree, self.mesh))

@@ -134,3 +134,35 @@ def test_cut_keeps_whole_images_only():
     assert kept == [1] and px is None
     kept, _, px = cut(ids, mask, pixels, 7, 4)  # the first run ends at the cut: whole
     assert kept == [1, 7, 7, 7] and len(px) == 1
+
+
+def test_dpo_with_images(colours):
+    """DPO rows in TRL's vision format: the prompt's images ride with both rows of the pair; a short run prefers
+    the right colour name more than before."""
+    root, splits = colours
+    rows = []
+    for row in splits["train"][:16]:
+        right = row["messages"][1]["content"][0]["text"]
+        wrong = list(COLOURS)[(list(COLOURS).index(right) + 1) % 4]
+        rows.append({"prompt": row["messages"][:1], "images": row["images"],
+                     "chosen": [{"role": "assistant", "content": [{"type": "text", "text": right}]}],
+                     "rejected": [{"role": "assistant", "content": [{"type": "text", "text": wrong}]}]})
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = root / "dpo"
+    assert cli("dpo", "--model", root / "model", "--data", data, "--output", out, "--steps", 8, "batch_size=8",
+               "learning_rate=3e-3", "lr_scheduler_type=constant", "warmup_ratio=0", "progress=false") == 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    margins = [m["rewards/margins"] for m in metrics if "rewards/margins" in m]
+    assert margins[-1] > margins[0] and metrics[-1]["rewards/accuracies"] >= 0.75
+    bad = dict(rows[0])
+    del bad["prompt"]
+    bad["chosen"] = rows[0]["prompt"] + rows[0]["chosen"]
+    bad["rejected"] = rows[0]["prompt"] + rows[0]["rejected"]
+    (root / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+    loaded = load_model(root / "model")
+    vision = VisionRows.for_model(loaded.model.config.vision, loaded.tokenizer, root / "model", root / "bad.jsonl")
+    from tunix_rt.train.data import load_preferences
+
+    with pytest.raises(DataError, match='needs a "prompt" field'):
+        load_preferences(root / "bad.jsonl", loaded.tokenizer, max_length=64, vision=vision)

@@ -40,6 +40,7 @@ class PreferenceExample(NamedTuple):
     prompt_ids: np.ndarray  # int32
     chosen_ids: np.ndarray  # int32, the tokens after the prompt
     rejected_ids: np.ndarray  # int32
+    pixel_values: np.ndarray | None = None  # the prompt's images (SFTExample's)
 
 
 @dataclasses.dataclass
@@ -211,15 +212,32 @@ def _assistant_spans(tokenizer: Tokenizer, messages: list[dict], text: str, wher
 
 
 def tokenize_preference(
-    row: dict, tokenizer: Tokenizer, *, max_length: int, max_prompt_length: int | None = None, where: str
+    row: dict, tokenizer: Tokenizer, *, max_length: int, max_prompt_length: int | None = None, where: str,
+    vision: VisionRows | None = None,
 ) -> PreferenceExample:
     """Prompt, chosen and rejected ids of one DPO row: strings, lists of messages, or (TRL's implicit prompt)
-    "chosen" and "rejected" alone as whole conversations whose shared first messages are the prompt.
+    "chosen" and "rejected" alone as whole conversations whose shared first messages are the prompt. A row of
+    messages may carry images in its prompt (TRL's vision format: image parts and an "images" column).
 
     Truncated as TRL does: the prompt keeps its last max_prompt_length tokens, then prompt + completion its first
-    max_length.
+    max_length; a prompt with images must fit whole.
     """
     chosen, rejected = _field(row, "chosen", where), _field(row, "rejected", where)
+    expand, pixels = None, None
+    if row.get("images") is not None and "prompt" not in row:
+        raise DataError(f'{where}: a row with images needs a "prompt" field (the messages the images go in)')
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        try:
+            chosen = prepare_images({"messages": chosen}, None).messages
+            rejected = prepare_images({"messages": rejected}, None).messages
+            if isinstance(row.get("prompt"), list) or row.get("images") is not None:
+                prepared = prepare_images({"messages": row.get("prompt", []), "images": row.get("images")}, vision)
+                row = {**row, "prompt": prepared.messages} if "prompt" in row else row
+                expand, pixels = prepared.expand, prepared.pixel_values
+        except ImageDataError as e:
+            raise DataError(f"{where}: {e}") from None
+    elif "images" in row:
+        raise DataError(f'{where}: images go with rows of messages (TRL\'s vision format)')
     if "prompt" not in row and isinstance(chosen, list) and isinstance(rejected, list):
         chosen, rejected = _messages(chosen, "chosen", where), _messages(rejected, "rejected", where)
         shared = 0
@@ -244,10 +262,10 @@ def tokenize_preference(
         )
     elif all(isinstance(value, list) for value in (prompt, chosen, rejected)):
         prompt = _messages(prompt, "prompt", where)
-        prompt_text = _render(tokenizer, prompt, True, where)
+        prompt_text = _render(tokenizer, prompt, True, where, expand)
         prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
         chosen_ids, rejected_ids = (
-            _completion_ids(tokenizer, prompt, prompt_text, completion, name, where)
+            _completion_ids(tokenizer, prompt, prompt_text, completion, name, where, expand)
             for name, completion in (("chosen", chosen), ("rejected", rejected))
         )
     else:
@@ -256,17 +274,22 @@ def tokenize_preference(
             f"got {_kind(prompt)}, {_kind(chosen)} and {_kind(rejected)}"
         )
 
+    limit = min(max_length, max_prompt_length or max_length)
+    if pixels is not None and len(prompt_ids) > limit:
+        raise DataError(f"{where}: the prompt with its images is {len(prompt_ids)} tokens, more than "
+                        f"{'max_prompt_length' if limit < max_length else 'max_length'} ({limit}); an image is never cut")
     if max_prompt_length is not None:
         prompt_ids = prompt_ids[max(0, len(prompt_ids) - max_prompt_length) :]
     prompt_ids = prompt_ids[:max_length]
     room = max_length - len(prompt_ids)
     return PreferenceExample(
-        *(np.asarray(ids, np.int32) for ids in (prompt_ids, chosen_ids[:room], rejected_ids[:room]))
+        *(np.asarray(ids, np.int32) for ids in (prompt_ids, chosen_ids[:room], rejected_ids[:room])), pixels
     )
 
 
 def load_preferences(
-    path, tokenizer: Tokenizer, *, max_length: int, max_prompt_length: int | None = None
+    path, tokenizer: Tokenizer, *, max_length: int, max_prompt_length: int | None = None,
+    vision: VisionRows | None = None,
 ) -> list[PreferenceExample]:
     """Every row of a JSONL file tokenized; pairs truncated to an empty chosen or rejected side are dropped with a
     warning, and only a dataset with none left is an error."""
@@ -274,7 +297,8 @@ def load_preferences(
         (
             line,
             tokenize_preference(
-                row, tokenizer, max_length=max_length, max_prompt_length=max_prompt_length, where=f"{path}:{line}"
+                row, tokenizer, max_length=max_length, max_prompt_length=max_prompt_length, where=f"{path}:{line}",
+                vision=vision,
             ),
         )
         for line, row in read_jsonl(path)
@@ -285,11 +309,11 @@ def load_preferences(
 
 
 def _completion_ids(
-    tokenizer: Tokenizer, prompt: list[dict], prompt_text: str, completion, name: str, where: str
+    tokenizer: Tokenizer, prompt: list[dict], prompt_text: str, completion, name: str, where: str, expand=None
 ) -> list[int]:
     """The tokens of what the template writes for `completion` after the prompt and its generation prompt,
     tokenized apart from the prompt as TRL does."""
-    full = _render(tokenizer, prompt + _messages(completion, name, where), False, where)
+    full = _render(tokenizer, prompt + _messages(completion, name, where), False, where, expand)
     start = _prefix_length(
         prompt_text,
         full,
@@ -479,9 +503,9 @@ def batch_images(rows: Sequence[PackedRow | SFTExample], slots: int) -> np.ndarr
 
 def preference_rows(examples: Sequence[PreferenceExample]) -> list[SFTExample]:
     """The 2B rows of B pairs for DPO: rows 0..B-1 prompt + chosen, rows B..2B-1 prompt + rejected, loss on the
-    completion tokens only."""
-    sequences = [_joined(example.prompt_ids, example.chosen_ids) for example in examples]
-    return sequences + [_joined(example.prompt_ids, example.rejected_ids) for example in examples]
+    completion tokens only (each row with the prompt's images)."""
+    sequences = [_joined(example.prompt_ids, example.chosen_ids, example.pixel_values) for example in examples]
+    return sequences + [_joined(example.prompt_ids, example.rejected_ids, example.pixel_values) for example in examples]
 
 
 def preference_batch(examples: Sequence[PreferenceExample], seq_len: int, *, pad_id: int = 0) -> dict[str, np.ndarray]:
@@ -522,9 +546,9 @@ class DataOrder:
 # --- helpers --------------------------------------------------------------------------------------------------
 
 
-def _joined(prompt_ids: np.ndarray, completion_ids: np.ndarray) -> SFTExample:
+def _joined(prompt_ids: np.ndarray, completion_ids: np.ndarray, pixel_values: np.ndarray | None = None) -> SFTExample:
     ids = np.concatenate([prompt_ids, completion_ids])
-    return SFTExample(ids, np.arange(len(ids)) >= len(prompt_ids))
+    return SFTExample(ids, np.arange(len(ids)) >= len(prompt_ids), pixel_values)
 
 
 def _kind(value) -> str:

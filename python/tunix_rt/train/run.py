@@ -64,8 +64,10 @@ def _sft(cfg: SFTConfig, loaded: LoadedModel, data: str):
 def _dpo(cfg: DPOConfig, loaded: LoadedModel, data: str):
     from tunix_rt.train.dpo import DPOObjective
 
+    vision = loaded.model.config.vision
+    images = None if vision is None else VisionRows.for_model(vision, loaded.tokenizer, loaded.source, data)
     examples = load_preferences(data, loaded.tokenizer, max_length=cfg.max_length,
-                                max_prompt_length=cfg.max_prompt_length)
+                                max_prompt_length=cfg.max_prompt_length, vision=images)
     ref = load_model(cfg.ref_model).model if cfg.ref_model and not cfg.reference_free else None
     return DPOObjective(examples, cfg, max_length=cfg.max_length, pad_id=_pad_id(loaded.tokenizer), ref_model=ref,
                         precompute_ref_log_probs=cfg.precompute_ref_log_probs)

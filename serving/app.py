@@ -214,7 +214,10 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         ready()
         check_model(body.model)
-        plan = handlers.plan_chat(state, body)
+        with_images = any(isinstance(m.content, list) and any(part.type == "image_url" for part in m.content)
+                          for m in body.messages)
+        # decoding and resizing images takes a while: off the event loop, which serves every other stream
+        plan = await asyncio.to_thread(handlers.plan_chat, state, body) if with_images else handlers.plan_chat(state, body)
         return await _run(request, plan.params.n, body.stream, lambda: handlers.chat_stream(state, body, plan),
                           lambda: handlers.chat_full(state, body, plan))
 

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 from serving import protocol as p
 from serving.errors import APIError, error_body
-from serving.images import ImageInputError, place_images, take_images
+from serving.images import place_images, take_images
 from serving.metrics import SequenceTimer, ServerMetrics
 from tunix_rt.engine.async_engine import AsyncEngine
 from tunix_rt.engine.errors import EngineUnavailableError, InvalidRequestError, UnknownLoRAAdapterError
@@ -352,9 +352,8 @@ def plan_chat(state: ServerState, req: p.ChatCompletionRequest) -> ChatPlan:
     try:
         all_tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        chat = take_images(messages, state.max_images)
-        if chat.images and state.image_processor is None:
-            raise ImageInputError(f"messages: {state.model_name} does not take images")
+        chat = take_images(messages, state.max_images,
+                           model=state.model_name if state.image_processor is None else None)
         prompt = render_chat(state.tokenizer, chat.messages, fmt, all_tools if choice != "none" else None,
                              template_kwargs=template_kwargs(req.chat_template_kwargs))
         images = ()

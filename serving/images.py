@@ -5,10 +5,7 @@ and turned into pixel values for the engine."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
-import re
 
 import numpy as np
 
@@ -17,12 +14,10 @@ from tunix_rt.models.image_processor import (
     ImageError,
     ImageProcessor,
     ImageTokensText,
+    data_url_bytes,
     decode_image,
     place_sentinels,
 )
-
-MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")  # what a data: URL may carry
-_DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+);base64,(.*)$", re.DOTALL)
 
 
 class ImageInputError(ValueError):
@@ -38,23 +33,9 @@ class ChatImages:
     images: list
 
 
-def image_bytes(url: str, where: str) -> bytes:
-    """The bytes of a `data:<image type>;base64,...` URL; ImageInputError for any other URL or a bad one."""
-    m = _DATA_URL.match(url)
-    if m is None:
-        scheme = url.split(":", 1)[0][:16] if ":" in url else "no scheme"
-        raise ImageInputError(f"{where}: only data: URLs with base64 images are accepted (got {scheme}); remote "
-                              "images are not fetched")
-    if m.group(1).lower() not in MEDIA_TYPES:
-        raise ImageInputError(f"{where}: media type {m.group(1)!r} is not one of {', '.join(MEDIA_TYPES)}")
-    try:
-        return base64.b64decode(m.group(2), validate=True)
-    except (binascii.Error, ValueError):
-        raise ImageInputError(f"{where}: the data: URL's base64 is malformed") from None
-
-
-def take_images(messages: list[dict], max_images: int) -> ChatImages:
-    """Each `image_url` part decoded (in message order) and replaced by a sentinel text part."""
+def take_images(messages: list[dict], max_images: int, *, model: str | None = None) -> ChatImages:
+    """Each `image_url` part decoded (in message order) and replaced by a sentinel text part; `model`: the name of
+    a model that takes no images (an image part is then refused before anything is decoded)."""
     out, images = [], []
     for i, message in enumerate(messages):
         content = message.get("content")
@@ -63,10 +44,14 @@ def take_images(messages: list[dict], max_images: int) -> ChatImages:
             continue
         parts = []
         for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            if IMAGE_SENTINEL in (part.get("text") or ""):
+                raise ImageInputError(f"{where}: the text holds a NUL-delimited marker reserved for images")
             if part.get("type") != "image_url":
                 parts.append(part)
                 continue
-            where = f"messages[{i}].content[{j}]"
+            if model is not None:
+                raise ImageInputError(f"{where}: {model} does not take images")
             if message.get("role") != "user":
                 raise ImageInputError(f"{where}: images go in user messages, not {message.get('role')!r} ones")
             url = (part.get("image_url") or {}).get("url")
@@ -76,9 +61,10 @@ def take_images(messages: list[dict], max_images: int) -> ChatImages:
                 raise ImageInputError(f"{where}: more than {max_images} image(s) in one request (the server's "
                                       "limit_mm_per_prompt)")
             try:
-                images.append(decode_image(image_bytes(url, where)))
+                data, media_type = data_url_bytes(url, where)
+                images.append(decode_image(data, media_type=media_type))
             except ImageError as e:
-                raise ImageInputError(f"{where}: {e}") from None
+                raise ImageInputError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
             parts.append({"type": "text", "text": IMAGE_SENTINEL})
         out.append({**message, "content": parts})
     return ChatImages(out, images)

@@ -112,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
                        ("dpo", "preference optimisation: DPO, IPO, hinge, robust, ORPO, SimPO"),
                        ("distill", "knowledge distillation from --teacher"),
                        ("grpo", "GRPO and its variants (Dr. GRPO, RLOO, DAPO, GSPO) with the embedded rollout engine"),
-                       ("ppo", "PPO with a value-head critic and the embedded rollout engine")):
+                       ("ppo", "PPO with a value-head critic and the embedded rollout engine"),
+                       ("reward", "a reward model (Bradley-Terry on preference pairs, as TRL's RewardTrainer)")):
         train = sub.add_parser(name, help=what, description=f"{what}. Options not given as flags go as key=value "
                                "(or in --config FILE.yaml); flags win over key=value, which wins over the file.")
         train.add_argument("--config", default=None, help="YAML file of options")
@@ -492,8 +493,8 @@ def _plot(args) -> int:
 
 
 _COMMANDS = {"generate": _generate, "score": _score, "quantize": _quantize, "serve": _serve, "info": _info,
-             "sft": _train, "dpo": _train, "distill": _train, "grpo": _train, "ppo": _train, "export": _export, "eval": _eval,
-             "plot": _plot}
+             "sft": _train, "dpo": _train, "distill": _train, "grpo": _train, "ppo": _train, "reward": _train,
+             "export": _export, "eval": _eval, "plot": _plot}
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -36,6 +36,12 @@ def _png(seed: int, size=(40, 24)) -> bytes:
     return buffer.getvalue()
 
 
+def _tiff() -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(buffer, "TIFF")
+    return buffer.getvalue()
+
+
 def _url(data: bytes, kind: str = "image/png") -> str:
     return f"data:{kind};base64,{base64.b64encode(data).decode()}"
 
@@ -81,6 +87,8 @@ def test_chat_with_a_base64_image_through_openai(vision_server):
     ("file:///etc/passwd", "remote images are not fetched"),
     (_url(_png(3), "image/svg+xml"), "media type 'image/svg+xml'"),
     ("data:image/png;base64,@@@@", "base64 is malformed"),
+    (_url(_png(4), "image/jpeg"), "the bytes are PNG, not image/jpeg"),
+    (_url(_tiff()), "not an image"),  # PIL could read it; only PNG, JPEG, WebP and GIF decoders see user bytes
 ])
 def test_bad_images_are_400s_naming_the_fault(vision_server, url, fault):
     base, model_dir = vision_server
@@ -118,3 +126,12 @@ def test_images_to_a_text_model_are_400s(server):
     r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=server.headers(), timeout=60,
                    json={"model": server.model, "messages": _messages(_url(_png(1))), "max_tokens": 2})
     assert r.status_code == 400 and "does not take images" in r.json()["error"]["message"]
+
+
+def test_the_image_marker_in_text_is_refused(vision_server):
+    base, model_dir = vision_server
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a \x00tunix-rt-image\x00 b"},
+                                             {"type": "image_url", "image_url": {"url": _url(_png(1))}}]}]
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=60,
+                   json={"model": str(model_dir), "messages": messages, "max_tokens": 2})
+    assert r.status_code == 400 and "reserved for images" in r.json()["error"]["message"]

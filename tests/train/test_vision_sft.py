@@ -166,3 +166,27 @@ def test_dpo_with_images(colours):
 
     with pytest.raises(DataError, match='needs a "prompt" field'):
         load_preferences(root / "bad.jsonl", loaded.tokenizer, max_length=64, vision=vision)
+
+
+def test_typed_placeholders_and_text_rows_beside_images(colours, tmp_path):
+    """Placeholder tokens typed in a row's text are refused (they would take another row's image); a dataset
+    mixing text-only rows with image rows batches both (a text-only batch's image slots are zeros)."""
+    from tunix_rt.train.sft import SFTObjective
+
+    root, splits = colours
+    loaded = load_model(root / "model")
+    vision = VisionRows.for_model(loaded.model.config.vision, loaded.tokenizer, root / "model", root / "train.jsonl")
+    typed = {"messages": [{"role": "user", "content": "<image_soft_token> colour?"},
+                          {"role": "assistant", "content": "red"}]}
+    path = tmp_path / "typed.jsonl"
+    path.write_text(json.dumps(typed) + "\n")
+    with pytest.raises(DataError, match="must not contain the image tokens"):
+        load_sft(path, loaded.tokenizer, max_length=64, vision=vision)
+    text = {"messages": [{"role": "user", "content": "colour?"}, {"role": "assistant", "content": "none"}]}
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [text, text, splits["train"][0]]))
+    examples = load_sft(path, loaded.tokenizer, max_length=64, vision=vision)
+    objective = SFTObjective(examples, max_length=64, pad_id=0)
+    idx = np.array([0, 1])
+    batch = objective.host_batch(idx, np.ones(2, bool), objective.batch_lengths(idx))
+    assert batch["pixel_values"].shape == (1, 3, 32, 32) and not batch["pixel_values"].any()

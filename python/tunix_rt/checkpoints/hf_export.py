@@ -43,6 +43,9 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+# sequence classifiers (reward models): transformers' class per model_type
+CLASSIFIERS = {t: a.replace("ForCausalLM", "ForSequenceClassification") for t, a in ARCHITECTURES.items()
+               if a.endswith("ForCausalLM")} | {"gemma3_text": "Gemma3TextForSequenceClassification"}
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
@@ -50,12 +53,14 @@ def inverse_names(cfg: ModelConfig) -> dict[tuple, list[tuple[str, bool, tuple[i
     """Decoder parameter path -> [(HF tensor name, whether to transpose, index in the parameter)], for every tensor
     `cfg` can have: a whole parameter's index is (); a layer's tensor is its entry of the layer-stacked weight
     (and an expert's, its expert slice too)."""
-    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    names = ["model.embed_tokens.weight", "model.norm.weight", "score.weight" if cfg.num_labels else "lm_head.weight"]
     # expert names first: Mixtral's router is block_sparse_moe.gate, not the table's mlp.gate
     layer_rest = [*(expert_names(cfg) if any(cfg.moe_layers) else ()), *_layer_names(cfg)]
     names += [f"model.layers.{i}.{rest}" for i in range(cfg.num_layers) for rest in dict.fromkeys(layer_rest)]
     if cfg.vision is not None:  # transformers 5's Gemma3ForConditionalGeneration names
         names = [n.replace("model.", "model.language_model.", 1) for n in names] + vision_names(cfg)
+    if cfg.vision is not None and cfg.num_labels:
+        raise ValueError("a sequence classifier with an image encoder is not supported")
     inverse, taken = {}, set()
     for name in names:
         target = hf_to_path(name, cfg)
@@ -123,6 +128,10 @@ def _config(model: Decoder, tokenizer: Tokenizer, hf_config: dict, dtype: str, e
     if ModelConfig.from_hf_dict(config) != model.config:
         raise ValueError("hf_config does not describe this model (its parsed ModelConfig differs from model.config)")
     config["architectures"] = [ARCHITECTURES[model_type]]
+    if model.config.num_labels:
+        if model_type not in CLASSIFIERS:
+            raise ValueError(f"cannot export a {model_type!r} sequence classifier (supported: {', '.join(CLASSIFIERS)})")
+        config["architectures"] = [CLASSIFIERS[model_type]]
     config["tie_word_embeddings"] = model.config.tie_word_embeddings
     config["dtype"] = config["torch_dtype"] = dtype  # transformers 5 reads dtype, 4.x torch_dtype
     if tokenizer.bos_token_id is not None:
@@ -131,7 +140,20 @@ def _config(model: Decoder, tokenizer: Tokenizer, hf_config: dict, dtype: str, e
         config["eos_token_id"] = eos
     if tokenizer.pad_token_id is not None:
         config["pad_token_id"] = tokenizer.pad_token_id
+    elif model.config.num_labels and tokenizer.eos_token_ids:  # HF's classifiers find each row's last token by it
+        config["pad_token_id"] = sorted(tokenizer.eos_token_ids)[0]
     return config
+
+
+def classifier_config(hf_config: dict, num_labels: int) -> dict:
+    """A causal LM's HF config as the config of the sequence classifier (a reward model: 1 label) made from it."""
+    model_type = hf_config.get("model_type")
+    if model_type not in CLASSIFIERS:
+        raise ValueError(f"a {model_type!r} model cannot be made a sequence classifier (supported: "
+                         f"{', '.join(CLASSIFIERS)})")
+    labels = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+    return {**hf_config, "architectures": [CLASSIFIERS[model_type]], "num_labels": num_labels, "id2label": labels,
+            "label2id": {v: int(k) for k, v in labels.items()}}
 
 
 def _generation_config(tokenizer: Tokenizer, given: dict | None) -> dict:

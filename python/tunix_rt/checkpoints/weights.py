@@ -153,7 +153,9 @@ def hf_to_path(name: str, cfg: ModelConfig) -> Target | None:
     if name == "model.norm.weight":
         return Target(("final_norm", "scale"), False)
     if name == "lm_head.weight":
-        return None if cfg.tie_word_embeddings else Target(("lm_head", "kernel"), True)
+        return None if cfg.tie_word_embeddings or cfg.num_labels else Target(("lm_head", "kernel"), True)
+    if name == "score.weight" and cfg.num_labels:  # *ForSequenceClassification's head
+        return Target(("score", "kernel"), True)
     m = _LAYER.match(name)
     if m and int(m.group(1)) < cfg.num_layers:
         kind, entry = _places(cfg)[int(m.group(1))]

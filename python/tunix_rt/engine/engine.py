@@ -201,9 +201,14 @@ class Engine:
     def _images(self, ids: list[int], images: Sequence[np.ndarray]) -> tuple[RequestImage, ...]:
         """Each image's pixel values (C, H, W) checked against the prompt's runs of placeholders (one run of
         mm_tokens_per_image per image, in order) and encoded (an image seen before is not encoded again)."""
+        if isinstance(images, np.ndarray):  # a stack of images, or one image given bare
+            if images.ndim != 4:
+                raise InvalidRequestError(f"images must be a list of (C, H, W) pixel arrays (or an (N, C, H, W) stack), "
+                                          f"got an array of shape {images.shape}", param="images")
+            images = list(images)
         vision = self.model.config.vision
         if vision is None:
-            if images:
+            if len(images):
                 raise InvalidRequestError(f"images given to a text-only {self.model.config.architecture} model",
                                           param="images")
             return ()
@@ -247,7 +252,6 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self._prompt_ids(prompt)
-        request_images = self._images(ids, images)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise DuplicateRequestIdError(f"request id {request_id!r} is already in use")
@@ -274,6 +278,7 @@ class Engine:
                                           param="lora_request")
             lora = self.loras.get(lora_request)
         extra_keys = (() if lora is None else (lora.cache_key,)) + (() if cache_salt is None else (cache_salt,))
+        request_images = self._images(ids, images)  # last: every cheaper check has passed
         base_seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         seqs = []
         for i in range(params.n):

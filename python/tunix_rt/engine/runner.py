@@ -79,10 +79,10 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, layout, blo
 
     @functools.partial(jax.jit, donate_argnums=(1, 2))
     def forward(leaves, k, v, tokens, positions, slots, token_seq, block_tables, lora_ids, images):
-        """`images`: None for a text-only model; else (soft token per step token (T, D), attend_until (T,))."""
+        """`images`: None for a text-only model; else (is_image (T,), soft tokens (T, D), attend_until (T,))."""
         model = merged(leaves, lora_ids)
         cache = PagedKVCache(k, v, slots, token_seq, block_tables, layout)
-        image_tokens = None if images is None else ImageTokens(images[0][None], images[1][None])
+        image_tokens = None if images is None else ImageTokens(*(a[None] for a in images))
         h, cache = model.hidden_states(tokens[None], positions[None], cache, image_tokens=image_tokens)
         return h[0], cache.k, cache.v, _nonfinite_rows(h[0], token_seq, block_tables.shape[1])
 
@@ -425,10 +425,11 @@ class ModelRunner:
         return np.asarray(self._programs(("encode_image",), self.leaves, pixel_values[None]))[0]
 
     def _step_images(self, scheduled: list[ScheduledRequest], t_b: int, positions: np.ndarray):
-        """The forward's `images` input: each step token's soft token (an image placeholder's; zeros elsewhere)
-        and the last position it sees (an image's end for its tokens); None for a text-only model."""
+        """The forward's `images` input: which step tokens are an image's, their soft tokens (zeros elsewhere) and
+        the last position each token sees (an image's end for its tokens); None for a text-only model."""
         if self.vision is None:
             return None
+        is_image = np.zeros(t_b, bool)
         embeds = np.zeros((t_b, self.hidden_size), np.float32)
         until = positions.copy()
         offset = 0
@@ -436,10 +437,12 @@ class ModelRunner:
             for image in s.request.images:
                 lo, hi = max(s.start, image.start), min(s.start + s.num_new, image.end)
                 if lo < hi:
-                    embeds[offset + lo - s.start:offset + hi - s.start] = image.embeds[lo - image.start:hi - image.start]
-                    until[offset + lo - s.start:offset + hi - s.start] = image.end - 1
+                    rows = slice(offset + lo - s.start, offset + hi - s.start)
+                    is_image[rows] = True
+                    embeds[rows] = image.embeds[lo - image.start:hi - image.start]
+                    until[rows] = image.end - 1
             offset += s.num_new
-        return embeds, until
+        return is_image, embeds, until
 
     def execute(self, scheduled: list[ScheduledRequest], block_lists: Sequence[dict[str, list[int]]]) -> StepResult:
         """Run one step; block_lists[g] maps each sequence to its blocks in KV group g (the KV manager's tables;

@@ -97,6 +97,7 @@ class Scheduler:
         preempted = False
         i = 0
         deferred: list[Request] = []  # long prefills that give this step to the others if they have work
+        image_waits = False  # a running request's image did not fit what was left: admit nobody past it
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if self._is_long_prefill(req, req.num_computed_tokens) and req.long_prefill_waits < LONG_PREFILL_MAX_WAITS:
@@ -105,6 +106,10 @@ class Scheduler:
                 continue
             fits, preempting = self._fit_running(req, budget)
             preempted |= preempting
+            if fits is None and not preempting:  # its image waits for a step with room; the others go on
+                image_waits = True
+                i += 1
+                continue
             if not fits:
                 break
             scheduled.append(fits)
@@ -112,7 +117,7 @@ class Scheduler:
             req.long_prefill_waits = 0  # a long prefill that waited its most takes its turn here, before admissions
             i += 1
         # Admitting while preempting would only thrash: the queue waits for the next step.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not preempted and not image_waits and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             cached, num_cached = self.kv.computed_blocks(req.block_tokens, req.extra_keys)
             if req.params.prompt_logprobs is not None:  # every prompt position's logits are needed: compute all
@@ -160,14 +165,15 @@ class Scheduler:
     def _fit_running(self, req: Request, budget: int) -> tuple[ScheduledRequest | None, bool]:
         """Room for running `req`'s next chunk (what is left of it, within `budget` and its chunk cap),
         preempting the newest running requests (never one scheduled before it: those sit earlier in the list)
-        until it fits: its ScheduledRequest, or None when it had to go itself; and whether anything was
-        preempted."""
+        until it fits: its ScheduledRequest, or None when it had to go itself (or when its next chunk is an image
+        that does not fit `budget`: it waits, nothing preempted); and whether anything was preempted."""
         self.kv.release_behind(req.seq_id, req.num_computed_tokens)  # sliding-window blocks it has passed
         num_new = req.chunk_size(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget,
                                                               self._chunk_cap(req, req.num_computed_tokens)), budget)
         if num_new == 0:  # an image's placeholders do not fit what is left of this step
             return None, False
-        draft = self._drafts(req, budget) if num_new == 1 else ()
+        finishes_prompt = req.num_computed_tokens + num_new == req.num_tokens  # drafts follow the last token only
+        draft = self._drafts(req, budget) if num_new == 1 and finishes_prompt else ()
         if draft and self.kv.allocate(req.seq_id, req.block_tokens, req.num_computed_tokens, 1 + len(draft),
                                       extra=req.extra_keys):
             return ScheduledRequest(req, req.num_computed_tokens, 1 + len(draft), limit=1 + len(draft),

@@ -165,6 +165,9 @@ class ModelConfig:
     moe_layers: tuple[bool, ...] = ()
     # Gemma 3 multimodal: the image encoder and the prompt's image tokens (models/vision.py); None: text only
     vision: VisionConfig | None = None
+    # HF's *ForSequenceClassification (a reward model: 1): a `score` head of this many outputs read at each
+    # sequence's last token, in place of the vocabulary head; 0: a causal LM
+    num_labels: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -204,6 +207,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model config: {name} must be a positive integer for a MoE model, got {value!r}")
+        if not isinstance(self.num_labels, int) or self.num_labels < 0:
+            raise ValueError(f"model config: num_labels must be a non-negative integer, got {self.num_labels!r}")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
                              f"({self.num_experts})")
@@ -238,9 +243,15 @@ class ModelConfig:
                 f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         try:
-            return _parse(arch, d)
+            cfg = _parse(arch, d)
         except KeyError as e:
             raise ValueError(f"config.json for {arch} is missing the key {e.args[0]!r}") from None
+        if any(str(a).endswith("ForSequenceClassification") for a in d.get("architectures") or ()):
+            labels = d.get("num_labels") or len(d.get("id2label") or {}) or 2  # transformers' default is 2
+            if not isinstance(labels, int) or labels < 1:
+                raise ValueError(f"config.json: num_labels must be a positive integer, got {labels!r}")
+            cfg = dataclasses.replace(cfg, num_labels=labels)
+        return cfg
 
 
 def _moe_fields(arch: str, d: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -89,6 +89,21 @@ class Linear(nnx.Linear):
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 
+class HeadParam(nnx.Param):
+    """The weights of a head trained in full even under LoRA: PPO's value head, a reward model's score head."""
+
+
+class ScoreHead(nnx.Module):
+    """HF *ForSequenceClassification's `score`: hidden states (..., D) -> (..., num_labels) f32, no bias."""
+
+    def __init__(self, hidden_size: int, num_labels: int, *, rngs: nnx.Rngs):
+        self.kernel = HeadParam(nnx.initializers.normal(0.02)(rngs.params(), (hidden_size, num_labels), jnp.float32))
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        return jnp.matmul(h.astype(jnp.float32), self.kernel[...].astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST)
+
+
 def _linear(cfg_dtype, rngs, din, dout, bias):
     return Linear(din, dout, use_bias=bias, dtype=cfg_dtype, param_dtype=cfg_dtype, rngs=rngs,
                       kernel_init=nnx.initializers.normal(0.02))
@@ -256,7 +271,9 @@ class Decoder(nnx.Module):
         self.layers = LayerStack(lambda i, rngs: DecoderLayer(cfg, i, dtype=dtype, rngs=rngs),
                                  [cfg.layer_kind(i) for i in range(cfg.num_layers)], rngs=rngs, saved=SAVED_IN_TRAINING)
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
-        if not cfg.tie_word_embeddings:
+        if cfg.num_labels:  # a sequence classifier (a reward model): a score head, no vocabulary head
+            self.score = ScoreHead(cfg.hidden_size, cfg.num_labels, rngs=rngs)
+        elif not cfg.tie_word_embeddings:
             self.lm_head = _linear(dtype, rngs, cfg.hidden_size, cfg.vocab_size, False)
         if cfg.vision is not None:
             self.vision = ImageEncoder(cfg.vision, cfg.hidden_size, rngs=rngs)
@@ -298,7 +315,7 @@ class Decoder(nnx.Module):
         if self.config.embed_scale is not None:  # HF rounds the scale to the weights' dtype first
             x = x * jnp.asarray(self.config.embed_scale, self.dtype)
         if image_tokens is not None:
-            is_image = (tokens == vision.image_token_id)[..., None]
+            is_image = image_tokens.is_image[..., None]
             return jnp.where(is_image, image_tokens.embeds.astype(x.dtype), x), image_tokens.attend_until
         if pixel_values is None:
             return x, None
@@ -312,7 +329,16 @@ class Decoder(nnx.Module):
 
     def output_head(self) -> nnx.Module:
         """The module mapping hidden states to vocabulary scores: the tied embedding or lm_head."""
+        if self.config.num_labels:
+            raise ValueError(f"a sequence classification model ({self.config.num_labels} label(s)) has no vocabulary "
+                             "head: it scores sequences (sequence_scores), it does not generate")
         return self.embed if self.config.tie_word_embeddings else self.lm_head
+
+    def sequence_scores(self, h: jax.Array, positions: jax.Array) -> jax.Array:
+        """(B, num_labels) f32: the score head at each row's last real token (its largest position; padding is
+        -1), where HF's sequence classifiers read it."""
+        last = jnp.argmax(positions, axis=-1)
+        return self.score(jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0])
 
     def logits(self, h: jax.Array) -> jax.Array:
         return head_logits(self.config, self.output_head(), h)

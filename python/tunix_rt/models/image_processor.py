@@ -4,52 +4,76 @@ crops of an elongated image after the image itself. Bytes from users are decoded
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import io
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 
 from tunix_rt.models.config import VisionConfig
 
+_DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+);base64,(.*)$", re.DOTALL)
 IMAGE_SENTINEL = "\x00tunix-rt-image\x00"  # stands for an image while a chat template renders the messages
-MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # a decoded image larger than this is refused (PIL's own bomb limit is 89M)
+MAX_IMAGE_PIXELS = 24 * 1024 * 1024  # a decoded image larger than this is refused (the tower reads 896 x 896)
+FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP", "image/gif": "GIF"}  # all PIL may open
 
 
 class ImageError(ValueError):
     """An image that cannot be used: not an image, truncated, too large, or of an unsupported mode."""
 
 
-def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS):
-    """PNG/JPEG/... bytes -> an RGB PIL image, fully decoded; ImageError naming what is wrong otherwise."""
+def decode_image(data: bytes, *, media_type: str | None = None, max_pixels: int = MAX_IMAGE_PIXELS):
+    """PNG, JPEG, WebP or GIF bytes (only those: PIL's other decoders never see user bytes) -> an RGB PIL image,
+    fully decoded; with `media_type` the bytes must be of that type. ImageError naming what is wrong otherwise."""
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(data)) as probe:
+        with Image.open(io.BytesIO(data), formats=list(FORMATS.values())) as probe:
+            if media_type is not None and probe.format != FORMATS.get(media_type):
+                raise ImageError(f"the bytes are {probe.format}, not {media_type}")
             width, height = probe.size
             if width < 1 or height < 1 or width * height > max_pixels:
                 raise ImageError(f"image of {width}x{height} pixels is outside 1..{max_pixels} pixels")
             probe.load()  # decodes now: a truncated file fails here, not later
             return _rgb(probe)
+    except ImageError:
+        raise
     except UnidentifiedImageError:
-        raise ImageError("not an image (PIL cannot identify the bytes)") from None
-    except (OSError, SyntaxError, Image.DecompressionBombError) as e:
-        raise ImageError(f"image cannot be decoded: {e}") from None
+        raise ImageError("not an image (PIL cannot identify the bytes as PNG, JPEG, WebP or GIF)") from None
+    except Exception as e:  # noqa: BLE001 - whatever a decoder raises on hostile bytes is this image's fault
+        raise ImageError(f"image cannot be decoded: {type(e).__name__}: {e}") from None
+
+
+def data_url_bytes(url: str, where: str) -> tuple[bytes, str]:
+    """The bytes and media type of a `data:<image type>;base64,...` URL; ImageError for anything else."""
+    m = _DATA_URL.match(url)
+    if m is None:
+        scheme = url.split(":", 1)[0][:16] if ":" in url else "no scheme"
+        raise ImageError(f"{where}: only data: URLs with base64 images are accepted (got {scheme}); remote images "
+                         "are not fetched")
+    media_type = m.group(1).lower()
+    if media_type not in FORMATS:
+        raise ImageError(f"{where}: media type {m.group(1)!r} is not one of {', '.join(FORMATS)}")
+    try:
+        return base64.b64decode(m.group(2), validate=True), media_type
+    except (binascii.Error, ValueError):
+        raise ImageError(f"{where}: the data: URL's base64 is malformed") from None
 
 
 def _rgb(image):
-    """HF's convert_rgb: RGBA over white, everything else through PIL's conversion."""
+    """HF's convert_to_rgb: an image with alpha or a transparent colour composited over white, others converted."""
     from PIL import Image
 
-    if image.mode == "RGB":
-        return image.copy()
-    if image.mode == "RGBA":
-        background = Image.new("RGBA", image.size, (255, 255, 255))
-        return Image.alpha_composite(background, image).convert("RGB")
-    return image.convert("RGB")
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB") if image.mode != "RGB" else image.copy()
 
 
 @dataclasses.dataclass(frozen=True)

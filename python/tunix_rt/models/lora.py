@@ -37,10 +37,6 @@ def stack_shape(base: nnx.Module) -> tuple[int, ...]:
     return tuple((value.qs if isinstance(value, QuantizedTensor) else value).shape[:-2])
 
 
-class HeadParam(nnx.Param):
-    """The weights of a head the base model lacks (PPO's value head): trained in full even under LoRA."""
-
-
 def _dot(a: jax.Array, b: jax.Array, contract_a: int, contract_b: int) -> jax.Array:
     dims = (((contract_a,), (contract_b,)), ((), ()))
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).astype(a.dtype)

@@ -98,9 +98,11 @@ class ImageEncoder(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class ImageTokens:
     """Images already encoded, laid on a step's tokens (the engine's form: its chunks cut images nowhere but the
-    prompt's tokens arrive a chunk at a time). `embeds` (B, T, D): each image placeholder's soft token (anything
+    prompt's tokens arrive a chunk at a time). `is_image` (B, T): the tokens an image's soft token replaces (a
+    placeholder id the model sampled is a token like any other); `embeds` (B, T, D): those soft tokens (anything
     elsewhere); `attend_until` (B, T): the last position each token sees (image_attend_until's rule)."""
 
+    is_image: jax.Array
     embeds: jax.Array
     attend_until: jax.Array
 
@@ -140,7 +142,3 @@ def image_attend_until(tokens: jax.Array, positions: jax.Array, image_token_id: 
                                num_segments=b * t + 1)
     return jnp.where(is_image, last[jnp.clip(segment, 0, b * t - 1)], positions)
 
-
-def count_image_tokens(tokens, image_token_id: int) -> int:
-    """The placeholders in a concrete token array (for the check that they match the images' soft tokens)."""
-    return int((jnp.asarray(tokens) == image_token_id).sum())

@@ -159,8 +159,8 @@ def attention(q, k, v, positions, segment_ids=None, *, scale: float, window: int
               softcap: float | None = None, attend_until=None):
     """Self-attention of q (B, T, H, D) over k, v (B, T, KV, D) of the same tokens (GQA when KV < H),
     query t seeing key s by `attention_mask`'s rule; f32 math, the output in q's dtype; differentiable
-    in q, k and v. Rows with `attend_until` (images' tokens seeing their whole image) take the dense
-    reference: the FFI kernel's tiles skip what positions alone rule out."""
+    in q, k and v. A call with `attend_until` (images' tokens seeing their whole image) takes the dense
+    reference, all of it: the FFI kernel's tiles skip what positions alone rule out."""
     _check(q, k, v, positions, segment_ids, scale, window, softcap, attend_until)
     if attend_until is not None:
         return attention_reference(q, k, v, positions, segment_ids, scale=scale, window=window, softcap=softcap,

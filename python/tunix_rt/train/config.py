@@ -214,6 +214,25 @@ class DPOConfig(TrainConfig, PreferenceConfig):
 
 
 @dataclasses.dataclass(kw_only=True)
+class RewardConfig(TrainConfig):
+    """TRL's RewardConfig: a reward model on preference pairs (train/reward.py)."""
+
+    max_prompt_length: int | None = None
+    center_rewards_coefficient: float | None = None  # TRL's: weight of mean((r_chosen + r_rejected)^2)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_prompt_length is not None:
+            _positive(self, "max_prompt_length")
+            _at_most(self, "max_prompt_length", MAX_TOKENS)
+        c = self.center_rewards_coefficient
+        if c is not None and not (isinstance(c, (int, float)) and not isinstance(c, bool) and 0 <= c < float("inf")):
+            raise ValueError(f"center_rewards_coefficient must be a finite number >= 0 or None, got {c!r}")
+        if self.lora_rank and not self.save_merged:  # the adapter alone would lack the trained score head
+            self.save_merged = True
+
+
+@dataclasses.dataclass(kw_only=True)
 class RolloutOptions:
     """What runs that sample through the embedded engine share (GRPO, PPO, on-policy distillation)."""
 

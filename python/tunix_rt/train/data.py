@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tunix_rt.checkpoints.tokenizer import Tokenizer
-from tunix_rt.train.image_data import ImageDataError, VisionRows
+from tunix_rt.train.image_data import ImageDataError, VisionRows, check_placeholders
 from tunix_rt.train.image_data import cut as cut_images
 from tunix_rt.train.image_data import prepare as prepare_images
 
@@ -41,6 +41,7 @@ class PreferenceExample(NamedTuple):
     chosen_ids: np.ndarray  # int32, the tokens after the prompt
     rejected_ids: np.ndarray  # int32
     pixel_values: np.ndarray | None = None  # the prompt's images (SFTExample's)
+    margin: float = 0.0  # TRL's optional "margin" column: how much more the chosen is preferred (reward models)
 
 
 @dataclasses.dataclass
@@ -102,6 +103,11 @@ def tokenize_sft(
             raise DataError(f"{where}: {e}") from None
         messages = _messages(prepared.messages, "messages", where)
         ids, mask = _conversation(tokenizer, messages, None, assistant_only_loss, where, prepared.expand)
+        if vision is not None:
+            try:
+                check_placeholders(ids, prepared.pixel_values, vision)
+            except ImageDataError as e:
+                raise DataError(f"{where}: {e}") from None
         if prepared.pixel_values is not None:
             ids, mask, pixels = cut_images(ids, mask, prepared.pixel_values, vision.image_token_id, max_length)
             return SFTExample(np.asarray(ids, np.int32), np.asarray(mask, bool), pixels)
@@ -274,6 +280,13 @@ def tokenize_preference(
             f"got {_kind(prompt)}, {_kind(chosen)} and {_kind(rejected)}"
         )
 
+    if vision is not None:
+        try:
+            check_placeholders(prompt_ids, pixels, vision)
+            for completion_ids in (chosen_ids, rejected_ids):
+                check_placeholders(completion_ids, None, vision)
+        except ImageDataError as e:
+            raise DataError(f"{where}: {e}") from None
     limit = min(max_length, max_prompt_length or max_length)
     if pixels is not None and len(prompt_ids) > limit:
         raise DataError(f"{where}: the prompt with its images is {len(prompt_ids)} tokens, more than "
@@ -282,8 +295,12 @@ def tokenize_preference(
         prompt_ids = prompt_ids[max(0, len(prompt_ids) - max_prompt_length) :]
     prompt_ids = prompt_ids[:max_length]
     room = max_length - len(prompt_ids)
+    margin = row.get("margin", 0.0)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not np.isfinite(margin):
+        raise DataError(f'{where}: field "margin" must be a finite number, got {margin!r}')
     return PreferenceExample(
-        *(np.asarray(ids, np.int32) for ids in (prompt_ids, chosen_ids[:room], rejected_ids[:room])), pixels
+        *(np.asarray(ids, np.int32) for ids in (prompt_ids, chosen_ids[:room], rejected_ids[:room])), pixels,
+        float(margin)
     )
 
 
@@ -443,10 +460,10 @@ def pack(examples: Sequence[SFTExample], seq_len: int) -> list[PackedRow]:
 
 
 def sft_batch(rows: Sequence[PackedRow | SFTExample], seq_len: int, *, pad_id: int = 0,
-              images: int | None = None) -> dict[str, np.ndarray]:
+              images: tuple[int, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
     """One (len(rows), seq_len) batch; a PackedRow's examples become segments 1, 2, ..., a lone SFTExample is a
-    row of its own (segment 1), cut to seq_len. With `images` (the slots of a batch of a dataset with images),
-    pixel_values (images, C, H, W): the examples' images in the order of their placeholders, zeros after.
+    row of its own (segment 1), cut to seq_len. With `images` (slots, (C, H, W)) for a dataset with images,
+    pixel_values (slots, C, H, W): the examples' images in the order of their placeholders, zeros after.
 
     tokens: the ids, pad_id after the last segment. positions: the index within the segment (-1 on padding).
     segment_ids: 0 on padding. targets: the next token of the same segment, 0 where there is none.
@@ -475,7 +492,7 @@ def sft_batch(rows: Sequence[PackedRow | SFTExample], seq_len: int, *, pad_id: i
             batch["loss_mask"][r, predicting] = example.loss_mask[1:n]
             offset += n
     if images is not None:
-        batch["pixel_values"] = batch_images(rows, images)
+        batch["pixel_values"] = batch_images(rows, *images)
     return batch
 
 
@@ -483,18 +500,21 @@ def examples_of(rows: Sequence[PackedRow | SFTExample]) -> list[SFTExample]:
     return [e for row in rows for e in (row.segments if isinstance(row, PackedRow) else [row])]
 
 
+def image_shape(examples) -> tuple[int, ...] | None:
+    """The (C, H, W) of the examples' images (SFT examples or preference pairs), None when none has any."""
+    return next((tuple(e.pixel_values.shape[1:]) for e in examples if e.pixel_values is not None), None)
+
+
 def image_count(rows: Sequence[PackedRow | SFTExample]) -> int:
     return sum(len(e.pixel_values) for e in examples_of(rows) if e.pixel_values is not None)
 
 
-def batch_images(rows: Sequence[PackedRow | SFTExample], slots: int) -> np.ndarray:
-    """The rows' images in their placeholders' order (row after row, segment after segment), zeros after."""
-    arrays = [e.pixel_values for e in examples_of(rows) if e.pixel_values is not None]
-    if not arrays:
-        raise ValueError("sft_batch: images asked of rows that hold none")
-    shape = arrays[0].shape[1:]
+def batch_images(rows: Sequence[PackedRow | SFTExample], slots: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The rows' images in their placeholders' order (row after row, segment after segment), zeros after (a
+    batch of text-only rows of a dataset with images: all zeros)."""
     out = np.zeros((slots, *shape), np.float32)
-    taken = np.concatenate(arrays)
+    arrays = [e.pixel_values for e in examples_of(rows) if e.pixel_values is not None]
+    taken = np.concatenate(arrays) if arrays else out[:0]
     if len(taken) > slots:
         raise ValueError(f"the batch holds {len(taken)} images, more than its {slots} slots")
     out[:len(taken)] = taken

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tunix_rt.train.data import PreferenceExample, preference_rows
+from tunix_rt.train.data import PreferenceExample, image_shape, preference_rows
 from tunix_rt.train.losses import PREFERENCE_LOSSES, PreferenceConfig, PreferenceStats
 from tunix_rt.train.sft import RowsObjective, window_logprobs
 from tunix_rt.train.trainer import LossContext
@@ -34,7 +34,7 @@ class DPOObjective(RowsObjective):
         super().__init__(max_length=max_length, pad_id=pad_id)
         self.examples, self.cfg = list(examples), cfg
         self.num_items = len(self.examples)
-        self.has_images = any(e.pixel_values is not None for e in self.examples)
+        self.image_shape = image_shape(self.examples)
         self.ref = nnx.split(ref_model) if ref_model is not None else None
         self.precompute_ref = precompute_ref_log_probs and not cfg.reference_free
         self.ref_logps: np.ndarray | None = None  # (pairs, 2): chosen, rejected, once precomputed

@@ -20,9 +20,11 @@ from tunix_rt.models.image_processor import (
     ImageError,
     ImageProcessor,
     ImageTokensText,
+    data_url_bytes,
     decode_image,
     place_sentinels,
 )
+from tunix_rt.models.vision import image_spans
 
 MAX_IMAGE_FILE_BYTES = 64 << 20  # an image file larger than this is refused
 
@@ -76,6 +78,9 @@ def prepare(row: dict, vision: VisionRows | None) -> PreparedMessages:
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
+                if IMAGE_SENTINEL in part["text"]:
+                    raise ImageDataError(f"messages[{i}].content[{j}]: the text holds a NUL-delimited marker "
+                                         "reserved for images")
                 texts.append(part["text"])
             elif kind == "image":
                 texts.append(IMAGE_SENTINEL)
@@ -111,24 +116,25 @@ def load_image(item, base_dir: Path, where: str):
     """An `images` entry (a path, a data: URL or bare base64) as an RGB PIL image."""
     if not isinstance(item, str) or not item:
         raise ImageDataError(f"{where} must be a file path, a data: URL or base64 text, got {item!r:.60}")
+    media_type = None
     try:
         if item.startswith("data:"):
-            data = base64.b64decode(item.split(",", 1)[-1], validate=True)
-        elif len(item) < 4096 and (base_dir / item).expanduser().is_file():
-            path = (base_dir / item).expanduser()
+            data, media_type = data_url_bytes(item, where)
+        elif len(item) < 4096 and (base_dir / Path(item).expanduser()).is_file():
+            path = base_dir / Path(item).expanduser()  # an absolute path stays itself
             if path.stat().st_size > MAX_IMAGE_FILE_BYTES:
                 raise ImageDataError(f"{where}: {path} is larger than {MAX_IMAGE_FILE_BYTES} bytes")
             data = path.read_bytes()
         else:
             data = base64.b64decode(item, validate=True)
-    except (binascii.Error, ValueError) as e:
-        if isinstance(e, ImageDataError):
-            raise
+    except ImageError as e:
+        raise ImageDataError(str(e)) from None
+    except (binascii.Error, ValueError):
         raise ImageDataError(f"{where}: {item!r:.60} is neither an existing file nor base64") from None
     except OSError as e:
         raise ImageDataError(f"{where}: cannot read {item!r:.80}: {e.strerror or e}") from None
     try:
-        return decode_image(data)
+        return decode_image(data, media_type=media_type)
     except ImageError as e:
         raise ImageDataError(f"{where}: {e}") from None
 
@@ -145,3 +151,15 @@ def cut(ids: list[int], mask: np.ndarray, pixels: np.ndarray | None, image_token
             end -= 1
     runs = sum(1 for i in range(end) if ids[i] == image_token_id and (i == 0 or ids[i - 1] != image_token_id))
     return ids[:end], mask[:end], (pixels[:runs] if runs else None)
+
+
+def check_placeholders(ids, pixels: np.ndarray | None, vision: VisionRows | None) -> None:
+    """The tokens' runs of image placeholders must be the images' own (one whole run per image): placeholder
+    tokens typed in a row's text would take the soft tokens of the images after them in a batch."""
+    if vision is None:
+        return
+    spans = image_spans(list(ids), vision.image_token_id)
+    images = 0 if pixels is None else len(pixels)
+    if len(spans) != images or any(end - start != vision.text.count for start, end in spans):
+        raise ImageDataError(f"the tokens hold {len(spans)} run(s) of image placeholders for {images} image(s): "
+                             "the text must not contain the image tokens")

@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_rt.models.decoder import Decoder
-from tunix_rt.models.lora import HeadParam
+from tunix_rt.models.decoder import Decoder, HeadParam
 from tunix_rt.train.config import PPOConfig
 from tunix_rt.train.rl_losses import aggregate, clipped_policy_loss, clipped_value_loss, gae, whiten
 from tunix_rt.train.rl_trainer import RLObjective

@@ -20,14 +20,23 @@ import jax
 import yaml
 
 from tunix_rt.checkpoints.default_model import DefaultModelMissing
-from tunix_rt.checkpoints.hf_export import export_hf
+from tunix_rt.checkpoints.hf_export import classifier_config, export_hf
 from tunix_rt.checkpoints.loader import DEFAULT, LoadedModel, holds_quantized, load_model, resolve_model_path
 from tunix_rt.checkpoints.output_dir import OutputDirError, check_output_dir, make_dirs
 from tunix_rt.checkpoints.peft_adapter import load_adapter, save_adapter
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.models.lora import merge_lora
 from tunix_rt.parallel.mesh import initialize_distributed
-from tunix_rt.train.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RLConfig, SFTConfig, TrainConfig
+from tunix_rt.train.config import (
+    DistillConfig,
+    DPOConfig,
+    GRPOConfig,
+    PPOConfig,
+    RewardConfig,
+    RLConfig,
+    SFTConfig,
+    TrainConfig,
+)
 from tunix_rt.train.data import load_preferences, load_prompts, load_sft, pack
 from tunix_rt.train.image_data import VisionRows
 from tunix_rt.train.rl_trainer import RLTrainer
@@ -71,6 +80,16 @@ def _dpo(cfg: DPOConfig, loaded: LoadedModel, data: str):
     ref = load_model(cfg.ref_model).model if cfg.ref_model and not cfg.reference_free else None
     return DPOObjective(examples, cfg, max_length=cfg.max_length, pad_id=_pad_id(loaded.tokenizer), ref_model=ref,
                         precompute_ref_log_probs=cfg.precompute_ref_log_probs)
+
+
+def _reward(cfg: RewardConfig, loaded: LoadedModel, data: str):
+    from tunix_rt.train.reward import RewardObjective, attach_score_head
+
+    attach_score_head(loaded.model, cfg.seed)  # a causal LM becomes a reward model (a loaded one stays)
+    examples = load_preferences(data, loaded.tokenizer, max_length=cfg.max_length,
+                                max_prompt_length=cfg.max_prompt_length)
+    return RewardObjective(examples, max_length=cfg.max_length, pad_id=_pad_id(loaded.tokenizer),
+                           center_rewards_coefficient=cfg.center_rewards_coefficient)
 
 
 def _distill(cfg: DistillConfig, loaded: LoadedModel, data: str):
@@ -134,6 +153,7 @@ class Algorithm:
     objective: Callable[[TrainConfig, LoadedModel, str], Objective]
     trainer: type[Trainer] = Trainer
     exported: Callable[[Decoder], Decoder] | None = None
+    exported_config: Callable[[dict], dict] | None = None  # the HF config the export writes, from the loaded one
 
 
 # `tunix-rt NAME` runs ALGORITHMS[NAME]; a new algorithm is one entry.
@@ -143,6 +163,7 @@ ALGORITHMS = {
     "distill": Algorithm(DistillConfig, _distill),
     "grpo": Algorithm(GRPOConfig, _grpo, RLTrainer),
     "ppo": Algorithm(PPOConfig, _ppo, RLTrainer, exported=_policy_only),
+    "reward": Algorithm(RewardConfig, _reward, exported_config=lambda hf_config: classifier_config(hf_config, 1)),
 }
 CONFIGS = {name: algorithm.config for name, algorithm in ALGORITHMS.items()}
 
@@ -269,7 +290,9 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
         if trainer.lora:
             model = merge_lora(model)
         if jax.process_index() == 0:
-            export_hf(model, loaded.tokenizer, loaded.hf_config, final, dtype=cfg.export_dtype,
+            hf_config = loaded.hf_config if algorithm.exported_config is None else algorithm.exported_config(
+                loaded.hf_config)
+            export_hf(model, loaded.tokenizer, hf_config, final, dtype=cfg.export_dtype,
                       generation_config=loaded.generation_config or None, overwrite=True)  # the run's own
     return final
 

@@ -15,8 +15,10 @@ from tunix_rt.train.data import (
     PackedRow,
     SFTExample,
     bucket_length,
+    examples_of,
     head_window,
     image_count,
+    image_shape,
     row_length,
     sft_batch,
     trained_tokens,
@@ -55,21 +57,22 @@ class RowsObjective:
     def rows(self, indices: np.ndarray) -> list[PackedRow | SFTExample]:
         raise NotImplementedError
 
-    has_images = False  # a dataset with images: batches carry pixel values in a bucketed number of slots
+    image_shape: tuple[int, ...] | None = None  # a dataset with images: its (C, H, W); batches carry pixel values
 
     def batch_lengths(self, indices: np.ndarray) -> tuple[int, ...]:
         """(row length, head window[, image slots]) these items need, bucketed: the trainer takes the largest over
         its micro-batches, so one step's micro-batches share a shape."""
         rows = self.rows(indices)
         lengths = (bucket_length(max(row_length(r) for r in rows), self.max_length), bucket_length(trained_tokens(rows)))
-        return (*lengths, image_slots(image_count(rows))) if self.has_images else lengths
+        return (*lengths, image_slots(image_count(rows))) if self.image_shape else lengths
 
     def host_batch(self, indices: np.ndarray, valid: np.ndarray, lengths: tuple[int, ...]) -> dict[str, np.ndarray]:
         """tokens, positions, segment_ids (rows, length) and the head window (and the images); rows with valid False
         train on nothing."""
         seq_len, head = lengths[:2]
         rows = self.rows(indices)
-        batch = sft_batch(rows, seq_len, pad_id=self.pad_id, images=lengths[2] if self.has_images else None)
+        images = (lengths[2], self.image_shape) if self.image_shape else None
+        batch = sft_batch(rows, seq_len, pad_id=self.pad_id, images=images)
         mask = batch.pop("loss_mask") * np.tile(valid, len(rows) // len(valid))[:, None]  # DPO: B pairs, 2B rows
         batch.update(head_window(mask, batch.pop("targets"), head))
         return batch
@@ -88,7 +91,7 @@ class SFTObjective(RowsObjective):
         super().__init__(max_length=max_length, pad_id=pad_id)
         self.items = list(items)
         self.num_items = len(self.items)
-        self.has_images = image_count(self.items) > 0
+        self.image_shape = image_shape(examples_of(self.items))
 
     def rows(self, indices: np.ndarray) -> list[PackedRow | SFTExample]:
         return [self.items[i] for i in indices]

@@ -27,8 +27,8 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from tunix_rt.models.decoder import Decoder, Embed, record_router_logits
-from tunix_rt.models.lora import HeadParam, apply_lora, has_lora
+from tunix_rt.models.decoder import Decoder, Embed, HeadParam, record_router_logits
+from tunix_rt.models.lora import apply_lora, has_lora
 from tunix_rt.models.qat import enable_qat, fake_quant
 from tunix_rt.models.quant_layers import QuantEmbed, set_int8_rows
 from tunix_rt.ops.bf16_matmul import bf16_dot_general

@@ -1,0 +1,116 @@
+"""Reward models (train/reward.py): the Bradley-Terry loss with margin and centring against NumPy, a run through
+`tunix-rt reward` on a tiny model that learns a synthetic preference and exports a sequence classifier that
+transformers loads with the same scores, and the options' and rows' errors."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.models.hf_tiny import make_tiny_model_dir
+from tests.train.test_train_cli import cli
+from tunix_rt.checkpoints.loader import load_model
+from tunix_rt.train.config import RewardConfig
+from tunix_rt.train.data import DataError, load_preferences
+from tunix_rt.train.reward import RewardObjective, attach_score_head, rewards
+from tunix_rt.train.trainer import LossContext
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def _pairs(n: int, seed: int) -> list[dict]:
+    """Chosen replies end with "please", rejected ones with "now": a preference the text alone decides."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        ask = "".join(rng.choice(list("abcdefgh"), 5))
+        rows.append({"prompt": [{"role": "user", "content": f"do {ask}"}],
+                     "chosen": [{"role": "assistant", "content": f"{ask} please"}],
+                     "rejected": [{"role": "assistant", "content": f"{ask} now"}],
+                     "margin": float(rng.integers(0, 2))})
+    return rows
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reward")
+    make_tiny_model_dir(root / "model", "llama")
+    return root
+
+
+def _numpy_loss(chosen, rejected, margin, center):
+    z = chosen - rejected - margin
+    losses = np.log1p(np.exp(-z)) + (center or 0.0) * (chosen + rejected) ** 2
+    return losses.sum()
+
+
+@pytest.mark.parametrize("center", [None, 0.01])
+def test_loss_and_metrics_match_numpy(tiny, center):
+    loaded = load_model(tiny / "model")
+    model = attach_score_head(loaded.model, seed=3)
+    path = _write(tiny / f"pairs{center}.jsonl", _pairs(6, 0))
+    pairs = load_preferences(path, loaded.tokenizer, max_length=64)
+    objective = RewardObjective(pairs, max_length=64, pad_id=0, center_rewards_coefficient=center)
+    idx = np.arange(6)
+    valid = np.array([1, 1, 1, 1, 1, 0], bool)
+    batch = objective.host_batch(idx, valid, objective.batch_lengths(idx))
+    r = np.asarray(rewards(model, {k: jnp.asarray(v) for k, v in batch.items()}))
+    loss, weight, metrics = objective.loss(LossContext(model, None, lambda: None), {k: jnp.asarray(v)
+                                                                                   for k, v in batch.items()})
+    chosen, rejected, margin = r[:6][valid], r[6:][valid], batch["margin"][valid]
+    np.testing.assert_allclose(float(loss), _numpy_loss(chosen, rejected, margin, center), rtol=1e-5)
+    assert float(weight) == 5
+    assert float(metrics["accuracy"]) == np.sum(chosen > rejected)
+    np.testing.assert_allclose(float(metrics["margin"]), np.sum(chosen - rejected), rtol=1e-5, atol=1e-6)
+    # each row's reward is read at its last real token: padding after it changes nothing
+    h, _ = model.hidden_states(jnp.asarray(batch["tokens"][:1]), jnp.asarray(batch["positions"][:1]))
+    n = int((batch["positions"][0] >= 0).sum())
+    alone, _ = model.hidden_states(jnp.asarray(batch["tokens"][:1, :n]), jnp.asarray(batch["positions"][:1, :n]))
+    np.testing.assert_allclose(np.asarray(model.sequence_scores(h, jnp.asarray(batch["positions"][:1]))),
+                               np.asarray(model.score(alone[:, -1])), rtol=1e-5, atol=1e-6)
+    grads = jax.grad(lambda k: jnp.sum(model.score.kernel.get_value() * k))(model.score.kernel.get_value())
+    assert grads.shape == (model.config.hidden_size, 1)
+
+
+def test_reward_cli_learns_and_exports_a_classifier(tiny):
+    train = _write(tiny / "train.jsonl", _pairs(64, 1))
+    held = _write(tiny / "held.jsonl", _pairs(32, 2))
+    out = tiny / "run"
+    assert cli("reward", "--model", tiny / "model", "--data", train, "--output", out, "--steps", 30,
+               "batch_size=8", "learning_rate=3e-3", "max_length=64", f"eval_data={held}", "eval_steps=30",
+               "progress=false") == 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["eval_accuracy"] >= 0.9, metrics[-1]
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    back = transformers.AutoModelForSequenceClassification.from_pretrained(out / "final").eval()
+    assert back.config.num_labels == 1 and type(back).__name__ == "LlamaForSequenceClassification"
+    ours = load_model(out / "final").model
+    tokens = np.array([[1, 40, 41, 42, 43, 3, 3], [1, 50, 51, 52, 53, 54, 55]])
+    positions = np.where(np.arange(7) < np.array([[5], [7]]), np.arange(7), -1)
+    h, _ = ours.hidden_states(jnp.asarray(tokens), jnp.asarray(positions))
+    with torch.no_grad():
+        want = back(torch.tensor(tokens), attention_mask=torch.tensor((positions >= 0).astype(np.int64))).logits
+    np.testing.assert_allclose(np.asarray(ours.sequence_scores(h, jnp.asarray(positions))), want.numpy(), atol=1e-4)
+
+
+def test_bad_options_and_rows(tiny):
+    with pytest.raises(ValueError, match="center_rewards_coefficient"):
+        RewardConfig(model="m", data="d", output="o", center_rewards_coefficient=-1.0)
+    assert RewardConfig(model="m", data="d", output="o", lora_rank=8).save_merged  # the head needs the merge
+    loaded = load_model(tiny / "model")
+    row = {**_pairs(1, 0)[0], "margin": "big"}
+    with pytest.raises(DataError, match='field "margin" must be a finite number'):
+        load_preferences(_write(tiny / "bad.jsonl", [row]), loaded.tokenizer, max_length=64)
+    classifier = attach_score_head(loaded.model)
+    with pytest.raises(ValueError, match="no vocabulary head"):
+        classifier.output_head()

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 import tunix_rt
-from serving import handlers, responses, tokenization
+from serving import handlers, pooling, responses, tokenization
 from serving import protocol as p
 from serving.errors import APIError, error_body
 from serving.errors import install as install_errors
@@ -130,8 +130,21 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
     install_errors(app)
 
     def ready() -> None:
-        if state.engine is None:
+        if state.engine is None and state.scorer is None:
             raise APIError(503, "the model is still loading", code="model_loading")
+
+    def generative(route: str) -> None:
+        """The generative routes: ready, and not a sequence classifier (which has no engine)."""
+        ready()
+        if state.scorer is not None:
+            raise APIError(400, f"{state.model_name} is a sequence classification (reward) model: it answers /pooling "
+                           f"and /classify, not {route}", code="model_not_generative")
+
+    def classifier(route: str) -> None:
+        ready()
+        if state.scorer is None:
+            raise APIError(400, f"{state.model_name} is a generative model: {route} needs a sequence classification "
+                           "(reward) model", code="model_not_classifier")
 
     def check_model(model: str | None) -> None:
         state.lora_for(model)  # the base model or a served adapter, else 404
@@ -157,7 +170,7 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
               responses={400: {"model": p.ErrorResponse}})
     async def load_lora_adapter(body: p.LoadLoRAAdapterRequest):
         """vLLM's runtime adapter loading: the adapter is read and checked, then requests may name it."""
-        ready()
+        generative("/v1/load_lora_adapter")
         if body.lora_name == state.model_name or body.lora_name in state.adapters:
             raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name",
                            code="lora_adapter_exists")
@@ -179,7 +192,7 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
               responses={404: {"model": p.ErrorResponse}})
     async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest):
         """vLLM's runtime unloading: new requests cannot name it; those in flight finish with it."""
-        ready()
+        generative("/v1/unload_lora_adapter")
         if body.lora_name not in state.adapters:
             raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
                            code="model_not_found")
@@ -210,9 +223,21 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
 
     errors = {status: {"model": p.ErrorResponse} for status in (400, 401, 404, 413, 429)}
 
+    @app.post("/pooling", response_model=p.PoolingResponse, responses=errors)
+    async def pooling_route(body: p.PoolingRequest):
+        classifier("/pooling")
+        check_model(body.model)
+        return await asyncio.to_thread(pooling.pooling, state, body, state.model_name)
+
+    @app.post("/classify", response_model=p.ClassifyResponse, responses=errors)
+    async def classify_route(body: p.PoolingRequest):
+        classifier("/classify")
+        check_model(body.model)
+        return await asyncio.to_thread(pooling.classify, state, body, state.model_name)
+
     @app.post("/v1/chat/completions", response_model=p.ChatCompletion, responses=errors)
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-        ready()
+        generative("/v1/chat/completions")
         check_model(body.model)
         with_images = any(isinstance(m.content, list) and any(part.type == "image_url" for part in m.content)
                           for m in body.messages)
@@ -223,7 +248,7 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
 
     @app.post("/v1/completions", response_model=p.Completion, responses=errors)
     async def completions(body: p.CompletionRequest, request: Request):
-        ready()
+        generative("/v1/completions")
         check_model(body.model)
         plan = handlers.plan_completion(state, body)
         return await _run(request, plan.params.n * len(plan.prompts), body.stream,
@@ -232,7 +257,7 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
 
     @app.post("/v1/responses", response_model=p.ResponseObject, responses=errors)
     async def responses_create(body: p.ResponsesRequest, request: Request):
-        ready()
+        generative("/v1/responses")
         check_model(body.model)
         plan = responses.plan(state, body)
         return await _run(request, 1, body.stream, lambda: responses.stream(state, body, plan),
@@ -302,6 +327,9 @@ def load_engine(state: ServerState, options: ServeOptions, stopping: threading.E
     config = options.engine
     if options.lora_modules and not config.max_loras:  # a slot per adapter named at start
         config = dataclasses.replace(config, max_loras=len(options.lora_modules))
+    if options.lora is None and _classifier(options.model):
+        _load_scorer(state, options)
+        return
     if options.lora is None:
         engine = Engine(options.model, None, config, dequantize=options.dequantize)
     else:
@@ -341,6 +369,31 @@ def load_engine(state: ServerState, options: ServeOptions, stopping: threading.E
     state.engine = AsyncEngine(engine, warm_up_when_idle=True)  # last: /health turns 200 once all above is set
     log.info("serving %s (max_model_len %d, tool format %s%s)", state.model_name, state.max_model_len,
              state.tool_format.name, "" if state.tool_format.native else " via the server's tools prompt")
+
+
+def _classifier(model: str) -> bool:
+    """Whether `model` is an HF directory of a sequence classification (reward) model."""
+    from pathlib import Path
+
+    from tunix_rt.checkpoints import hf_dir
+
+    path = Path(str(model))
+    return (path / "config.json").is_file() and hf_dir.read_config(path).num_labels > 0
+
+
+def _load_scorer(state: ServerState, options: ServeOptions) -> None:
+    from tunix_rt.checkpoints.loader import load_model
+
+    if options.lora_modules:
+        raise ValueError("--lora-modules serve a generative model's adapters; this is a sequence classifier")
+    loaded = load_model(options.model, dequantize=options.dequantize)
+    max_model_len = options.engine.max_model_len or loaded.model.config.max_position_embeddings
+    state.tokenizer = loaded.tokenizer
+    state.max_model_len = max_model_len
+    state.tool_format = tool_format_for(loaded.tokenizer.chat_template)
+    state.scorer = pooling.Scorer(loaded.model, loaded.tokenizer, loaded.hf_config, max_model_len)  # last: ready
+    log.info("serving %s: a sequence classifier of %d label(s) on /pooling and /classify", state.model_name,
+             loaded.model.config.num_labels)
 
 
 def serve(options: ServeOptions) -> None:

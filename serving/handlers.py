@@ -21,6 +21,7 @@ from serving import protocol as p
 from serving.errors import APIError, error_body
 from serving.images import place_images, take_images
 from serving.metrics import SequenceTimer, ServerMetrics
+from serving.pooling import Scorer
 from tunix_rt.engine.async_engine import AsyncEngine
 from tunix_rt.engine.errors import EngineUnavailableError, InvalidRequestError, UnknownLoRAAdapterError
 from tunix_rt.engine.params import RequestOutput, SamplingParams
@@ -50,6 +51,7 @@ class ServerState:
     max_images: int = 4  # image parts in one chat request
     image_processor: ImageProcessor | None = None  # a model with a vision encoder: its images' pixel values
     image_text: ImageTokensText | None = None  # and the token strings that place them in a prompt
+    scorer: Scorer | None = None  # a sequence classification (reward) model: /pooling and /classify, no engine
 
     def lora_for(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model); any other name is OpenAI's 404."""

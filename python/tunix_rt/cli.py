@@ -113,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
                        ("distill", "knowledge distillation from --teacher"),
                        ("grpo", "GRPO and its variants (Dr. GRPO, RLOO, DAPO, GSPO) with the embedded rollout engine"),
                        ("ppo", "PPO with a value-head critic and the embedded rollout engine"),
+                       ("kto", "KTO on unpaired rows {prompt, completion, label}, as TRL's KTOTrainer"),
                        ("reward", "a reward model (Bradley-Terry on preference pairs, as TRL's RewardTrainer)")):
         train = sub.add_parser(name, help=what, description=f"{what}. Options not given as flags go as key=value "
                                "(or in --config FILE.yaml); flags win over key=value, which wins over the file.")
@@ -132,6 +133,9 @@ def _parser() -> argparse.ArgumentParser:
             train.add_argument("--reward", action="append", default=None,
                                help="reward function: a built-in (accuracy, math, format, brevity) or "
                                     "module:function; repeat for several (weights: reward_weights=[...])")
+            train.add_argument("--reward-model", action="append", default=None,
+                               help="a reward model (an HF sequence classifier, e.g. tunix-rt reward's output) "
+                                    "scoring completions beside the --reward functions; repeatable")
             train.add_argument("--tool", action="append", default=None,
                                help="agentic RL: a tool the policy may call, a built-in (calculator, python) or "
                                     "module:function (type hints and docstring give its schema); repeatable")
@@ -373,7 +377,8 @@ def _train(args) -> int:
 
     explicit = {"model": args.model, "data": args.data, "output": args.output, "steps": args.steps,
                 "lora_rank": args.lora_rank, "lora": args.lora, "teacher": getattr(args, "teacher", None),
-                "reward": getattr(args, "reward", None), "tool": getattr(args, "tool", None),
+                "reward": getattr(args, "reward", None), "reward_model": getattr(args, "reward_model", None),
+                "tool": getattr(args, "tool", None),
                 "env": getattr(args, "env", None), "overwrite": args.overwrite}
     cfg = build_config(CONFIGS[args.command], config_file=args.config, overrides=args.overrides, **explicit)
     logging.getLogger("tunix_rt").setLevel(logging.INFO)
@@ -493,7 +498,7 @@ def _plot(args) -> int:
 
 
 _COMMANDS = {"generate": _generate, "score": _score, "quantize": _quantize, "serve": _serve, "info": _info,
-             "sft": _train, "dpo": _train, "distill": _train, "grpo": _train, "ppo": _train, "reward": _train,
+             "sft": _train, "dpo": _train, "distill": _train, "grpo": _train, "ppo": _train, "kto": _train, "reward": _train,
              "export": _export, "eval": _eval, "plot": _plot}
 
 

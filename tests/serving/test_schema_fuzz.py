@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 OPERATIONS = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
               ("POST", "/v1/completions"), ("GET", "/version"), ("POST", "/tokenize"), ("POST", "/detokenize"),
               ("GET", "/tokenizer_info"), ("POST", "/v1/responses"), ("POST", "/v1/load_lora_adapter"),
-              ("POST", "/v1/unload_lora_adapter")]
+              ("POST", "/v1/unload_lora_adapter"), ("POST", "/pooling"), ("POST", "/classify")]
 _CAPS = {"n": 2, "max_tokens": 3, "max_completion_tokens": 3, "best_of": 2}
 
 

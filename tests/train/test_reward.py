@@ -82,13 +82,20 @@ def test_loss_and_metrics_match_numpy(tiny, center):
     assert grads.shape == (model.config.hidden_size, 1)
 
 
-def test_reward_cli_learns_and_exports_a_classifier(tiny):
+@pytest.fixture(scope="module")
+def trained(tiny):
+    """A reward model trained through the CLI (it prefers replies ending with "please")."""
     train = _write(tiny / "train.jsonl", _pairs(64, 1))
     held = _write(tiny / "held.jsonl", _pairs(32, 2))
     out = tiny / "run"
     assert cli("reward", "--model", tiny / "model", "--data", train, "--output", out, "--steps", 30,
                "batch_size=8", "learning_rate=3e-3", "max_length=64", f"eval_data={held}", "eval_steps=30",
                "progress=false") == 0
+    return out
+
+
+def test_reward_cli_learns_and_exports_a_classifier(trained):
+    out = trained
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["eval_accuracy"] >= 0.9, metrics[-1]
     assert metrics[-1]["loss"] < metrics[0]["loss"]
@@ -114,3 +121,26 @@ def test_bad_options_and_rows(tiny):
     classifier = attach_score_head(loaded.model)
     with pytest.raises(ValueError, match="no vocabulary head"):
         classifier.output_head()
+
+
+def test_a_reward_model_as_a_grpo_reward(tiny, trained, tmp_path):
+    """--reward-model scores completions in-process beside the reward functions (its own chat template renders
+    each conversation); a causal LM is refused as one."""
+    from tunix_rt.train.reward_model_reward import RewardModelReward
+
+    reward = RewardModelReward(str(trained / "final"))
+    prompt = [{"role": "user", "content": "do abcde"}]
+    polite, rude = reward([prompt, prompt], [[{"role": "assistant", "content": "abcde please"}],
+                                             [{"role": "assistant", "content": "abcde now"}]])
+    assert polite > rude
+    assert reward(["do x: "], ["x please"])[0] == pytest.approx(reward(["do x: x please"], [""])[0], abs=1e-6)
+    with pytest.raises(ValueError, match="not a reward model"):
+        RewardModelReward(str(tiny / "model"))
+    prompts = _write(tmp_path / "prompts.jsonl", [{"prompt": [{"role": "user", "content": f"do {c}"}]}
+                                                  for c in ("abc", "bcd", "cde", "def")])
+    out = tmp_path / "grpo"
+    assert cli("grpo", "--model", tiny / "model", "--data", prompts, "--output", out, "--reward", "brevity",
+               "--reward-model", trained / "final", "--steps", 2, "batch_size=8", "num_generations=4",
+               "max_completion_length=8", "reward_weights=[0.5,1.0]", "progress=false") == 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "rewards/reward_model:final/mean" in metrics[-1] and "rewards/brevity/mean" in metrics[-1]

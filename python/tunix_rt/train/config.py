@@ -214,6 +214,34 @@ class DPOConfig(TrainConfig, PreferenceConfig):
 
 
 @dataclasses.dataclass(kw_only=True)
+class KTOConfig(TrainConfig):
+    """TRL's KTOConfig (loss_type "kto"): unpaired rows {"prompt", "completion", "label"} (train/kto.py)."""
+
+    beta: float = 0.1
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    max_prompt_length: int | None = None
+    ref_model: str | None = None  # None: the LoRA-disabled base with LoRA, the initial weights without
+    precompute_ref_log_probs: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("beta", "desirable_weight", "undesirable_weight"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        if self.max_prompt_length is not None:
+            _positive(self, "max_prompt_length")
+            _at_most(self, "max_prompt_length", MAX_TOKENS)
+
+    @property
+    def lr(self) -> float:  # TRL's KTO default is 1e-6 for full fine-tuning, as DPO's
+        if self.learning_rate is not None:
+            return self.learning_rate
+        return 5e-5 if self.lora_rank else 1e-6
+
+
+@dataclasses.dataclass(kw_only=True)
 class RewardConfig(TrainConfig):
     """TRL's RewardConfig: a reward model on preference pairs (train/reward.py)."""
 
@@ -364,7 +392,8 @@ class RLConfig(TrainConfig, RolloutOptions):
     """
 
     reward: tuple[str, ...] = ()  # built-in names or module:function (--reward, repeatable)
-    reward_weights: tuple[float, ...] | None = None  # one per reward; None: all 1
+    reward_model: tuple[str, ...] = ()  # reward models (sequence classifiers) scoring completions (--reward-model)
+    reward_weights: tuple[float, ...] | None = None  # one per reward, then one per reward model; None: all 1
     # Agentic RL (train/agentic.py): multi-turn trajectories acting on environments. `tool`: built-in names
     # (calculator, python) or module:function (--tool, repeatable); `env`: module:Factory (--env) of the
     # environments (tools/environment.py). Either makes the run agentic; max_completion_length then bounds a
@@ -405,6 +434,7 @@ class RLConfig(TrainConfig, RolloutOptions):
             raise ValueError("qat is for sft, dpo and distill: an RL run samples from the float weights, which "
                              "fake-quantized training would leave off-policy")
         self.reward = (self.reward,) if isinstance(self.reward, str) else tuple(self.reward)
+        self.reward_model = (self.reward_model,) if isinstance(self.reward_model, str) else tuple(self.reward_model)
         self.tool = (self.tool,) if isinstance(self.tool, str) else tuple(self.tool)
         self._check_rollout()
         for name in ("num_generations", "max_prompt_length", "max_completion_length", "num_iterations", "max_turns"):
@@ -416,9 +446,9 @@ class RLConfig(TrainConfig, RolloutOptions):
             raise ValueError(f"max_tool_time must be a positive number of seconds, got {self.max_tool_time!r}")
         if self.reward_weights is not None:
             self.reward_weights = tuple(float(w) for w in self.reward_weights)
-            if len(self.reward_weights) != len(self.reward):
+            if len(self.reward_weights) != len(self.reward) + len(self.reward_model):
                 raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {len(self.reward)} "
-                                 "reward functions")
+                                 f"reward functions and {len(self.reward_model)} reward models")
         if self.batch_size % self.num_generations:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of num_generations "
                              f"({self.num_generations}): each micro-batch trains on whole groups of completions")

@@ -325,6 +325,49 @@ def load_preferences(
     )
 
 
+class UnpairedExample(NamedTuple):
+    """A KTO row: a prompt, one completion and whether it is desirable (TRL's unpaired preference format)."""
+
+    prompt_ids: np.ndarray  # int32
+    completion_ids: np.ndarray  # int32
+    desirable: bool
+
+
+def tokenize_unpaired(row: dict, tokenizer: Tokenizer, *, max_length: int, max_prompt_length: int | None = None,
+                      where: str) -> UnpairedExample:
+    """{"prompt", "completion", "label"}: strings or lists of messages, label true (desirable) or false; truncated
+    as preference rows are."""
+    label = _field(row, "label", where)
+    if not isinstance(label, bool):
+        raise DataError(f'{where}: field "label" must be true or false, got {label!r}')
+    prompt, completion = _field(row, "prompt", where), _field(row, "completion", where)
+    if isinstance(prompt, str) and isinstance(completion, str):
+        prompt_ids = tokenizer.encode(prompt)
+        completion_ids = _with_eos(tokenizer.encode(completion, add_special_tokens=False), tokenizer)
+    elif isinstance(prompt, list) and isinstance(completion, list):
+        prompt = _messages(prompt, "prompt", where)
+        prompt_text = _render(tokenizer, prompt, True, where)
+        prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+        completion_ids = _completion_ids(tokenizer, prompt, prompt_text, completion, "completion", where)
+    else:
+        raise DataError(f'{where}: fields "prompt" and "completion" must both be strings or both be lists of '
+                        f"messages, got {_kind(prompt)} and {_kind(completion)}")
+    if max_prompt_length is not None:
+        prompt_ids = prompt_ids[max(0, len(prompt_ids) - max_prompt_length):]
+    prompt_ids = prompt_ids[:max_length]
+    return UnpairedExample(np.asarray(prompt_ids, np.int32),
+                           np.asarray(completion_ids[:max_length - len(prompt_ids)], np.int32), label)
+
+
+def load_unpaired(path, tokenizer: Tokenizer, *, max_length: int,
+                  max_prompt_length: int | None = None) -> list[UnpairedExample]:
+    """Every row of a JSONL file tokenized; rows truncated to an empty completion are dropped with a warning."""
+    numbered = [(line, tokenize_unpaired(row, tokenizer, max_length=max_length, max_prompt_length=max_prompt_length,
+                                         where=f"{path}:{line}"))
+                for line, row in read_jsonl(path)]
+    return _keep_trainable(path, numbered, lambda example: len(example.completion_ids) > 0, max_length)
+
+
 def _completion_ids(
     tokenizer: Tokenizer, prompt: list[dict], prompt_text: str, completion, name: str, where: str, expand=None
 ) -> list[int]:

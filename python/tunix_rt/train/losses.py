@@ -256,6 +256,26 @@ def preference_loss(stats: PreferenceStats, cfg: PreferenceConfig) -> tuple[jax.
 # ---------------------------------------------------------------------------------------------------
 
 
+def kto_losses(logratios: jax.Array, kl_logratios: jax.Array, desirable: jax.Array, valid: jax.Array, *,
+               beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0
+               ) -> tuple[jax.Array, Metrics]:
+    """TRL's KTO (loss_type "kto"), per example: with z0 = max(0, mean over the batch's valid rows of the
+    mismatched pairs' policy/reference log-ratio), held constant (no gradient through it), a desirable
+    completion loses w_d * (1 - sigmoid(beta * (logratio - z0))) and an undesirable one
+    w_u * (1 - sigmoid(beta * (z0 - logratio))). `logratios`, `kl_logratios` (B,) are summed completion
+    log-prob differences (policy - reference); `desirable`, `valid` (B,) booleans/weights."""
+    valid = valid.astype(jnp.float32)
+    kl = jax.lax.stop_gradient(jnp.maximum(jnp.sum(kl_logratios * valid) / jnp.maximum(jnp.sum(valid), 1.0), 0.0))
+    good = desirable.astype(bool)
+    losses = jnp.where(good, desirable_weight * (1.0 - jax.nn.sigmoid(beta * (logratios - kl))),
+                       undesirable_weight * (1.0 - jax.nn.sigmoid(beta * (kl - logratios))))
+    rewards = beta * jax.lax.stop_gradient(logratios)
+    metrics = {"kl": jnp.broadcast_to(kl, logratios.shape), "rewards/chosen": jnp.where(good, rewards, 0.0),
+               "rewards/rejected": jnp.where(good, 0.0, rewards), "count/chosen": good.astype(jnp.float32),
+               "count/rejected": (~good).astype(jnp.float32)}
+    return losses, metrics
+
+
 def _check_kd_hparams(temperature: float, alpha: float) -> None:
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")

@@ -169,7 +169,7 @@ class RewardScorer:
 
     def __init__(self, rewards: Sequence[tuple[str, RewardFn]], weights: Sequence[float] | None = None):
         if not rewards:
-            raise ValueError("GRPO/PPO need at least one reward: give --reward NAME or module:function")
+            raise ValueError("GRPO/PPO need at least one reward: give --reward NAME or module:function, or --reward-model PATH")
         self.rewards = list(rewards)
         self.weights = tuple(weights) if weights is not None else (1.0,) * len(self.rewards)
         if len(self.weights) != len(self.rewards):

@@ -31,13 +31,14 @@ from tunix_rt.train.config import (
     DistillConfig,
     DPOConfig,
     GRPOConfig,
+    KTOConfig,
     PPOConfig,
     RewardConfig,
     RLConfig,
     SFTConfig,
     TrainConfig,
 )
-from tunix_rt.train.data import load_preferences, load_prompts, load_sft, pack
+from tunix_rt.train.data import load_preferences, load_prompts, load_sft, load_unpaired, pack
 from tunix_rt.train.image_data import VisionRows
 from tunix_rt.train.rl_trainer import RLTrainer
 from tunix_rt.train.trainer import Objective, Trainer
@@ -82,6 +83,15 @@ def _dpo(cfg: DPOConfig, loaded: LoadedModel, data: str):
                         precompute_ref_log_probs=cfg.precompute_ref_log_probs)
 
 
+def _kto(cfg: KTOConfig, loaded: LoadedModel, data: str):
+    from tunix_rt.train.kto import KTOObjective
+
+    examples = load_unpaired(data, loaded.tokenizer, max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length)
+    ref = load_model(cfg.ref_model).model if cfg.ref_model else None
+    return KTOObjective(examples, cfg, max_length=cfg.max_length, pad_id=_pad_id(loaded.tokenizer), ref_model=ref,
+                        precompute_ref_log_probs=cfg.precompute_ref_log_probs, seed=cfg.seed)
+
+
 def _reward(cfg: RewardConfig, loaded: LoadedModel, data: str):
     from tunix_rt.train.reward import RewardObjective, attach_score_head
 
@@ -113,6 +123,12 @@ def _sampler(cfg: RLConfig, loaded: LoadedModel, data: str):
 
     # The reward functions (and tools and environments) resolve before tokenizing: a bad name fails at once.
     rewards = [resolve_reward(spec) for spec in cfg.reward]
+    if cfg.reward_model:
+        from tunix_rt.train.reward_model_reward import RewardModelReward
+
+        models = [RewardModelReward(path, max_length=cfg.max_prompt_length + cfg.max_completion_length)
+                  for path in cfg.reward_model]
+        rewards += [(m.name, m) for m in models]
     if cfg.tool or cfg.env:
         from tunix_rt.tools.environment import environment_factory
         from tunix_rt.train.agentic import agentic_sampler
@@ -163,6 +179,7 @@ ALGORITHMS = {
     "distill": Algorithm(DistillConfig, _distill),
     "grpo": Algorithm(GRPOConfig, _grpo, RLTrainer),
     "ppo": Algorithm(PPOConfig, _ppo, RLTrainer, exported=_policy_only),
+    "kto": Algorithm(KTOConfig, _kto),
     "reward": Algorithm(RewardConfig, _reward, exported_config=lambda hf_config: classifier_config(hf_config, 1)),
 }
 CONFIGS = {name: algorithm.config for name, algorithm in ALGORITHMS.items()}

@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--json", action="store_true")
+    gen.add_argument("--n", type=int, default=1, help="samples of the prompt (their shared prompt cached once)")
+    gen.add_argument("--select", default=None, metavar="reward:PATH|majority",
+                     help="keep one of the --n samples: the one a reward model scores highest, or one giving the "
+                          "answer most samples agree on")
     gen.add_argument("--speculative-config", type=_json_object, default=None,
                      help=EngineConfig.field("speculative_config").metadata["flag"])
     _add_compile_cache_arg(gen)
@@ -216,7 +220,10 @@ def _generate(args) -> int:
 
     # Built before loading so bad sampling flags fail fast.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
+                            top_p=args.top_p, seed=args.seed, n=args.n)
+    if args.n > 1 and args.temperature == 0:
+        raise ValueError("--n > 1 needs --temperature > 0: greedy samples are all the same")
+    select = _selector(args.select)
     loaded = _load(args)
     tok = loaded.tokenizer
     if args.chat:
@@ -227,17 +234,45 @@ def _generate(args) -> int:
     if not prompt_ids:
         raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
     max_len = min(loaded.model.config.max_position_embeddings, len(prompt_ids) + args.max_tokens)
-    engine = Engine(loaded.model, tok, max_model_len=max(max_len, len(prompt_ids) + 1), max_num_seqs=1,
+    engine = Engine(loaded.model, tok, max_model_len=max(max_len, len(prompt_ids) + 1), max_num_seqs=args.n,
                     speculative_config=args.speculative_config)
     start = time.perf_counter()
-    (out,) = engine.generate([prompt_ids], params)
-    log.info("generated %d tokens in %.1fs", len(out.token_ids), time.perf_counter() - start)
+    (outs,) = engine.generate([prompt_ids], params)
+    outs = outs if isinstance(outs, list) else [outs]
+    log.info("generated %d tokens in %.1fs", sum(len(o.token_ids) for o in outs), time.perf_counter() - start)
+    chosen = None
+    if select is not None:
+        prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+        completions = [[{"role": "assistant", "content": o.text}] for o in outs] if args.chat else [o.text for o in outs]
+        chosen = select(prompt, completions, [o.text for o in outs])
+    out = outs[0 if chosen is None else chosen.index]
     if args.json:
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
-                          "finish_reason": out.finish_reason}))
+        result = {"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
+                  "finish_reason": out.finish_reason}
+        if args.n > 1:
+            result["samples"] = [o.text for o in outs]
+            if chosen is not None:
+                result.update(selected=chosen.index, scores=chosen.scores)
+        print(json.dumps(result))
     else:
         print(out.text)
     return 0
+
+
+def _selector(spec: str | None):
+    """--select: (prompt, completions, texts) -> evaluation.selection.Selection, or None."""
+    from tunix_rt.evaluation import selection
+
+    if spec is None:
+        return None
+    if spec == "majority":
+        return lambda prompt, completions, texts: selection.by_majority(texts)
+    if spec.startswith("reward:") and len(spec) > len("reward:"):
+        from tunix_rt.train.reward_model_reward import RewardModelReward
+
+        reward = RewardModelReward(spec[len("reward:"):])
+        return lambda prompt, completions, texts: selection.by_reward(prompt, completions, reward)
+    raise ValueError(f"--select must be reward:PATH or majority, got {spec!r}")
 
 
 def _score(args) -> int:

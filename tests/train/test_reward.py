@@ -144,3 +144,23 @@ def test_a_reward_model_as_a_grpo_reward(tiny, trained, tmp_path):
                "max_completion_length=8", "reward_weights=[0.5,1.0]", "progress=false") == 0
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert "rewards/reward_model:final/mean" in metrics[-1] and "rewards/brevity/mean" in metrics[-1]
+
+
+def test_best_of_n_by_a_reward_model(tiny, trained, capsys):
+    """generate --n N --select reward:PATH: N samples of one prompt, the one the reward model scores highest."""
+    capsys.readouterr()
+    assert cli("generate", "--model", tiny / "model", "--prompt", "do abcde", "--chat", "--n", 4, "--temperature",
+               1.0, "--max-tokens", 6, "--select", f"reward:{trained / 'final'}", "--json") == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(result["samples"]) == 4 and len(result["scores"]) == 4
+    assert result["selected"] == int(np.argmax(result["scores"]))
+    assert result["text"] == result["samples"][result["selected"]]
+    assert cli("generate", "--model", tiny / "model", "--prompt", "x", "--n", 2, "--select", "best") == 2
+
+
+def test_majority_vote():
+    from tunix_rt.evaluation.selection import by_majority
+
+    chosen = by_majority(["so the answer is 12.0", "#### 12", "I think 13", "no idea"])
+    assert chosen.index == 0 and chosen.scores == [2.0, 2.0, 1.0, 0.0]
+    assert by_majority(["nothing", "here"]).index == 0

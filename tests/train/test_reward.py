@@ -164,3 +164,19 @@ def test_majority_vote():
     chosen = by_majority(["so the answer is 12.0", "#### 12", "I think 13", "no idea"])
     assert chosen.index == 0 and chosen.scores == [2.0, 2.0, 1.0, 0.0]
     assert by_majority(["nothing", "here"]).index == 0
+
+
+def test_ppo_critic_starts_from_the_reward_model(tiny, trained, tmp_path):
+    from tunix_rt.train import run as run_module
+    from tunix_rt.train.config import PPOConfig
+
+    with pytest.raises(ValueError, match="give --reward-model"):
+        PPOConfig(data="d", output="o", reward=("brevity",), value_model_init="reward")
+    prompts = _write(tmp_path / "prompts.jsonl", [{"prompt": f"do {c}"} for c in ("abc", "bcd")])
+    cfg = PPOConfig(model=str(tiny / "model"), data=str(prompts), output=str(tmp_path / "o"),
+                    reward_model=(str(trained / "final"),), value_model_init="reward", batch_size=2,
+                    max_completion_length=4, progress=False)
+    loaded = load_model(tiny / "model")
+    run_module._ppo(cfg, loaded, str(prompts))
+    want = np.asarray(load_model(trained / "final").model.score.kernel.get_value())
+    np.testing.assert_array_equal(np.asarray(loaded.model.value_head.kernel.get_value()), want)

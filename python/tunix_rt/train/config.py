@@ -523,9 +523,14 @@ class PPOConfig(RLConfig):
     cliprange_value: float = 0.2
     entropy_coef: float = 0.0
     whiten_advantages: bool = True
+    value_model_init: str = "zeros"  # the value head's start: zeros, or "reward": the first --reward-model's score head
 
     def __post_init__(self):
         super().__post_init__()
+        if self.value_model_init not in ("zeros", "reward"):
+            raise ValueError(f"value_model_init must be zeros or reward, got {self.value_model_init!r}")
+        if self.value_model_init == "reward" and not self.reward_model:
+            raise ValueError("value_model_init=reward starts the critic from a reward model: give --reward-model")
         if not self.kl_coef >= 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         for name in ("gamma", "lam"):

@@ -26,6 +26,14 @@ class ValueHead(nnx.Module):
         self.kernel = HeadParam(jnp.zeros((hidden_size, 1), jnp.float32))
         self.bias = HeadParam(jnp.zeros((1,), jnp.float32))
 
+    def start_from(self, kernel) -> None:
+        """Begin as another (D, 1) head does (a reward model's score head), bias 0."""
+        kernel = jnp.asarray(kernel, jnp.float32)
+        if kernel.shape != self.kernel.get_value().shape:
+            raise ValueError(f"value_model_init=reward: the reward model's head is {tuple(kernel.shape)}, the policy's "
+                             f"value head {tuple(self.kernel.get_value().shape)} (their hidden sizes differ)")
+        self.kernel.set_value(kernel)
+
     def __call__(self, h: jax.Array) -> jax.Array:
         h = h.astype(jnp.float32)
         return (h @ self.kernel[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32))[..., 0]

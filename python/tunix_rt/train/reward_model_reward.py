@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from tunix_rt.models.sequence_scores import SequenceScorer
 
 
@@ -22,6 +24,7 @@ class RewardModelReward:
                              f"its num_labels is {loaded.model.config.num_labels}")
         self.tokenizer = loaded.tokenizer
         self.scorer = SequenceScorer(loaded.model)
+        self.head = np.asarray(loaded.model.score.kernel.get_value())  # (D, 1): where PPO's critic may start
         self.max_length = max_length or loaded.model.config.max_position_embeddings
         self.name = f"reward_model:{Path(path).name}"
 

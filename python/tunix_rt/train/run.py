@@ -150,6 +150,11 @@ def _ppo(cfg: PPOConfig, loaded: LoadedModel, data: str):
 
     sampler = _sampler(cfg, loaded, data)
     attach_value_head(loaded.model)
+    if cfg.value_model_init == "reward":  # TRL's habit: the critic starts as the (first) reward model's head
+        from tunix_rt.train.reward_model_reward import RewardModelReward
+
+        first = next(fn for _, fn in sampler.scorer.rewards if isinstance(fn, RewardModelReward))
+        loaded.model.value_head.start_from(first.head)
     return PPOObjective(cfg, sampler, loaded.tokenizer, _pad_id(loaded.tokenizer))
 
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from peer_process import peak_rss_gb, run_contender
+from peer_process import peak_rss_gb, run_contender, trl_lora_and_timer
 
 THREADS, BATCH, RANK, ALPHA, LR, MAX_LENGTH, WARMUP = 2, 8, 8, 16.0, 1e-3, 128, 2
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -92,7 +92,7 @@ def run_trl(steps: int, work: str) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import RewardConfig, RewardTrainer
 
     torch.set_num_threads(THREADS)
@@ -103,14 +103,7 @@ def run_trl(steps: int, work: str) -> dict:
     model = AutoModelForSequenceClassification.from_pretrained(hf_dir, num_labels=1, dtype=torch.float32)
     model.config.pad_token_id = tokenizer.pad_token_id
     read = lambda name: [json.loads(line) for line in open(f"{work}/{name}.jsonl")]  # noqa: E731
-    times, marks = [], []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            marks.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - marks[-1])
+    _, timer, times = trl_lora_and_timer("full", RANK, ALPHA, TARGETS)  # the step timer (LoRA set below: SEQ_CLS)
 
     config = RewardConfig(output_dir=f"{work}/trl", per_device_train_batch_size=BATCH, max_length=MAX_LENGTH,
                           max_steps=steps, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
@@ -118,7 +111,7 @@ def run_trl(steps: int, work: str) -> dict:
                           dataloader_num_workers=0, gradient_checkpointing=False)
     peft = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(TARGETS), task_type="SEQ_CLS")
     trainer = RewardTrainer(model=model, args=config, train_dataset=Dataset.from_list(read("train")),
-                            processing_class=tokenizer, peft_config=peft, callbacks=[Timer()])
+                            processing_class=tokenizer, peft_config=peft, callbacks=[timer])
     trainer.train()
     model = trainer.model.eval()
     right = 0

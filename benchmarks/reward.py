@@ -67,12 +67,12 @@ def run_ours(steps: int, work: str) -> dict:
     from tunix_rt.checkpoints.loader import load_model
     from tunix_rt.train.config import RewardConfig
     from tunix_rt.train.data import load_preferences
-    from tunix_rt.train.reward import RewardObjective, attach_score_head
+    from tunix_rt.train.reward import RewardObjective, attach_score_head, reward_pad_id, whole_pairs
     from tunix_rt.train.trainer import Trainer
 
     loaded = load_model(os.environ["TUNIX_RT_BENCH_HF_DIR"])
-    attach_score_head(loaded.model)
-    train = load_preferences(f"{work}/train.jsonl", loaded.tokenizer, max_length=MAX_LENGTH)
+    attach_score_head(loaded.model, reward_pad_id(loaded.tokenizer))
+    train = whole_pairs(load_preferences(f"{work}/train.jsonl", loaded.tokenizer, max_length=MAX_LENGTH), MAX_LENGTH)
     held = load_preferences(f"{work}/held.jsonl", loaded.tokenizer, max_length=MAX_LENGTH)
     cfg = RewardConfig(data="-", output=f"{work}/ours", steps=steps, batch_size=BATCH, max_length=MAX_LENGTH,
                        lora_rank=RANK, lora_alpha=ALPHA, lora_targets=TARGETS, learning_rate=LR,

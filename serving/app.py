@@ -227,13 +227,21 @@ def create_app(state: ServerState, options: ServeOptions) -> FastAPI:
     async def pooling_route(body: p.PoolingRequest):
         classifier("/pooling")
         check_model(body.model)
-        return await asyncio.to_thread(pooling.pooling, state, body, state.model_name)
+        return await _pooled(pooling.pooling, body)
 
     @app.post("/classify", response_model=p.ClassifyResponse, responses=errors)
     async def classify_route(body: p.PoolingRequest):
         classifier("/classify")
         check_model(body.model)
-        return await asyncio.to_thread(pooling.classify, state, body, state.model_name)
+        return await _pooled(pooling.classify, body)
+
+    async def _pooled(fn, body):
+        """A scoring request holds one place of the server's capacity (429 past it) while it runs."""
+        release = handlers.admit(state, 1)
+        try:
+            return await asyncio.to_thread(fn, state, body, state.model_name)
+        finally:
+            release()
 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletion, responses=errors)
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
@@ -387,7 +395,7 @@ def _load_scorer(state: ServerState, options: ServeOptions) -> None:
     if options.lora_modules:
         raise ValueError("--lora-modules serve a generative model's adapters; this is a sequence classifier")
     loaded = load_model(options.model, dequantize=options.dequantize)
-    max_model_len = options.engine.max_model_len or loaded.model.config.max_position_embeddings
+    max_model_len = options.engine.max_model_len or min(loaded.model.config.max_position_embeddings, 4096)
     state.tokenizer = loaded.tokenizer
     state.max_model_len = max_model_len
     state.tool_format = tool_format_for(loaded.tokenizer.chat_template)

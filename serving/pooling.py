@@ -24,6 +24,7 @@ class Scorer:
     def __init__(self, model: Decoder, tokenizer, hf_config: dict, max_model_len: int):
         self.scores = SequenceScorer(model)
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self.vocab_size = min(tokenizer.vocab_size, model.config.vocab_size)
         labels = hf_config.get("id2label") or {}
         self.labels = [str(labels.get(str(i), labels.get(i, f"LABEL_{i}"))) for i in range(model.config.num_labels)]
 
@@ -44,12 +45,12 @@ def inputs(state, req: p.PoolingRequest) -> list[list[int]]:
         if req.input in ("", []):
             raise APIError(400, "input is empty", param="input")
         items = req.input if isinstance(req.input, list) and not isinstance(req.input[0], int) else [req.input]
+        if len(items) > MAX_INPUTS:  # counted before anything is tokenized
+            raise APIError(400, f"at most {MAX_INPUTS} inputs in one request, got {len(items)}", param="input")
         special = req.add_special_tokens is not False
         prompts = [state.tokenizer.encode(x, add_special_tokens=special) if isinstance(x, str) else list(x)
                    for x in items]
-    if len(prompts) > MAX_INPUTS:
-        raise APIError(400, f"at most {MAX_INPUTS} inputs in one request, got {len(prompts)}", param="input")
-    vocab = scorer.tokenizer.vocab_size
+    vocab = scorer.vocab_size
     for i, ids in enumerate(prompts):
         if not ids:
             raise APIError(400, f"input {i} is empty", param="input")
@@ -67,9 +68,20 @@ def _usage(prompts) -> p.Usage:
     return p.Usage(prompt_tokens=n, completion_tokens=0, total_tokens=n)
 
 
+def _scores(state, prompts) -> np.ndarray:
+    """The scorer's scores; a request the device has no memory for is a 503, not a 500."""
+    try:
+        return state.scorer.scores(prompts)
+    except Exception as e:  # noqa: BLE001 - XLA reports exhaustion as a runtime error of its own
+        if "RESOURCE_EXHAUSTED" in str(e):
+            raise APIError(503, "the server has no memory for this request now; send fewer or shorter inputs",
+                           code="resource_exhausted") from None
+        raise
+
+
 def pooling(state, req: p.PoolingRequest, model: str) -> p.PoolingResponse:
     prompts = inputs(state, req)
-    scores = state.scorer.scores(prompts)
+    scores = _scores(state, prompts)
     data = [p.PoolingData(index=i, data=[float(v) for v in row]) for i, row in enumerate(scores)]
     return p.PoolingResponse(id=f"pool-{uuid.uuid4().hex}", created=int(time.time()), model=model, data=data,
                              usage=_usage(prompts))
@@ -79,7 +91,7 @@ def classify(state, req: p.PoolingRequest, model: str) -> p.ClassifyResponse:
     """Each input's probabilities (a softmax over the labels; one label's score through a sigmoid, as vLLM
     does) and the most probable label."""
     prompts = inputs(state, req)
-    scores = state.scorer.scores(prompts).astype(np.float64)
+    scores = _scores(state, prompts).astype(np.float64)
     if scores.shape[1] == 1:
         probs = 1.0 / (1.0 + np.exp(-scores))
     else:

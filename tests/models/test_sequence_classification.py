@@ -19,10 +19,10 @@ DENSE = ("llama", "qwen2", "qwen3", "gemma2", "gemma3_text")
 PAD = 3
 
 
-def _hf_classifier(family: str, out, num_labels: int = 1):
+def _hf_classifier(family: str, out, num_labels: int = 1, pad: int = PAD):
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "gemma2": transformers.Gemma2Config, "gemma3_text": transformers.Gemma3TextConfig}[family]
-    config = cls(**{**COMMON, **FAMILIES[family]}, num_labels=num_labels, pad_token_id=PAD, attn_implementation="eager")
+    config = cls(**{**COMMON, **FAMILIES[family]}, num_labels=num_labels, pad_token_id=pad, attn_implementation="eager")
     torch.manual_seed(0)
     model = transformers.AutoModelForSequenceClassification.from_config(config).eval().float()
     with torch.no_grad():
@@ -45,7 +45,7 @@ def _rows():
 
 def _ours(model, tokens, positions):
     h, _ = model.hidden_states(jnp.asarray(tokens), jnp.asarray(positions))
-    return np.asarray(model.sequence_scores(h, jnp.asarray(positions)))
+    return np.asarray(model.sequence_scores(h, jnp.asarray(tokens), jnp.asarray(positions)))
 
 
 @pytest.mark.parametrize("family", DENSE)
@@ -73,3 +73,17 @@ def test_export_loads_back_in_transformers(family, tmp_path):
     with torch.no_grad():
         want = back(torch.tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(_ours(loaded.model, tokens, positions), want, atol=1e-4)
+
+
+def test_rows_ending_with_the_pad_id_are_read_before_it(tmp_path):
+    """TRL's reward models pad with EOS: a row whose text ends with EOS is read at the token before it, by
+    transformers and by us (the padding id comes from config.json)."""
+    eos = 2
+    hf = _hf_classifier("llama", tmp_path, pad=eos)
+    ours = load_model(tmp_path).model
+    assert ours.config.pad_token_id == eos
+    tokens = np.array([[1, 40, 41, 42, eos, eos], [1, 50, 51, 52, 53, eos]])
+    positions = np.where(np.arange(6) < np.array([[5], [6]]), np.arange(6), -1)
+    with torch.no_grad():
+        want = hf(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(_ours(ours, tokens, positions), want, atol=1e-4)

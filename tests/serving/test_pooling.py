@@ -34,7 +34,7 @@ def _scores(model_dir, texts):
     for text in texts:
         ids = loaded.tokenizer.encode(text)
         h, _ = loaded.model.hidden_states(jnp.asarray([ids]), jnp.arange(len(ids))[None])
-        out.append(float(loaded.model.sequence_scores(h, jnp.arange(len(ids))[None])[0, 0]))
+        out.append(float(loaded.model.sequence_scores(h, jnp.asarray([ids]), jnp.arange(len(ids))[None])[0, 0]))
     return out
 
 

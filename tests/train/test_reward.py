@@ -57,7 +57,7 @@ def _numpy_loss(chosen, rejected, margin, center):
 @pytest.mark.parametrize("center", [None, 0.01])
 def test_loss_and_metrics_match_numpy(tiny, center):
     loaded = load_model(tiny / "model")
-    model = attach_score_head(loaded.model, seed=3)
+    model = attach_score_head(loaded.model, None, seed=3)
     path = _write(tiny / f"pairs{center}.jsonl", _pairs(6, 0))
     pairs = load_preferences(path, loaded.tokenizer, max_length=64)
     objective = RewardObjective(pairs, max_length=64, pad_id=0, center_rewards_coefficient=center)
@@ -76,7 +76,8 @@ def test_loss_and_metrics_match_numpy(tiny, center):
     h, _ = model.hidden_states(jnp.asarray(batch["tokens"][:1]), jnp.asarray(batch["positions"][:1]))
     n = int((batch["positions"][0] >= 0).sum())
     alone, _ = model.hidden_states(jnp.asarray(batch["tokens"][:1, :n]), jnp.asarray(batch["positions"][:1, :n]))
-    np.testing.assert_allclose(np.asarray(model.sequence_scores(h, jnp.asarray(batch["positions"][:1]))),
+    np.testing.assert_allclose(np.asarray(model.sequence_scores(h, jnp.asarray(batch["tokens"][:1]),
+                                                                jnp.asarray(batch["positions"][:1]))),
                                np.asarray(model.score(alone[:, -1])), rtol=1e-5, atol=1e-6)
     grads = jax.grad(lambda k: jnp.sum(model.score.kernel.get_value() * k))(model.score.kernel.get_value())
     assert grads.shape == (model.config.hidden_size, 1)
@@ -107,7 +108,8 @@ def test_reward_cli_learns_and_exports_a_classifier(trained):
     h, _ = ours.hidden_states(jnp.asarray(tokens), jnp.asarray(positions))
     with torch.no_grad():
         want = back(torch.tensor(tokens), attention_mask=torch.tensor((positions >= 0).astype(np.int64))).logits
-    np.testing.assert_allclose(np.asarray(ours.sequence_scores(h, jnp.asarray(positions))), want.numpy(), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(ours.sequence_scores(h, jnp.asarray(tokens), jnp.asarray(positions))),
+                               want.numpy(), atol=1e-4)
 
 
 def test_bad_options_and_rows(tiny):
@@ -118,7 +120,7 @@ def test_bad_options_and_rows(tiny):
     row = {**_pairs(1, 0)[0], "margin": "big"}
     with pytest.raises(DataError, match='field "margin" must be a finite number'):
         load_preferences(_write(tiny / "bad.jsonl", [row]), loaded.tokenizer, max_length=64)
-    classifier = attach_score_head(loaded.model)
+    classifier = attach_score_head(loaded.model, None)
     with pytest.raises(ValueError, match="no vocabulary head"):
         classifier.output_head()
 
@@ -143,7 +145,7 @@ def test_a_reward_model_as_a_grpo_reward(tiny, trained, tmp_path):
                "--reward-model", trained / "final", "--steps", 2, "batch_size=8", "num_generations=4",
                "max_completion_length=8", "reward_weights=[0.5,1.0]", "progress=false") == 0
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert "rewards/reward_model:final/mean" in metrics[-1] and "rewards/brevity/mean" in metrics[-1]
+    assert "rewards/reward_model:run/final/mean" in metrics[-1] and "rewards/brevity/mean" in metrics[-1]
 
 
 def test_best_of_n_by_a_reward_model(tiny, trained, capsys):

@@ -140,20 +140,22 @@ def _config(model: Decoder, tokenizer: Tokenizer, hf_config: dict, dtype: str, e
         config["eos_token_id"] = eos
     if tokenizer.pad_token_id is not None:
         config["pad_token_id"] = tokenizer.pad_token_id
-    elif model.config.num_labels and tokenizer.eos_token_ids:  # HF's classifiers find each row's last token by it
-        config["pad_token_id"] = sorted(tokenizer.eos_token_ids)[0]
+    if model.config.num_labels:  # HF's classifiers read each row at the last token that is not this id
+        config["pad_token_id"] = model.config.pad_token_id
     return config
 
 
-def classifier_config(hf_config: dict, num_labels: int) -> dict:
-    """A causal LM's HF config as the config of the sequence classifier (a reward model: 1 label) made from it."""
+def classifier_config(hf_config: dict, num_labels: int, pad_token_id: int | None) -> dict:
+    """A causal LM's HF config as the config of the sequence classifier (a reward model: 1 label) made from it,
+    reading its score at the last token that is not `pad_token_id`; a classifier's own labels are kept."""
     model_type = hf_config.get("model_type")
     if model_type not in CLASSIFIERS:
         raise ValueError(f"a {model_type!r} model cannot be made a sequence classifier (supported: "
                          f"{', '.join(CLASSIFIERS)})")
-    labels = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+    labels = hf_config.get("id2label") if len(hf_config.get("id2label") or {}) == num_labels else None
+    labels = labels or {str(i): f"LABEL_{i}" for i in range(num_labels)}
     return {**hf_config, "architectures": [CLASSIFIERS[model_type]], "num_labels": num_labels, "id2label": labels,
-            "label2id": {v: int(k) for k, v in labels.items()}}
+            "label2id": {v: int(k) for k, v in labels.items()}, "pad_token_id": pad_token_id}
 
 
 def _generation_config(tokenizer: Tokenizer, given: dict | None) -> dict:

@@ -168,6 +168,8 @@ class ModelConfig:
     # HF's *ForSequenceClassification (a reward model: 1): a `score` head of this many outputs read at each
     # sequence's last token, in place of the vocabulary head; 0: a causal LM
     num_labels: int = 0
+    # a sequence classifier's padding id: its score is read at the last token that is not it (HF's rule)
+    pad_token_id: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -250,7 +252,8 @@ class ModelConfig:
             labels = d.get("num_labels") or len(d.get("id2label") or {}) or 2  # transformers' default is 2
             if not isinstance(labels, int) or labels < 1:
                 raise ValueError(f"config.json: num_labels must be a positive integer, got {labels!r}")
-            cfg = dataclasses.replace(cfg, num_labels=labels)
+            pad = d.get("pad_token_id")
+            cfg = dataclasses.replace(cfg, num_labels=labels, pad_token_id=pad if isinstance(pad, int) else None)
         return cfg
 
 

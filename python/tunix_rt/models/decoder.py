@@ -334,10 +334,14 @@ class Decoder(nnx.Module):
                              "head: it scores sequences (sequence_scores), it does not generate")
         return self.embed if self.config.tie_word_embeddings else self.lm_head
 
-    def sequence_scores(self, h: jax.Array, positions: jax.Array) -> jax.Array:
-        """(B, num_labels) f32: the score head at each row's last real token (its largest position; padding is
-        -1), where HF's sequence classifiers read it."""
-        last = jnp.argmax(positions, axis=-1)
+    def sequence_scores(self, h: jax.Array, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """(B, num_labels) f32: the score head at each row's last token that is real (position >= 0) and, where the
+        config has a pad_token_id, not that id: where HF's sequence classifiers read it (TRL's reward models pad
+        with EOS, so a row ending with EOS is read before it)."""
+        real = positions >= 0
+        if self.config.pad_token_id is not None:
+            real &= tokens != self.config.pad_token_id
+        last = jnp.argmax(jnp.where(real, jnp.arange(positions.shape[-1]), -1), axis=-1)
         return self.score(jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0])
 
     def logits(self, h: jax.Array) -> jax.Array:

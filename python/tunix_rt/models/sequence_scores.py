@@ -19,12 +19,12 @@ from tunix_rt.models.scoring import bucket
 class SequenceScorer:
     """(n, num_labels) f32 scores of token lists under a sequence classification model."""
 
-    def __init__(self, model: Decoder, *, batch_size: int = 16):
+    def __init__(self, model: Decoder, *, batch_size: int = 16, max_batch_tokens: int = 16384):
         if not model.config.num_labels:
             raise ValueError("a sequence scorer needs a sequence classification (reward) model; this is a causal LM")
         self.graphdef, self.state = nnx.split(model)
         self.num_labels = model.config.num_labels
-        self.batch_size = batch_size
+        self.batch_size, self.max_batch_tokens = batch_size, max_batch_tokens
         self._lock = threading.Lock()
         graphdef = self.graphdef
 
@@ -32,13 +32,25 @@ class SequenceScorer:
         def forward(state, tokens, positions):
             m = use_batch_invariant_kernels(nnx.merge(graphdef, state))
             h, _ = m.hidden_states(tokens, positions)
-            return m.sequence_scores(h, positions)
+            return m.sequence_scores(h, tokens, positions)
 
         self._forward = forward
 
     def __call__(self, sequences: list[list[int]]) -> np.ndarray:
-        out = [self._batch(sequences[i:i + self.batch_size]) for i in range(0, len(sequences), self.batch_size)]
-        return np.concatenate(out) if out else np.zeros((0, self.num_labels), np.float32)
+        """Scores in the given order; computed shortest first in batches of at most batch_size rows and
+        max_batch_tokens padded tokens (one long sequence never pads many short ones)."""
+        out = np.zeros((len(sequences), self.num_labels), np.float32)
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while (end < len(order) and end - start < self.batch_size
+                   and (end - start + 1) * bucket(len(sequences[order[end]]), 16) <= self.max_batch_tokens):
+                end += 1
+            rows = order[start:end]
+            out[rows] = self._batch([sequences[i] for i in rows])
+            start = end
+        return out
 
     def _batch(self, sequences: list[list[int]]) -> np.ndarray:
         rows, length = bucket(len(sequences), 1), bucket(max(len(t) for t in sequences), 16)

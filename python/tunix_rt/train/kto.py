@@ -77,7 +77,13 @@ class KTOObjective(RowsObjective):
         losses, metrics = kto_losses(ratios[:b], ratios[b:], batch["desirable"], valid, beta=self.cfg.beta,
                                      desirable_weight=self.cfg.desirable_weight,
                                      undesirable_weight=self.cfg.undesirable_weight)
-        return (losses * valid).sum(), valid.sum(), {k: (v * valid).sum() for k, v in metrics.items()}
+        weight = valid.sum()
+        sums = {k: (v * valid).sum() for k, v in metrics.items()}
+        # The trainer divides every metric by the batch's weight: each class's mean reward is rescaled so that what
+        # it logs is that class's own mean (TRL's rewards/chosen and rewards/rejected), not a share of all rows.
+        for name, count in (("rewards/chosen", "count/chosen"), ("rewards/rejected", "count/rejected")):
+            sums[name] = sums[name] * weight / jax.numpy.maximum(sums[count], 1.0)
+        return (losses * valid).sum(), weight, sums
 
     def aux(self):
         return {"ref_model": self.ref[1]} if self.ref is not None else None

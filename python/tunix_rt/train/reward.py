@@ -6,6 +6,7 @@ gets a fresh score head (trained in full under LoRA too); a loaded reward model 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import jax
@@ -17,10 +18,16 @@ from tunix_rt.models.decoder import Decoder, ScoreHead
 from tunix_rt.train.data import PreferenceExample, bucket_length, preference_rows, row_length, sft_batch
 from tunix_rt.train.trainer import LossContext
 
+log = logging.getLogger(__name__)
 
-def attach_score_head(model: Decoder, seed: int = 0) -> Decoder:
+
+def attach_score_head(model: Decoder, pad_token_id: int | None, seed: int = 0) -> Decoder:
     """Make a causal LM a reward model (in place; a reward model is left as it is): a one-output score head
-    (normal, std 0.02, as transformers initialises it) replaces the vocabulary head."""
+    (normal, std 0.02, as transformers initialises it) replaces the vocabulary head, read at each row's last
+    token that is not `pad_token_id` (TRL pads with EOS where a tokenizer has no pad: a row ending with EOS is
+    read before it, in training as in transformers after export)."""
+    if model.config.vision is not None:
+        raise ValueError("a reward model with an image encoder is not supported")
     if model.config.num_labels:
         if model.config.num_labels != 1:
             raise ValueError(f"a reward model has one output; this classifier has {model.config.num_labels}")
@@ -28,14 +35,33 @@ def attach_score_head(model: Decoder, seed: int = 0) -> Decoder:
     model.score = ScoreHead(model.config.hidden_size, 1, rngs=nnx.Rngs(seed))
     if hasattr(model, "lm_head"):
         del model.lm_head
-    model.config = dataclasses.replace(model.config, num_labels=1)
+    model.config = dataclasses.replace(model.config, num_labels=1, pad_token_id=pad_token_id)
     return model
+
+
+def reward_pad_id(tokenizer) -> int | None:
+    """TRL's padding for a reward model: the tokenizer's pad token, else its EOS."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
+
+
+def whole_pairs(examples: Sequence[PreferenceExample], max_length: int) -> list[PreferenceExample]:
+    """The pairs whose prompt and both completions fit max_length uncut (TRL drops the others: a cut completion
+    would be scored mid-reply); logged when any are dropped."""
+    kept = [e for e in examples if len(e.prompt_ids) + max(len(e.chosen_ids), len(e.rejected_ids)) < max_length]
+    if len(kept) < len(examples):
+        log.warning("dropped %d of %d pairs longer than max_length=%d (a reward is read at the reply's end)",
+                    len(examples) - len(kept), len(examples), max_length)
+    if not kept:
+        raise ValueError(f"no pair fits max_length={max_length}; raise it")
+    return kept
 
 
 def rewards(model: Decoder, batch: dict) -> jax.Array:
     """(rows,) the reward of each row: the score head at its last real token."""
     h, _ = model.hidden_states(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"])
-    return model.sequence_scores(h, batch["positions"])[:, 0]
+    return model.sequence_scores(h, batch["tokens"], batch["positions"])[:, 0]
 
 
 class RewardObjective:

@@ -26,7 +26,8 @@ class RewardModelReward:
         self.scorer = SequenceScorer(loaded.model)
         self.head = np.asarray(loaded.model.score.kernel.get_value())  # (D, 1): where PPO's critic may start
         self.max_length = max_length or loaded.model.config.max_position_embeddings
-        self.name = f"reward_model:{Path(path).name}"
+        parts = Path(path).resolve().parts
+        self.name = "reward_model:" + "/".join(parts[-2:])  # a run's DIR/final as "DIR/final"
 
     def tokens(self, prompt, completion) -> list[int]:
         if isinstance(prompt, list):  # a conversation: the reward model's template renders it whole

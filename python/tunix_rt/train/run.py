@@ -20,7 +20,7 @@ import jax
 import yaml
 
 from tunix_rt.checkpoints.default_model import DefaultModelMissing
-from tunix_rt.checkpoints.hf_export import classifier_config, export_hf
+from tunix_rt.checkpoints.hf_export import CLASSIFIERS, classifier_config, export_hf
 from tunix_rt.checkpoints.loader import DEFAULT, LoadedModel, holds_quantized, load_model, resolve_model_path
 from tunix_rt.checkpoints.output_dir import OutputDirError, check_output_dir, make_dirs
 from tunix_rt.checkpoints.peft_adapter import load_adapter, save_adapter
@@ -93,11 +93,14 @@ def _kto(cfg: KTOConfig, loaded: LoadedModel, data: str):
 
 
 def _reward(cfg: RewardConfig, loaded: LoadedModel, data: str):
-    from tunix_rt.train.reward import RewardObjective, attach_score_head
+    from tunix_rt.train.reward import RewardObjective, attach_score_head, reward_pad_id, whole_pairs
 
-    attach_score_head(loaded.model, cfg.seed)  # a causal LM becomes a reward model (a loaded one stays)
-    examples = load_preferences(data, loaded.tokenizer, max_length=cfg.max_length,
-                                max_prompt_length=cfg.max_prompt_length)
+    model_type = loaded.hf_config.get("model_type")
+    if model_type not in CLASSIFIERS:  # refused before training, not at export
+        raise ValueError(f"a {model_type!r} model cannot be made a reward model (supported: {', '.join(CLASSIFIERS)})")
+    attach_score_head(loaded.model, reward_pad_id(loaded.tokenizer), cfg.seed)  # a loaded reward model stays
+    examples = whole_pairs(load_preferences(data, loaded.tokenizer, max_length=cfg.max_length,
+                                            max_prompt_length=cfg.max_prompt_length), cfg.max_length)
     return RewardObjective(examples, max_length=cfg.max_length, pad_id=_pad_id(loaded.tokenizer),
                            center_rewards_coefficient=cfg.center_rewards_coefficient)
 
@@ -128,7 +131,8 @@ def _sampler(cfg: RLConfig, loaded: LoadedModel, data: str):
 
         models = [RewardModelReward(path, max_length=cfg.max_prompt_length + cfg.max_completion_length)
                   for path in cfg.reward_model]
-        rewards += [(m.name, m) for m in models]
+        names = [m.name for m in models]
+        rewards += [(name if names.count(name) == 1 else f"{name}#{i}", m) for i, (name, m) in enumerate(zip(names, models))]
     if cfg.tool or cfg.env:
         from tunix_rt.tools.environment import environment_factory
         from tunix_rt.train.agentic import agentic_sampler
@@ -174,7 +178,8 @@ class Algorithm:
     objective: Callable[[TrainConfig, LoadedModel, str], Objective]
     trainer: type[Trainer] = Trainer
     exported: Callable[[Decoder], Decoder] | None = None
-    exported_config: Callable[[dict], dict] | None = None  # the HF config the export writes, from the loaded one
+    exported_config: Callable[[Decoder, dict], dict] | None = None  # the HF config the export writes
+    saves_adapter: bool = True  # a LoRA run also writes its adapter alone (not where the model has a new head)
 
 
 # `tunix-rt NAME` runs ALGORITHMS[NAME]; a new algorithm is one entry.
@@ -185,7 +190,8 @@ ALGORITHMS = {
     "grpo": Algorithm(GRPOConfig, _grpo, RLTrainer),
     "ppo": Algorithm(PPOConfig, _ppo, RLTrainer, exported=_policy_only),
     "kto": Algorithm(KTOConfig, _kto),
-    "reward": Algorithm(RewardConfig, _reward, exported_config=lambda hf_config: classifier_config(hf_config, 1)),
+    "reward": Algorithm(RewardConfig, _reward, saves_adapter=False,
+                        exported_config=lambda model, hf: classifier_config(hf, 1, model.config.pad_token_id)),
 }
 CONFIGS = {name: algorithm.config for name, algorithm in ALGORITHMS.items()}
 
@@ -302,7 +308,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
         if algorithm.exported is not None:
             model = algorithm.exported(model)
         base = _base_name(cfg.model)
-        if trainer.lora and jax.process_index() == 0:  # the adapter alone, in peft's layout, beside final/
+        if trainer.lora and algorithm.saves_adapter and jax.process_index() == 0:  # the adapter, beside final/
             save_adapter(model, output / ADAPTER, base_model=base, overwrite=True)
             log.info("adapter: %s (on %s)", output / ADAPTER, base)
         if trainer.lora and not cfg.save_merged:
@@ -313,7 +319,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None) -> Path:
             model = merge_lora(model)
         if jax.process_index() == 0:
             hf_config = loaded.hf_config if algorithm.exported_config is None else algorithm.exported_config(
-                loaded.hf_config)
+                model, loaded.hf_config)
             export_hf(model, loaded.tokenizer, hf_config, final, dtype=cfg.export_dtype,
                       generation_config=loaded.generation_config or None, overwrite=True)  # the run's own
     return final

@@ -144,12 +144,9 @@ class Attention(nnx.Module):
             q, k, v = (checkpoint_name(a, name) for a, name in zip((q, k, v), ("attention_q", "attention_k", "attention_v")))
             out = attention(q, k, v, positions, segment_ids, scale=self.scale, window=self.window, softcap=self.softcap,
                             attend_until=attend_until)
-        elif attend_until is not None:
-            cache, out = cache.attend(layer, q, k, v, positions, window=self.window, scale=self.scale,
-                                      softcap=self.softcap, attend_until=attend_until)
         else:
             cache, out = cache.attend(layer, q, k, v, positions, window=self.window, scale=self.scale,
-                                      softcap=self.softcap)
+                                      softcap=self.softcap, attend_until=attend_until)
         return self.o_proj(out.reshape(b, t, h * d)), cache
 
 

@@ -183,6 +183,20 @@ def _at_most(cfg, name: str, limit: int) -> None:
         raise ValueError(f"{name} must be at most {limit}, got {value!r}")
 
 
+def _check_prompt_length(cfg) -> None:
+    """A preference config's max_prompt_length: None, or 1..MAX_TOKENS."""
+    if cfg.max_prompt_length is not None:
+        _positive(cfg, "max_prompt_length")
+        _at_most(cfg, "max_prompt_length", MAX_TOKENS)
+
+
+def _preference_lr(cfg) -> float:
+    """DPO's and KTO's learning rate: the given one, else TRL's default (5e-5 with LoRA, 1e-6 full)."""
+    if cfg.learning_rate is not None:
+        return cfg.learning_rate
+    return 5e-5 if cfg.lora_rank else 1e-6
+
+
 @dataclasses.dataclass(kw_only=True)
 class SFTConfig(TrainConfig):
     packing: bool = False
@@ -202,15 +216,11 @@ class DPOConfig(TrainConfig, PreferenceConfig):
     def __post_init__(self):
         super().__post_init__()
         self._check_preference()  # a bad loss_type, beta, ... fails here, before any model loads
-        if self.max_prompt_length is not None:
-            _positive(self, "max_prompt_length")
-            _at_most(self, "max_prompt_length", MAX_TOKENS)
+        _check_prompt_length(self)
 
     @property
     def lr(self) -> float:  # TRL's DPO default is 1e-6 for full fine-tuning
-        if self.learning_rate is not None:
-            return self.learning_rate
-        return 5e-5 if self.lora_rank else 1e-6
+        return _preference_lr(self)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -230,15 +240,11 @@ class KTOConfig(TrainConfig):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")):
                 raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-        if self.max_prompt_length is not None:
-            _positive(self, "max_prompt_length")
-            _at_most(self, "max_prompt_length", MAX_TOKENS)
+        _check_prompt_length(self)
 
     @property
     def lr(self) -> float:  # TRL's KTO default is 1e-6 for full fine-tuning, as DPO's
-        if self.learning_rate is not None:
-            return self.learning_rate
-        return 5e-5 if self.lora_rank else 1e-6
+        return _preference_lr(self)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -250,9 +256,7 @@ class RewardConfig(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.max_prompt_length is not None:
-            _positive(self, "max_prompt_length")
-            _at_most(self, "max_prompt_length", MAX_TOKENS)
+        _check_prompt_length(self)
         c = self.center_rewards_coefficient
         if c is not None and not (isinstance(c, (int, float)) and not isinstance(c, bool) and 0 <= c < float("inf")):
             raise ValueError(f"center_rewards_coefficient must be a finite number >= 0 or None, got {c!r}")

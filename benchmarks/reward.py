@@ -1,12 +1,14 @@
 """Reward model training: tunix-rt's `reward` against TRL's RewardTrainer on the same rows, same run.
 
-Usage: python benchmarks/reward.py [--steps 20] [--peer-python PY]
+Usage: python benchmarks/reward.py [--steps 20] [--gradient-checkpointing on|off] [--peer-python PY]
 
 The default model (its Q4_1 weights dequantized, written once as an HF directory both sides load), LoRA r8 on
-every projection plus the score head, batch 8 pairs, lr 1e-3, max_length 128, 2 threads each. Data: polite
+every projection plus the score head, batch 8 pairs, lr 1e-3, max_length 128, 2 threads each, gradient
+checkpointing on (both sides' default) or off on both. Data: polite
 against rude replies to everyday requests (320 training pairs; 100 held-out pairs whose requests and reply
-templates the training set never shows). Prints the median seconds per step (the first 2 steps are warm-up),
-each process's peak RSS and the held-out accuracy after the run (chosen scored above rejected), and the ratios.
+templates the training set never shows). Prints the median seconds per step (the first 2 steps are warm-up), the
+first step's (compile included), each process's peak RSS and the held-out accuracy after the run (chosen scored
+above rejected), and the ratios.
 TRL runs with torch 2.13.0 CPU (`pip install torch==2.13.0 trl peft datasets`); timings are never asserted.
 """
 
@@ -61,7 +63,7 @@ def pairs(split: str, n: int, seed: int) -> list[dict]:
 # --- contenders (each in its own process: `python reward.py --run NAME STEPS DIR`) ------------------------------
 
 
-def run_ours(steps: int, work: str) -> dict:
+def run_ours(steps: int, work: str, checkpointing: bool) -> dict:
     import numpy as np
 
     from tunix_rt.checkpoints.loader import load_model
@@ -76,7 +78,8 @@ def run_ours(steps: int, work: str) -> dict:
     held = load_preferences(f"{work}/held.jsonl", loaded.tokenizer, max_length=MAX_LENGTH)
     cfg = RewardConfig(data="-", output=f"{work}/ours", steps=steps, batch_size=BATCH, max_length=MAX_LENGTH,
                        lora_rank=RANK, lora_alpha=ALPHA, lora_targets=TARGETS, learning_rate=LR,
-                       lr_scheduler_type="constant", warmup_ratio=0.0, progress=False, save_steps=10_000)
+                       lr_scheduler_type="constant", warmup_ratio=0.0, progress=False, save_steps=10_000,
+                       gradient_checkpointing=checkpointing)
     pad = loaded.tokenizer.pad_token_id or 0
     trainer = Trainer(cfg, loaded.model, RewardObjective(train, max_length=MAX_LENGTH, pad_id=pad))
     times = []
@@ -88,7 +91,7 @@ def run_ours(steps: int, work: str) -> dict:
     return {"times": times, "accuracy": float(np.asarray(accuracy)), "rss": peak_rss_gb()}
 
 
-def run_trl(steps: int, work: str) -> dict:
+def run_trl(steps: int, work: str, checkpointing: bool) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -108,7 +111,7 @@ def run_trl(steps: int, work: str) -> dict:
     config = RewardConfig(output_dir=f"{work}/trl", per_device_train_batch_size=BATCH, max_length=MAX_LENGTH,
                           max_steps=steps, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
                           logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True,
-                          dataloader_num_workers=0, gradient_checkpointing=False)
+                          dataloader_num_workers=0, gradient_checkpointing=checkpointing)
     peft = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(TARGETS), task_type="SEQ_CLS")
     trainer = RewardTrainer(model=model, args=config, train_dataset=Dataset.from_list(read("train")),
                             processing_class=tokenizer, peft_config=peft, callbacks=[timer])
@@ -134,11 +137,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter with trl, peft and torch 2.13.0")
+    parser.add_argument("--gradient-checkpointing", choices=("on", "off"), default="on")
     parser.add_argument("--run", nargs=3, metavar=("NAME", "STEPS", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    checkpointing = args.gradient_checkpointing == "on"
     if args.run:
         name, steps, work = args.run
-        print(json.dumps(CONTENDERS[name](int(steps), work)))
+        print(json.dumps(CONTENDERS[name](int(steps), work, checkpointing)))
         return
 
     from tunix_rt.checkpoints.hf_export import export_hf
@@ -155,17 +160,19 @@ def main() -> None:
     results = {}
     for name in CONTENDERS:
         python = sys.executable if name == "ours" else args.peer_python
-        results[name] = run_contender(python, __file__, ["--run", name, str(args.steps), work], THREADS,
-                                      TUNIX_RT_BENCH_HF_DIR=hf_dir)
+        results[name] = run_contender(python, __file__, ["--run", name, str(args.steps), work,
+                                                         f"--gradient-checkpointing={args.gradient_checkpointing}"],
+                                      THREADS, TUNIX_RT_BENCH_HF_DIR=hf_dir)
     print(f"reward model, default model (f32), LoRA r{RANK} + score head, batch {BATCH} pairs, {args.steps} steps, "
-          f"{THREADS} threads; held-out: 100 unseen polite/rude pairs")
-    print(f"{'':<8}{'s/step':>10}{'peak RSS GB':>14}{'held-out acc':>14}")
+          f"{THREADS} threads, gradient checkpointing {args.gradient_checkpointing}; held-out: 100 unseen polite/rude "
+          "pairs")
+    print(f"{'':<8}{'s/step':>10}{'first step s':>14}{'peak RSS GB':>14}{'held-out acc':>14}")
     for name, r in results.items():
         if "error" in r:
             print(f"{name:<8} error: {r['error']}")
             continue
         r["step"] = statistics.median(r["times"][WARMUP:])
-        print(f"{name:<8}{r['step']:>10.3f}{r['rss']:>14.2f}{r['accuracy']:>14.2f}")
+        print(f"{name:<8}{r['step']:>10.3f}{r['times'][0]:>14.2f}{r['rss']:>14.2f}{r['accuracy']:>14.2f}")
     if all("step" in r for r in results.values()):
         ours, trl = results["ours"], results["trl"]
         print(f"ours / TRL: {ours['step'] / trl['step']:.2f}x the time per step, {ours['rss'] / trl['rss']:.2f}x the "

@@ -3,8 +3,9 @@
 //
 // q (B, T, H, D), k and v (B, T, KV, D), f32 or bf16, H a multiple of KV (GQA); positions (B, T)
 // and segment ids (B, T) int32. Query t sees key s when 0 <= pos[s] <= pos[t] (and
-// pos[t] - pos[s] < window on sliding layers) and, with segments, seg[s] == seg[t] or seg[s] < 0 <
-// seg[t] (a shared prefix), the rule of ops/attention.py's attention_mask. Scores are
+// pos[t] - pos[s] < window on sliding layers) and, with segments, seg[s] == seg[t] or seg[s] is the
+// shared prefix of seg[t]'s group: seg[t] > 0 and seg[s] == -(seg[t] >> 16) - 1 (PrefixOf), the rule
+// of ops/attention.py's attention_mask. Scores are
 // (q . k) * scale, soft-capped as tanh(s / cap) * cap when cap > 0, softmaxed in f32. A query that
 // sees no key averages every value uniformly, as the reference's softmax over equal scores does.
 //
@@ -62,13 +63,16 @@ struct RowKernels {
   void (*softmax_grad)(float* p, float* ds, uint64_t bits, float lse, float dsum);
 };
 
+// The segment id of the shared prefix a positive segment's group sees: group seg >> 16 has prefix -(group + 1).
+inline int32_t PrefixOf(int32_t seg) { return -(seg >> 16) - 1; }
+
 bool VisibleScalar(const MaskRule& m, int64_t qi, int64_t ki) {
   const int32_t qp = m.pos[qi], kp = m.pos[ki];
   if (kp < 0 || kp > qp) return false;
   if (m.window > 0 && static_cast<int64_t>(qp) - kp >= m.window) return false;
   if (m.seg == nullptr) return true;
   const int32_t sq = m.seg[qi], sk = m.seg[ki];
-  return sq == sk || (sk < 0 && sq > 0);
+  return sq == sk || (sq > 0 && sk == PrefixOf(sq));
 }
 
 uint64_t VisibleBitsScalar(const MaskRule& m, int64_t qi, int64_t k0, int64_t ns) {
@@ -140,8 +144,8 @@ AVX2_FN void SoftmaxGradAvx2(float* p, float* ds, uint64_t bits, float lse, floa
 
 AVX512_FN uint64_t VisibleBitsAvx512(const MaskRule& m, int64_t qi, int64_t k0, int64_t ns) {
   const __m512i qp = _mm512_set1_epi32(m.pos[qi]), zero = _mm512_setzero_si512();
-  const __m512i sq = _mm512_set1_epi32(m.seg != nullptr ? m.seg[qi] : 0);
-  const bool sq_positive = m.seg != nullptr && m.seg[qi] > 0;
+  const int32_t sq_id = m.seg != nullptr ? m.seg[qi] : 0;
+  const __m512i sq = _mm512_set1_epi32(sq_id), prefix = _mm512_set1_epi32(PrefixOf(sq_id));
   uint64_t bits = 0;
   for (int64_t j = 0; j < ns; j += 16) {
     const __mmask16 live = static_cast<__mmask16>(ns - j >= 16 ? 0xffff : (1u << (ns - j)) - 1);
@@ -152,7 +156,7 @@ AVX512_FN uint64_t VisibleBitsAvx512(const MaskRule& m, int64_t qi, int64_t k0, 
     if (m.seg != nullptr) {
       const __m512i sk = _mm512_maskz_loadu_epi32(live, m.seg + k0 + j);
       __mmask16 same = _mm512_cmpeq_epi32_mask(sk, sq);
-      if (sq_positive) same |= _mm512_cmplt_epi32_mask(sk, zero);
+      if (sq_id > 0) same |= _mm512_cmpeq_epi32_mask(sk, prefix);
       v &= same;
     }
     bits |= static_cast<uint64_t>(v) << j;

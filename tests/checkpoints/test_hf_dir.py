@@ -50,3 +50,53 @@ def test_invalid_config_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         hf_dir.read_config(tmp_path)
+
+
+def test_safetensors_reader_matches_the_package_and_refuses_bad_files(tmp_path):
+    """hf_dir.SafetensorsFile (plain reads, no mapping) gives the safetensors package's arrays, every dtype a
+    checkpoint holds; a truncated file, a header out of bounds or a malformed entry is a CheckpointError."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    from tunix_rt.checkpoints.errors import CheckpointError
+
+    rng = np.random.default_rng(0)
+    tensors = {"f32": rng.standard_normal((3, 5)).astype(np.float32), "f16": rng.standard_normal(4).astype(np.float16),
+               "bf16": rng.standard_normal((2, 2)).astype(ml_dtypes.bfloat16), "i64": np.arange(6).reshape(2, 3),
+               "empty": np.zeros((0, 4), np.float32), "scalar": np.array(1.5, np.float32)}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path, metadata={"format": "np"})
+    want, f = load_file(path), hf_dir.SafetensorsFile(path)
+    assert sorted(f.tensors) == sorted(want)
+    for name, array in want.items():
+        got = f.read(name)
+        assert got.dtype == array.dtype and got.shape == array.shape
+        assert got.tobytes() == array.tobytes()
+    raw = path.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + header_len])
+    cases = {"truncated": raw[:-8], "no header": raw[:4],
+             "huge header length": (10**12).to_bytes(8, "little") + raw[8:],
+             "header not JSON": raw[:8] + b"{" * header_len + raw[8 + header_len:]}
+    for key, change in (("dtype", "Q4"), ("shape", [3, 6]), ("data_offsets", [0, 10**9]), ("shape", [-1, 5])):
+        bad = json.loads(json.dumps(header))
+        bad["f32"][key] = change
+        text = json.dumps(bad).encode().ljust(header_len)
+        cases[f"bad {key} {change}"] = raw[:8] + text[:header_len] + raw[8 + header_len:] if len(text) <= header_len \
+            else len(text).to_bytes(8, "little") + text + raw[8 + header_len:]
+    for what, data in cases.items():
+        path.write_bytes(data)
+        with pytest.raises(CheckpointError, match="safetensors|malformed|truncated|header"):
+            f = hf_dir.SafetensorsFile(path)
+            for name in f.tensors:
+                f.read(name)
+
+
+def test_tensors_come_a_stack_at_a_time():
+    names = ["model.layers.1.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight",
+             "model.layers.10.self_attn.q_proj.weight.qs", "model.layers.0.self_attn.q_proj.weight.scales",
+             "model.layers.0.self_attn.q_proj.weight.qs", "model.layers.2.mlp.up_proj.weight"]
+    assert sorted(names, key=hf_dir._stack_order) == [
+        "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.layers.2.mlp.up_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight.qs", "model.layers.0.self_attn.q_proj.weight.scales",
+        "model.layers.10.self_attn.q_proj.weight.qs", "model.norm.weight"]

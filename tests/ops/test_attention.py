@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tests.isa_tiers import TIERS, expected_tier, run_tiers
 from tunix_rt.ops import _ffi
-from tunix_rt.ops.attention import attention, attention_mask, attention_reference
+from tunix_rt.ops.attention import attention, attention_mask, attention_reference, prefix_segment
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")  # small programs, compiled once per example
 
@@ -39,6 +39,22 @@ def test_segments_and_shared_prefix():
     ])
 
 
+def test_groups_see_only_their_own_prefix():
+    # group 0: prompt (-1) | chosen (1) | rejected (2); group 1: prompt (-2) | chosen (65537) | rejected (65538)
+    positions = jnp.array([[0, 1, 1, 0, 1, 1]])
+    segments = jnp.array([[-1, 1, 2, -2, 65537, 65538]])
+    mask = np.asarray(attention_mask(positions, positions, None, segments))[0].astype(int)
+    np.testing.assert_array_equal(mask, [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],  # rejected sees its prompt, never chosen
+        [0, 0, 0, 1, 0, 0],  # the second prompt never sees the first group
+        [0, 0, 0, 1, 1, 0],  # nor do its completions: only their own prompt
+        [0, 0, 0, 1, 0, 1],
+    ])
+    assert int(prefix_segment(jnp.int32(65538))) == -2 and int(prefix_segment(jnp.int32(7))) == -1
+
+
 def test_positive_segments_stay_apart():
     positions = jnp.array([[0, 1, 0, 1]])
     segments = jnp.array([[1, 1, 2, 2]])
@@ -52,10 +68,22 @@ def test_positive_segments_stay_apart():
 
 def packed_row(rng, t: int, kind: str) -> tuple[np.ndarray, np.ndarray | None]:
     """(positions, segment_ids) of one row: a plain causal row with left padding, or packed
-    examples (some behind a shared prefix, segment < 0) with trailing padding (position -1)."""
+    examples (some behind a shared prefix, segment < 0; "grouped": several prefixes, each with its
+    completions) with trailing padding (position -1)."""
     if kind == "causal":
         pad = int(rng.integers(0, t))
         return np.concatenate([np.full(pad, -1), np.arange(t - pad)]).astype(np.int32), None
+    if kind == "grouped":
+        pos, seg, group = [], [], 0
+        while len(pos) < t:
+            p = int(rng.integers(1, t // 2 + 2))
+            pos, seg = pos + list(range(p)), seg + [-(group + 1)] * p
+            for c in range(1, int(rng.integers(1, 4))):
+                n = int(rng.integers(1, t // 2 + 2))
+                pos, seg = pos + list(range(p, p + n)), seg + [(group << 16) + c] * n
+            group += 1
+        pos, seg = np.array(pos[:t], np.int32), np.array(seg[:t], np.int32)
+        return pos, seg
     pos, seg = [], []
     while len(pos) < t:
         n = int(rng.integers(1, t + 1))
@@ -80,7 +108,7 @@ def cases(draw):
     kv = draw(st.integers(1, 3))
     heads = kv * draw(st.integers(1, 3))
     d = draw(st.sampled_from([1, 8, 16, 64]))
-    kind = draw(st.sampled_from(["causal", "packed", "shared"]))
+    kind = draw(st.sampled_from(["causal", "packed", "shared", "grouped"]))
     rng = np.random.default_rng(draw(st.integers(0, 2**31)))
     rows = [packed_row(rng, t, kind) for _ in range(b)]
     positions = np.stack([r[0] for r in rows])

@@ -15,8 +15,8 @@ from tests.models.hf_tiny import make_tiny_model_dir
 from tests.train.test_train_cli import cli
 from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.train.config import RewardConfig
-from tunix_rt.train.data import DataError, load_preferences
-from tunix_rt.train.reward import RewardObjective, attach_score_head, rewards
+from tunix_rt.train.data import DataError, PreferenceExample, load_preferences
+from tunix_rt.train.reward import RewardObjective, attach_score_head, pack_pairs, packed_rewards, pair_layout
 from tunix_rt.train.trainer import LossContext
 
 torch = pytest.importorskip("torch")
@@ -54,33 +54,59 @@ def _numpy_loss(chosen, rejected, margin, center):
     return losses.sum()
 
 
-@pytest.mark.parametrize("center", [None, 0.01])
-def test_loss_and_metrics_match_numpy(tiny, center):
+def _alone(model, ids):
+    """A sequence's score on a row of its own (Decoder.sequence_scores: HF's reading rule)."""
+    tokens, positions = jnp.asarray(np.asarray(ids)[None]), jnp.arange(len(ids))[None]
+    h, _ = model.hidden_states(tokens, positions)
+    return float(model.sequence_scores(h, tokens, positions)[0, 0])
+
+
+@pytest.mark.parametrize("center,rows", [(None, 1), (0.01, 2)])
+def test_loss_and_metrics_match_numpy(tiny, center, rows):
     loaded = load_model(tiny / "model")
-    model = attach_score_head(loaded.model, None, seed=3)
     path = _write(tiny / f"pairs{center}.jsonl", _pairs(6, 0))
     pairs = load_preferences(path, loaded.tokenizer, max_length=64)
-    objective = RewardObjective(pairs, max_length=64, pad_id=0, center_rewards_coefficient=center)
+    pairs[2] = pairs[2]._replace(rejected_ids=pairs[2].rejected_ids[:0])  # an empty reply: read in the prompt
+    # the pad id is the first chosen reply's last token: that row is read one token before it, as HF reads
+    model = attach_score_head(loaded.model, int(pairs[0].chosen_ids[-1]), seed=3)
+    objective = RewardObjective(pairs, max_length=64, pad_id=0, center_rewards_coefficient=center, rows=rows)
     idx = np.arange(6)
     valid = np.array([1, 1, 1, 1, 1, 0], bool)
     batch = objective.host_batch(idx, valid, objective.batch_lengths(idx))
-    r = np.asarray(rewards(model, {k: jnp.asarray(v) for k, v in batch.items()}))
-    loss, weight, metrics = objective.loss(LossContext(model, None, lambda: None), {k: jnp.asarray(v)
-                                                                                   for k, v in batch.items()})
+    assert batch["tokens"].shape[0] == rows
+    device = {k: jnp.asarray(v) for k, v in batch.items()}
+    r = np.asarray(packed_rewards(model, device))
+    # the prompt once, both replies behind it, pairs end to end: each score as the pair's rows alone give it
+    want = [_alone(model, np.r_[p.prompt_ids, getattr(p, side)]) for side in ("chosen_ids", "rejected_ids")
+            for p in pairs]
+    np.testing.assert_allclose(r, want, rtol=1e-4, atol=1e-5)
+    assert batch["tokens"].size < sum(len(p.prompt_ids) * 2 + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+    loss, weight, metrics = objective.loss(LossContext(model, None, lambda: None), device)
     chosen, rejected, margin = r[:6][valid], r[6:][valid], batch["margin"][valid]
     np.testing.assert_allclose(float(loss), _numpy_loss(chosen, rejected, margin, center), rtol=1e-5)
     assert float(weight) == 5
     assert float(metrics["accuracy"]) == np.sum(chosen > rejected)
     np.testing.assert_allclose(float(metrics["margin"]), np.sum(chosen - rejected), rtol=1e-5, atol=1e-6)
-    # each row's reward is read at its last real token: padding after it changes nothing
-    h, _ = model.hidden_states(jnp.asarray(batch["tokens"][:1]), jnp.asarray(batch["positions"][:1]))
-    n = int((batch["positions"][0] >= 0).sum())
-    alone, _ = model.hidden_states(jnp.asarray(batch["tokens"][:1, :n]), jnp.asarray(batch["positions"][:1, :n]))
-    np.testing.assert_allclose(np.asarray(model.sequence_scores(h, jnp.asarray(batch["tokens"][:1]),
-                                                                jnp.asarray(batch["positions"][:1]))),
-                               np.asarray(model.score(alone[:, -1])), rtol=1e-5, atol=1e-6)
     grads = jax.grad(lambda k: jnp.sum(model.score.kernel.get_value() * k))(model.score.kernel.get_value())
     assert grads.shape == (model.config.hidden_size, 1)
+
+
+def test_pairs_cut_as_rows_of_their_own():
+    """A prompt longer than max_length is cut there and both replies dropped; a reply is cut where prompt +
+    reply reaches max_length, as two separate rows would be."""
+    pair = PreferenceExample(np.arange(1, 9, dtype=np.int32), np.arange(20, 25, dtype=np.int32),
+                             np.arange(30, 32, dtype=np.int32))
+    prompt, chosen, rejected = pair_layout(pair, 10)
+    assert (len(prompt), len(chosen), len(rejected)) == (8, 2, 2)
+    prompt, chosen, rejected = pair_layout(pair, 6)
+    assert (len(prompt), len(chosen), len(rejected)) == (6, 0, 0)
+    batch = pack_pairs([pair, pair], 1, 32, max_length=10, pad_id=0)
+    np.testing.assert_array_equal(batch["segment_ids"][0, :24], [-1] * 8 + [1, 1, 2, 2] + [-2] * 8 + [65537] * 2
+                                  + [65538] * 2)
+    np.testing.assert_array_equal(batch["positions"][0, :12], [*range(8), 8, 9, 8, 9])
+    np.testing.assert_array_equal(batch["score_segment"], [1, 65537, 2, 65538])
+    with pytest.raises(ValueError, match="split evenly"):
+        pack_pairs([pair] * 3, 2, 32, max_length=10, pad_id=0)
 
 
 @pytest.fixture(scope="module")

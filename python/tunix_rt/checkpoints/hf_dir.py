@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from tunix_rt.checkpoints.errors import CheckpointError
@@ -62,25 +63,63 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-@contextlib.contextmanager
-def _reading(path: Path):
-    """A safetensors file opened for reading; what it cannot read is a CheckpointError naming the file."""
-    from safetensors import SafetensorError, safe_open
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
+           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+_MAX_HEADER = 100 << 20  # safetensors' own bound on the JSON header
 
-    try:
-        with safe_open(str(path), framework="flax") as f:
-            yield f
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+
+class SafetensorsFile:
+    """One safetensors file's header, its tensors read on demand with plain reads into fresh arrays. The
+    safetensors package maps the file instead: every page read stays in the process's resident memory until the
+    file is closed, which made loading a model peak at the file's size on top of the model's copy."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if not 2 <= n <= min(_MAX_HEADER, size - 8):
+                    raise CheckpointError(f"{path} is not a readable safetensors file: bad header length")
+                header = json.loads(f.read(n))
+        except OSError as e:
+            raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file: its header is not JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path} is not a readable safetensors file: its header is not a JSON object")
+        header.pop("__metadata__", None)
+        self.tensors = {}  # name -> (dtype, shape, file offset, bytes)
+        for name, entry in header.items():
+            try:
+                dtype, shape, (start, end) = np.dtype(_DTYPES[entry["dtype"]]), tuple(entry["shape"]), entry["data_offsets"]
+                ok = all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(start, int) and 0 <= start <= end
+                ok = ok and end - start == int(np.prod(shape, dtype=np.int64)) * dtype.itemsize and 8 + n + end <= size
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise CheckpointError(f"{path}: tensor {name!r} has a malformed entry in the header ({entry!r:.200})")
+            self.tensors[name] = (dtype, shape, 8 + n + start, end - start)
+
+    def read(self, name: str) -> np.ndarray:
+        dtype, shape, offset, nbytes = self.tensors[name]
+        out = np.empty(shape, dtype)
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(offset)
+                got = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
+        except OSError as e:
+            raise CheckpointError(f"cannot read {self.path}: {e.strerror}") from None
+        if got != nbytes:
+            raise CheckpointError(f"{self.path} ends inside tensor {name!r}: the file is truncated")
+        return out
 
 
 def tensor_names(model_dir: Path) -> list[str]:
     """The names of every tensor, read from the safetensors headers alone (no tensor data)."""
-    names = []
-    for path in safetensors_files(model_dir):
-        with _reading(path) as f:
-            names.extend(f.keys())
-    return names
+    return [name for path in safetensors_files(model_dir) for name in SafetensorsFile(path).tensors]
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -96,9 +135,23 @@ def check_layer_count(model_dir: Path, num_layers: int) -> None:
                               f"checkpoint holds the weights of {len(held)} layer(s)")
 
 
+def _stack_order(name: str) -> tuple:
+    """Tensors of one layer-stacked weight in a row (every layer's q_proj, then every layer's k_proj, ...; a
+    quantized weight's parts together): each stack is whole, moved to the device and its host parts freed
+    before the next is read, instead of every layer's tensors waiting for the last layer."""
+    m = _LAYER.search(name)
+    stem = name[:m.start(1)] + "*" + name[m.end(1):] if m else name
+    return stem.split(".weight", 1)[0], int(m.group(1)) if m else -1, name
+
+
 def iter_tensors(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, array) for every tensor; bf16 arrives as ml_dtypes.bfloat16."""
-    for path in safetensors_files(model_dir):
-        with _reading(path) as f:
-            for name in f.keys():
-                yield name, np.asarray(f.get_tensor(name))
+    """(name, array) for every tensor, the tensors of one layer-stacked weight in a row (_stack_order); bf16
+    arrives as ml_dtypes.bfloat16."""
+    where: dict[str, SafetensorsFile] = {}
+    for f in map(SafetensorsFile, safetensors_files(model_dir)):
+        for name in f.tensors:
+            if name in where:
+                raise CheckpointError(f"tensor {name!r} is in both {where[name].path.name} and {f.path.name}")
+            where[name] = f
+    for name in sorted(where, key=_stack_order):
+        yield name, where[name].read(name)

@@ -335,11 +335,16 @@ class Decoder(nnx.Module):
         """(B, num_labels) f32: the score head at each row's last token that is real (position >= 0) and, where the
         config has a pad_token_id, not that id: where HF's sequence classifiers read it (TRL's reward models pad
         with EOS, so a row ending with EOS is read before it)."""
+        last = jnp.argmax(jnp.where(self.score_readable(tokens, positions), jnp.arange(positions.shape[-1]), -1),
+                          axis=-1)
+        return self.score(jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0])
+
+    def score_readable(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """Where a score may be read: real tokens (position >= 0) that are not the config's pad_token_id."""
         real = positions >= 0
         if self.config.pad_token_id is not None:
             real &= tokens != self.config.pad_token_id
-        last = jnp.argmax(jnp.where(real, jnp.arange(positions.shape[-1]), -1), axis=-1)
-        return self.score(jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0])
+        return real
 
     def logits(self, h: jax.Array) -> jax.Array:
         return head_logits(self.config, self.output_head(), h)

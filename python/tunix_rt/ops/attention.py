@@ -37,9 +37,11 @@ def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None,
 
     With `segment_ids` (B, T) (training on packed rows: queries and keys are the same tokens, each
     packed example numbered, positions restarting at 0), a query sees only keys of its own segment. A
-    negative segment id marks a shared prefix: every positive segment of the row sees it as well (so G
-    completions of one prompt pack behind a single copy of it, their positions continuing the prompt's),
-    and it sees only itself. 0 marks padding.
+    negative segment id marks a shared prefix, seen as well by the positive segments of its group: segment s
+    belongs to group s >> 16, whose prefix is -(group + 1) (`prefix_segment`). So G completions of one prompt
+    pack behind a single copy of it (prefix -1, completions 1..G, their positions continuing the prompt's),
+    and several such groups share a row (a reward model's pairs: prefix -(g + 1), chosen and rejected
+    (g << 16) + 1 and + 2). A prefix sees only itself; 0 marks padding.
     """
     q = q_pos[:, :, None]
     k = k_pos[:, None, :]
@@ -48,8 +50,13 @@ def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None,
         mask &= (q - k) < window
     if segment_ids is not None:
         sq, sk = segment_ids[:, :, None], segment_ids[:, None, :]
-        mask &= (sq == sk) | ((sk < 0) & (sq > 0))
+        mask &= (sq == sk) | ((sq > 0) & (sk == prefix_segment(sq)))
     return mask
+
+
+def prefix_segment(segment):
+    """The id of the shared prefix the positive segment id(s) `segment` see (attention_mask's rule)."""
+    return -(segment >> 16) - 1
 
 
 def dot_product_attention(

@@ -1,7 +1,12 @@
 """Reward models (TRL's RewardTrainer): the decoder with a scalar score head read at each sequence's last token,
 trained on preference pairs with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin), plus
 `center_rewards_coefficient` * mean((r_chosen + r_rejected)^2) to keep rewards centred (TRL's). A causal LM
-gets a fresh score head (trained in full under LoRA too); a loaded reward model keeps its own."""
+gets a fresh score head (trained in full under LoRA too); a loaded reward model keeps its own.
+
+A pair trains as its prompt once with both replies behind it (the rejected reply sees the prompt, never the
+chosen one: ops/attention's grouped shared prefixes), and a batch's pairs pack end to end into as few rows as the
+data-parallel axis allows: against two padded rows per pair (TRL's), a short-reply dataset runs about half the
+tokens, with the same scores."""
 
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ import numpy as np
 from flax import nnx
 
 from tunix_rt.models.decoder import Decoder, ScoreHead
-from tunix_rt.train.data import PreferenceExample, bucket_length, preference_rows, row_length, sft_batch
+from tunix_rt.ops.attention import prefix_segment
+from tunix_rt.train.data import PreferenceExample, packed_length
 from tunix_rt.train.trainer import LossContext
 
 log = logging.getLogger(__name__)
@@ -58,39 +64,86 @@ def whole_pairs(examples: Sequence[PreferenceExample], max_length: int) -> list[
     return kept
 
 
-def rewards(model: Decoder, batch: dict) -> jax.Array:
-    """(rows,) the reward of each row: the score head at its last real token."""
+def pair_layout(pair: PreferenceExample, max_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prompt, chosen reply, rejected reply) as packed: prompt + reply is cut to max_length as each would be
+    on a row of its own, so the prompt is at most max_length tokens and a reply what fits after it."""
+    prompt = pair.prompt_ids[:max_length]
+    room = max_length - len(prompt)
+    return prompt, pair.chosen_ids[:room], pair.rejected_ids[:room]
+
+
+def pack_pairs(pairs: Sequence[PreferenceExample], rows: int, length: int, *, max_length: int,
+               pad_id: int) -> dict[str, np.ndarray]:
+    """B pairs in `rows` rows of `length` tokens (pairs split evenly, in order): pair j of a row is its prompt
+    (segment -(j + 1)) then the chosen and rejected replies (segments (j << 16) + 1 and + 2), both at positions
+    continuing the prompt's. score_row and score_segment (2B,: chosen first, then rejected) name each
+    sequence's row and reply segment, where `packed_rewards` reads its score."""
+    if len(pairs) % rows:
+        raise ValueError(f"{len(pairs)} pairs do not split evenly into {rows} rows")
+    per_row = len(pairs) // rows
+    batch = {"tokens": np.full((rows, length), pad_id, np.int32), "positions": np.full((rows, length), -1, np.int32),
+             "segment_ids": np.zeros((rows, length), np.int32)}
+    score_row, score_segment = np.zeros((2, len(pairs)), np.int32), np.zeros((2, len(pairs)), np.int32)
+    for i, pair in enumerate(pairs):
+        row, j = divmod(i, per_row)
+        offset = int(np.count_nonzero(batch["positions"][row] >= 0))
+        prompt, *replies = pair_layout(pair, max_length)
+        parts = [(prompt, 0, -(j + 1))] + [(ids, len(prompt), (j << 16) + side) for side, ids in enumerate(replies, 1)]
+        for ids, start, segment in parts:
+            span = slice(offset, offset + len(ids))
+            batch["tokens"][row, span], batch["segment_ids"][row, span] = ids, segment
+            batch["positions"][row, span] = np.arange(start, start + len(ids))
+            offset += len(ids)
+        score_row[:, i] = row
+        score_segment[:, i] = (j << 16) + 1, (j << 16) + 2
+    batch["score_row"], batch["score_segment"] = score_row.reshape(-1), score_segment.reshape(-1)
+    return batch
+
+
+def packed_rewards(model: Decoder, batch: dict) -> jax.Array:
+    """(2B,) the reward of each packed sequence: the score head at its last readable token (Decoder.score_readable,
+    HF's rule), among its reply's tokens and its prompt's -- the token an unpacked row would be read at."""
     h, _ = model.hidden_states(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"])
-    return model.sequence_scores(h, batch["tokens"], batch["positions"])[:, 0]
+    rows, own = batch["score_row"], batch["score_segment"]
+    segments = batch["segment_ids"][rows]
+    mine = (segments == own[:, None]) | (segments == prefix_segment(own)[:, None])
+    readable = mine & model.score_readable(batch["tokens"][rows], batch["positions"][rows])
+    last = jnp.argmax(jnp.where(readable, jnp.arange(segments.shape[-1]), -1), axis=-1)
+    return model.score(h[rows, last])[:, 0]
 
 
 class RewardObjective:
-    """Items are preference pairs; a batch holds B pairs as 2B rows (chosen first), bucketed like SFT's."""
+    """Items are preference pairs; a batch packs B pairs into `rows` rows (`pack_pairs`): rows must divide the
+    batch and be a multiple of the data-parallel (fsdp) axis, which splits rows."""
 
     needs_reference = False
     rollout = None
 
     def __init__(self, examples: Sequence[PreferenceExample], *, max_length: int, pad_id: int,
-                 center_rewards_coefficient: float | None = None):
+                 center_rewards_coefficient: float | None = None, rows: int = 1):
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
         self.examples = list(examples)
         self.num_items = len(self.examples)
-        self.max_length, self.pad_id = max_length, pad_id
+        self.max_length, self.pad_id, self.rows = max_length, pad_id, rows
         self.center = center_rewards_coefficient
 
     def batch_lengths(self, indices: np.ndarray) -> tuple[int]:
-        rows = preference_rows([self.examples[i] for i in indices])
-        return (bucket_length(max(row_length(r) for r in rows), self.max_length),)
+        per_row = -(-len(indices) // self.rows)
+        totals = [sum(len(ids) for i in indices[r:r + per_row]
+                      for ids in pair_layout(self.examples[i], self.max_length))
+                  for r in range(0, len(indices), per_row)]
+        return (packed_length(max(totals)),)
 
     def host_batch(self, indices: np.ndarray, valid: np.ndarray, lengths: tuple[int]) -> dict[str, np.ndarray]:
         pairs = [self.examples[i] for i in indices]
-        batch = sft_batch(preference_rows(pairs), lengths[0], pad_id=self.pad_id)
-        del batch["targets"], batch["loss_mask"]
+        batch = pack_pairs(pairs, self.rows, lengths[0], max_length=self.max_length, pad_id=self.pad_id)
         batch["valid"] = valid.astype(np.float32)
         batch["margin"] = np.asarray([p.margin for p in pairs], np.float32)
         return batch
 
     def loss(self, ctx: LossContext, batch: dict):
-        r = rewards(ctx.policy, batch)
+        r = packed_rewards(ctx.policy, batch)
         b = r.shape[0] // 2
         chosen, rejected, valid = r[:b], r[b:], batch["valid"]
         losses = -jax.nn.log_sigmoid(chosen - rejected - batch["margin"])

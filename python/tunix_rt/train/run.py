@@ -26,7 +26,7 @@ from tunix_rt.checkpoints.output_dir import OutputDirError, check_output_dir, ma
 from tunix_rt.checkpoints.peft_adapter import load_adapter, save_adapter
 from tunix_rt.models.decoder import Decoder
 from tunix_rt.models.lora import merge_lora
-from tunix_rt.parallel.mesh import initialize_distributed
+from tunix_rt.parallel.mesh import initialize_distributed, make_mesh
 from tunix_rt.train.config import (
     DistillConfig,
     DPOConfig,
@@ -102,7 +102,8 @@ def _reward(cfg: RewardConfig, loaded: LoadedModel, data: str):
     examples = whole_pairs(load_preferences(data, loaded.tokenizer, max_length=cfg.max_length,
                                             max_prompt_length=cfg.max_prompt_length), cfg.max_length)
     return RewardObjective(examples, max_length=cfg.max_length, pad_id=_pad_id(loaded.tokenizer),
-                           center_rewards_coefficient=cfg.center_rewards_coefficient)
+                           center_rewards_coefficient=cfg.center_rewards_coefficient,
+                           rows=make_mesh(cfg.fsdp, cfg.tp).shape["fsdp"])  # one packed row per data shard
 
 
 def _distill(cfg: DistillConfig, loaded: LoadedModel, data: str):

@@ -1,0 +1,192 @@
+"""SFT-free alignment pipeline on the default model: a reward model, then GRPO against it, then selection.
+
+Usage: python benchmarks/reward_pipeline.py [--rm-steps 100] [--grpo-steps 30] [--n 8] [--output DIR]
+
+Task: "What is a + b?" for two-digit a and b (the answer checked by the math reward's final-number rule). 400
+training questions, 64 held out (no (a, b) pair shared).
+1. `tunix-rt reward`: pairs of the right sum against a near miss (off by 1, 2 or 10) in one of four phrasings,
+   LoRA r8, batch 8; held-out pair accuracy on 100 pairs of the held-out questions.
+2. The policy before RL on the held-out questions: greedy accuracy, and of N samples at temperature 1 the
+   accuracy of one sample (mean over samples), of the one the reward model scores highest (best-of-N), and of
+   the answer most samples give (majority vote).
+3. `tunix-rt grpo --reward-model RM` (LoRA r8, 4 questions x 8 completions a step): the reward model is the only
+   reward that trains; the accuracy reward is logged beside it with weight 0. The same held-out measures after.
+Prints a table, writes pipeline.json and pipeline.png (mean reward and training accuracy per GRPO step, held-out
+accuracy before and after) into --output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+PHRASES = ["{a} + {b} = {c}.", "The answer is {c}.", "{a} plus {b} equals {c}.", "The sum of {a} and {b} is {c}."]
+
+
+def questions() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    rng = random.Random(0)
+    pairs = rng.sample([(a, b) for a in range(10, 100) for b in range(10, 100)], 464)
+    return pairs[64:], pairs[:64]
+
+
+def ask(a: int, b: int) -> list[dict]:
+    return [{"role": "user", "content": f"What is {a} + {b}?"}]
+
+
+def preference_rows(pairs, n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = pairs[i % len(pairs)]
+        phrase = rng.choice(PHRASES)
+        wrong = a + b + rng.choice([-10, -2, -1, 1, 2, 10])
+        rows.append({"prompt": ask(a, b),
+                     "chosen": [{"role": "assistant", "content": phrase.format(a=a, b=b, c=a + b)}],
+                     "rejected": [{"role": "assistant", "content": phrase.format(a=a, b=b, c=wrong)}]})
+    return rows
+
+
+def write_jsonl(path: str, rows: list[dict]) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+def tunix(*argv) -> float:
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "tunix_rt", *map(str, argv)], capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"tunix-rt {argv[0]} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def metrics(run: str) -> list[dict]:
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def evaluate_policy(adapter: str | None, reward_model: str, held, n: int) -> dict:
+    """Held-out accuracy of the default model (with `adapter`): greedy, one of n samples, best-of-n by the
+    reward model, majority of n."""
+    import numpy as np
+
+    from tunix_rt.checkpoints.loader import load_model
+    from tunix_rt.checkpoints.peft_adapter import load_adapter
+    from tunix_rt.engine.engine import Engine
+    from tunix_rt.engine.params import SamplingParams
+    from tunix_rt.evaluation.selection import by_majority, by_reward
+    from tunix_rt.train.reward_model_reward import RewardModelReward
+    from tunix_rt.train.rewards import answers_match, extract_answer
+
+    loaded = load_model("default")
+    if adapter is not None:
+        load_adapter(loaded.model, adapter)
+    tok = loaded.tokenizer
+    prompts = [tok.apply_chat_template(ask(a, b), add_generation_prompt=True, tokenize=True) for a, b in held]
+    engine = Engine(loaded.model, tok, max_model_len=128, max_num_seqs=64)
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0))
+    sampled = engine.generate(prompts, SamplingParams(max_tokens=48, temperature=1.0, n=n, seed=1))
+    reward = RewardModelReward(reward_model)
+    right = lambda text, a, b: float(answers_match(extract_answer(text) or "", str(a + b)))  # noqa: E731
+    out = {"greedy": [], "single": [], "best_of_n": [], "majority": []}
+    for (a, b), g, samples in zip(held, greedy, sampled):
+        texts = [s.text for s in samples]
+        out["greedy"].append(right(g.text, a, b))
+        out["single"].append(np.mean([right(t, a, b) for t in texts]))
+        completions = [[{"role": "assistant", "content": t}] for t in texts]
+        out["best_of_n"].append(right(texts[by_reward(ask(a, b), completions, reward).index], a, b))
+        out["majority"].append(right(texts[by_majority(texts).index], a, b))
+    result = {k: float(np.mean(v)) for k, v in out.items()}
+    result["example"] = greedy[0].text
+    return result
+
+
+def plot(path: str, grpo: list[dict], before: dict, after: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in grpo]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(steps, [m["reward"] for m in grpo], label="reward model score (mean)")
+    left.set_xlabel("GRPO step")
+    left.set_ylabel("reward")
+    twin = left.twinx()
+    twin.plot(steps, [m["rewards/accuracy/mean"] for m in grpo], color="tab:orange", label="accuracy (weight 0)")
+    twin.set_ylabel("training accuracy")
+    left.legend(loc="upper left")
+    twin.legend(loc="lower right")
+    left.set_title("GRPO against the reward model")
+    names = ["greedy", "single", "best_of_n", "majority"]
+    x = range(len(names))
+    right.bar([i - 0.2 for i in x], [before[k] for k in names], width=0.4, label="before GRPO")
+    right.bar([i + 0.2 for i in x], [after[k] for k in names], width=0.4, label="after GRPO")
+    right.set_xticks(list(x), names)
+    right.set_ylabel("held-out accuracy")
+    right.legend()
+    right.set_title("held-out questions")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rm-steps", type=int, default=100)
+    ap.add_argument("--grpo-steps", type=int, default=30)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--output", default=None, help="directory for the runs, pipeline.json and pipeline.png")
+    args = ap.parse_args()
+    work = args.output or tempfile.mkdtemp(prefix="tunix-rt-reward-pipeline-")
+    os.makedirs(work, exist_ok=True)
+    train, held = questions()
+    rm_train = write_jsonl(f"{work}/rm_train.jsonl", preference_rows(train, 400, 0))
+    rm_held = write_jsonl(f"{work}/rm_held.jsonl", preference_rows(held, 100, 1))
+    grpo_rows = write_jsonl(f"{work}/grpo.jsonl", [{"prompt": ask(a, b), "answer": str(a + b)} for a, b in train])
+
+    rm = f"{work}/rm"
+    rm_seconds = tunix("reward", "--data", rm_train, "--output", rm, "--steps", args.rm_steps, "--lora-rank", 8,
+                       "batch_size=8", "learning_rate=1e-3", "max_length=128", f"eval_data={rm_held}",
+                       f"eval_steps={args.rm_steps}", "progress=false", "--overwrite")
+    rm_acc = metrics(rm)[-1]["eval_accuracy"]
+    print(f"reward model: {args.rm_steps} steps in {rm_seconds:.0f}s, held-out pair accuracy {rm_acc:.3f}", flush=True)
+
+    before = evaluate_policy(None, f"{rm}/final", held, args.n)
+    print(f"before GRPO: {before}", flush=True)
+    grpo = f"{work}/grpo"
+    grpo_seconds = tunix("grpo", "--data", grpo_rows, "--output", grpo, "--steps", args.grpo_steps, "--lora-rank", 8,
+                         "--reward", "accuracy", "--reward-model", f"{rm}/final", "reward_weights=[0,1]",
+                         "batch_size=32", "num_generations=8", "max_completion_length=48", "learning_rate=2e-4",
+                         "progress=false", "--overwrite")
+    curve = [m for m in metrics(grpo) if "reward" in m]
+    after = evaluate_policy(f"{grpo}/final", f"{rm}/final", held, args.n)
+    print(f"after GRPO: {after}", flush=True)
+
+    report = {"reward_model": {"steps": args.rm_steps, "heldout_pair_accuracy": rm_acc, "seconds": rm_seconds},
+              "grpo": {"steps": args.grpo_steps, "seconds": grpo_seconds,
+                       "reward": [m["reward"] for m in curve],
+                       "train_accuracy": [m["rewards/accuracy/mean"] for m in curve]},
+              "before": before, "after": after, "n": args.n}
+    with open(f"{work}/pipeline.json", "w") as f:
+        json.dump(report, f, indent=1)
+    plot(f"{work}/pipeline.png", curve, before, after)
+    first, last = curve[:5], curve[-5:]
+    mean = lambda xs, k: sum(m[k] for m in xs) / len(xs)  # noqa: E731
+    print(f"\nGRPO {args.grpo_steps} steps in {grpo_seconds:.0f}s: mean reward {mean(first, 'reward'):+.3f} (first 5 "
+          f"steps) -> {mean(last, 'reward'):+.3f} (last 5); training accuracy {mean(first, 'rewards/accuracy/mean'):.3f}"
+          f" -> {mean(last, 'rewards/accuracy/mean'):.3f}")
+    print(f"held-out accuracy ({len(held)} questions, N = {args.n}):")
+    print(f"{'':<14}{'greedy':>8}{'1 sample':>10}{'best-of-N':>11}{'majority':>10}")
+    for name, r in (("before GRPO", before), ("after GRPO", after)):
+        print(f"{name:<14}{r['greedy']:>8.3f}{r['single']:>10.3f}{r['best_of_n']:>11.3f}{r['majority']:>10.3f}")
+    print(f"wrote {work}/pipeline.json and {work}/pipeline.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,10 +1,12 @@
 """Reward model training: tunix-rt's `reward` against TRL's RewardTrainer on the same rows, same run.
 
-Usage: python benchmarks/reward.py [--steps 20] [--gradient-checkpointing on|off] [--peer-python PY]
+Usage: python benchmarks/reward.py [--steps 20] [--gradient-checkpointing on|off] [--dtype float32|bfloat16]
+                                  [--peer-python PY]
 
 The default model (its Q4_1 weights dequantized, written once as an HF directory both sides load), LoRA r8 on
 every projection plus the score head, batch 8 pairs, lr 1e-3, max_length 128, 2 threads each, gradient
-checkpointing on (both sides' default) or off on both. Data: polite
+checkpointing on (both sides' default) or off on both, compute in float32 on both (TRL's own default on CPU
+is bf16 autocast: set it on both with --dtype bfloat16). Data: polite
 against rude replies to everyday requests (320 training pairs; 100 held-out pairs whose requests and reply
 templates the training set never shows). Prints the median seconds per step (the first 2 steps are warm-up), the
 first step's (compile included), each process's peak RSS and the held-out accuracy after the run (chosen scored
@@ -63,7 +65,7 @@ def pairs(split: str, n: int, seed: int) -> list[dict]:
 # --- contenders (each in its own process: `python reward.py --run NAME STEPS DIR`) ------------------------------
 
 
-def run_ours(steps: int, work: str, checkpointing: bool) -> dict:
+def run_ours(steps: int, work: str, checkpointing: bool, dtype: str) -> dict:
     import numpy as np
 
     from tunix_rt.checkpoints.loader import load_model
@@ -79,7 +81,7 @@ def run_ours(steps: int, work: str, checkpointing: bool) -> dict:
     cfg = RewardConfig(data="-", output=f"{work}/ours", steps=steps, batch_size=BATCH, max_length=MAX_LENGTH,
                        lora_rank=RANK, lora_alpha=ALPHA, lora_targets=TARGETS, learning_rate=LR,
                        lr_scheduler_type="constant", warmup_ratio=0.0, progress=False, save_steps=10_000,
-                       gradient_checkpointing=checkpointing)
+                       gradient_checkpointing=checkpointing, compute_dtype=dtype)
     pad = loaded.tokenizer.pad_token_id or 0
     trainer = Trainer(cfg, loaded.model, RewardObjective(train, max_length=MAX_LENGTH, pad_id=pad))
     times = []
@@ -91,7 +93,7 @@ def run_ours(steps: int, work: str, checkpointing: bool) -> dict:
     return {"times": times, "accuracy": float(np.asarray(accuracy)), "rss": peak_rss_gb()}
 
 
-def run_trl(steps: int, work: str, checkpointing: bool) -> dict:
+def run_trl(steps: int, work: str, checkpointing: bool, dtype: str) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -111,7 +113,8 @@ def run_trl(steps: int, work: str, checkpointing: bool) -> dict:
     config = RewardConfig(output_dir=f"{work}/trl", per_device_train_batch_size=BATCH, max_length=MAX_LENGTH,
                           max_steps=steps, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
                           logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True,
-                          dataloader_num_workers=0, gradient_checkpointing=checkpointing)
+                          dataloader_num_workers=0, gradient_checkpointing=checkpointing,
+                          bf16=dtype == "bfloat16")
     peft = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(TARGETS), task_type="SEQ_CLS")
     trainer = RewardTrainer(model=model, args=config, train_dataset=Dataset.from_list(read("train")),
                             processing_class=tokenizer, peft_config=peft, callbacks=[timer])
@@ -138,12 +141,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter with trl, peft and torch 2.13.0")
     parser.add_argument("--gradient-checkpointing", choices=("on", "off"), default="on")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype, both")
     parser.add_argument("--run", nargs=3, metavar=("NAME", "STEPS", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     checkpointing = args.gradient_checkpointing == "on"
     if args.run:
         name, steps, work = args.run
-        print(json.dumps(CONTENDERS[name](int(steps), work, checkpointing)))
+        print(json.dumps(CONTENDERS[name](int(steps), work, checkpointing, args.dtype)))
         return
 
     from tunix_rt.checkpoints.hf_export import export_hf
@@ -161,9 +165,11 @@ def main() -> None:
     for name in CONTENDERS:
         python = sys.executable if name == "ours" else args.peer_python
         results[name] = run_contender(python, __file__, ["--run", name, str(args.steps), work,
-                                                         f"--gradient-checkpointing={args.gradient_checkpointing}"],
+                                                         f"--gradient-checkpointing={args.gradient_checkpointing}",
+                                                         f"--dtype={args.dtype}"],
                                       THREADS, TUNIX_RT_BENCH_HF_DIR=hf_dir)
-    print(f"reward model, default model (f32), LoRA r{RANK} + score head, batch {BATCH} pairs, {args.steps} steps, "
+    print(f"reward model, default model ({args.dtype} compute), LoRA r{RANK} + score head, batch {BATCH} pairs, "
+          f"{args.steps} steps, "
           f"{THREADS} threads, gradient checkpointing {args.gradient_checkpointing}; held-out: 100 unseen polite/rude "
           "pairs")
     print(f"{'':<8}{'s/step':>10}{'first step s':>14}{'peak RSS GB':>14}{'held-out acc':>14}")

@@ -1,16 +1,24 @@
-"""SFT-free alignment pipeline on the default model: a reward model, then GRPO against it, then selection.
+"""The alignment pipeline on the default model in one process family: a reward model, GRPO against it, selection.
 
-Usage: python benchmarks/reward_pipeline.py [--rm-steps 100] [--grpo-steps 30] [--n 8] [--output DIR]
+Usage: python benchmarks/reward_pipeline.py [--rm-steps 200] [--grpo-steps 30] [--temperature 0.7] [--beta 0.04]
+                                           [--n 8] [--output DIR] [--reward-model DIR]
 
-Task: "What is a + b?" for two-digit a and b (the answer checked by the math reward's final-number rule). 400
-training questions, 64 held out (no (a, b) pair shared).
-1. `tunix-rt reward`: pairs of the right sum against a near miss (off by 1, 2 or 10) in one of four phrasings,
-   LoRA r8, batch 8; held-out pair accuracy on 100 pairs of the held-out questions.
+Task: a lookup grounded in the question, "Values: apple=4, pear=7, fig=2, plum=9. What is the value of pear?"
+(four distinct fruits and digits; the answer checked by the math reward's final-number rule). Training questions
+and 64 held-out ones from separate seeds.
+1. `tunix-rt reward`: the right value against another value of the same list, in one of four phrasings, and the
+   policy's own samples (one per training question, temperature 1) against a phrasing of the right value where
+   the sample is wrong, or against another value where it is right: a reward model that never saw the policy's
+   rambling scores it high, and GRPO learns to ramble (measured: reward up, accuracy down). LoRA r8, batch 8;
+   held-out pair accuracy on 100 template pairs and the policy's samples of 100 unseen questions. (Arithmetic --
+   right against near-miss sums -- stays at chance for this model within a few hundred steps: a reward model
+   reads one position and cannot redo the sum there; a lookup is what attention does.)
 2. The policy before RL on the held-out questions: greedy accuracy, and of N samples at temperature 1 the
    accuracy of one sample (mean over samples), of the one the reward model scores highest (best-of-N), and of
    the answer most samples give (majority vote).
-3. `tunix-rt grpo --reward-model RM` (LoRA r8, 4 questions x 8 completions a step): the reward model is the only
-   reward that trains; the accuracy reward is logged beside it with weight 0. The same held-out measures after.
+3. `tunix-rt grpo --reward-model RM` (LoRA r8, 4 questions x 8 completions a step at --temperature, KL --beta
+   to the start, 24 tokens): the reward model is the only reward that trains; the accuracy reward is logged
+   beside it with weight 0. The same held-out measures after.
 Prints a table, writes pipeline.json and pipeline.png (mean reward and training accuracy per GRPO step, held-out
 accuracy before and after) into --output.
 """
@@ -26,30 +34,69 @@ import sys
 import tempfile
 import time
 
-PHRASES = ["{a} + {b} = {c}.", "The answer is {c}.", "{a} plus {b} equals {c}.", "The sum of {a} and {b} is {c}."]
+FRUITS = ["apple", "pear", "fig", "plum", "lime", "kiwi", "date", "grape", "lemon", "mango", "peach", "melon",
+          "cherry", "olive", "berry", "guava"]
+PHRASES = ["The value of {key} is {value}.", "{key} = {value}.", "It is {value}.", "The answer is {value}."]
 
 
-def questions() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    rng = random.Random(0)
-    pairs = rng.sample([(a, b) for a in range(10, 100) for b in range(10, 100)], 464)
-    return pairs[64:], pairs[:64]
+def questions(n: int, seed: int) -> list[dict]:
+    """{question, key, value, wrong}: four fruits with distinct digits, one asked for; wrong is another's value."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        keys, values = rng.sample(FRUITS, 4), rng.sample(range(1, 10), 4)
+        k = rng.randrange(4)
+        listing = ", ".join(f"{key}={value}" for key, value in zip(keys, values))
+        out.append({"question": f"Values: {listing}. What is the value of {keys[k]}?", "key": keys[k],
+                    "value": values[k], "wrong": rng.choice(values[:k] + values[k + 1:])})
+    return out
 
 
-def ask(a: int, b: int) -> list[dict]:
-    return [{"role": "user", "content": f"What is {a} + {b}?"}]
+def ask(q: dict) -> list[dict]:
+    return [{"role": "user", "content": q["question"]}]
 
 
-def preference_rows(pairs, n: int, seed: int) -> list[dict]:
+def preference_rows(qs: list[dict], seed: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []
-    for i in range(n):
-        a, b = pairs[i % len(pairs)]
+    for q in qs:
         phrase = rng.choice(PHRASES)
-        wrong = a + b + rng.choice([-10, -2, -1, 1, 2, 10])
-        rows.append({"prompt": ask(a, b),
-                     "chosen": [{"role": "assistant", "content": phrase.format(a=a, b=b, c=a + b)}],
-                     "rejected": [{"role": "assistant", "content": phrase.format(a=a, b=b, c=wrong)}]})
+        rows.append({"prompt": ask(q),
+                     "chosen": [{"role": "assistant", "content": phrase.format(key=q["key"], value=q["value"])}],
+                     "rejected": [{"role": "assistant", "content": phrase.format(key=q["key"], value=q["wrong"])}]})
     return rows
+
+
+def policy_pairs(qs: list[dict], seed: int) -> list[dict]:
+    """The default model's sample of each question (temperature 1, 32 tokens) against a phrasing of the right
+    value (a wrong sample) or of another value (a right one)."""
+    from tunix_rt.checkpoints.loader import load_model
+    from tunix_rt.engine.engine import Engine
+    from tunix_rt.engine.params import SamplingParams
+
+    loaded = load_model("default")
+    tok = loaded.tokenizer
+    prompts = [tok.apply_chat_template(ask(q), add_generation_prompt=True, tokenize=True) for q in qs]
+    samples = Engine(loaded.model, tok, max_model_len=128, max_num_seqs=64).generate(
+        prompts, SamplingParams(max_tokens=32, temperature=1.0, seed=seed))
+    rng = random.Random(seed)
+    rows = []
+    for q, sample in zip(qs, samples):
+        phrase = rng.choice(PHRASES)
+        reply = [{"role": "assistant", "content": sample.text}]
+        if correct(sample.text, q):
+            other = [{"role": "assistant", "content": phrase.format(key=q["key"], value=q["wrong"])}]
+            rows.append({"prompt": ask(q), "chosen": reply, "rejected": other})
+        else:
+            other = [{"role": "assistant", "content": phrase.format(key=q["key"], value=q["value"])}]
+            rows.append({"prompt": ask(q), "chosen": other, "rejected": reply})
+    return rows
+
+
+def correct(text: str, q: dict) -> bool:
+    from tunix_rt.train.rewards import answers_match, extract_answer
+
+    return answers_match(extract_answer(text) or "", str(q["value"]))
 
 
 def write_jsonl(path: str, rows: list[dict]) -> str:
@@ -82,26 +129,24 @@ def evaluate_policy(adapter: str | None, reward_model: str, held, n: int) -> dic
     from tunix_rt.engine.params import SamplingParams
     from tunix_rt.evaluation.selection import by_majority, by_reward
     from tunix_rt.train.reward_model_reward import RewardModelReward
-    from tunix_rt.train.rewards import answers_match, extract_answer
-
     loaded = load_model("default")
     if adapter is not None:
         load_adapter(loaded.model, adapter)
     tok = loaded.tokenizer
-    prompts = [tok.apply_chat_template(ask(a, b), add_generation_prompt=True, tokenize=True) for a, b in held]
+    prompts = [tok.apply_chat_template(ask(q), add_generation_prompt=True, tokenize=True) for q in held]
     engine = Engine(loaded.model, tok, max_model_len=128, max_num_seqs=64)
     greedy = engine.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0))
     sampled = engine.generate(prompts, SamplingParams(max_tokens=48, temperature=1.0, n=n, seed=1))
     reward = RewardModelReward(reward_model)
-    right = lambda text, a, b: float(answers_match(extract_answer(text) or "", str(a + b)))  # noqa: E731
+    right = lambda text, q: float(correct(text, q))  # noqa: E731
     out = {"greedy": [], "single": [], "best_of_n": [], "majority": []}
-    for (a, b), g, samples in zip(held, greedy, sampled):
+    for q, g, samples in zip(held, greedy, sampled):
         texts = [s.text for s in samples]
-        out["greedy"].append(right(g.text, a, b))
-        out["single"].append(np.mean([right(t, a, b) for t in texts]))
+        out["greedy"].append(right(g.text, q))
+        out["single"].append(np.mean([right(t, q) for t in texts]))
         completions = [[{"role": "assistant", "content": t}] for t in texts]
-        out["best_of_n"].append(right(texts[by_reward(ask(a, b), completions, reward).index], a, b))
-        out["majority"].append(right(texts[by_majority(texts).index], a, b))
+        out["best_of_n"].append(right(texts[by_reward(ask(q), completions, reward).index], q))
+        out["majority"].append(right(texts[by_majority(texts).index], q))
     result = {k: float(np.mean(v)) for k, v in out.items()}
     result["example"] = greedy[0].text
     return result
@@ -138,31 +183,38 @@ def plot(path: str, grpo: list[dict], before: dict, after: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rm-steps", type=int, default=100)
+    ap.add_argument("--rm-steps", type=int, default=200)
     ap.add_argument("--grpo-steps", type=int, default=30)
     ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=0.7, help="GRPO's sampling temperature")
+    ap.add_argument("--beta", type=float, default=0.04, help="GRPO's KL weight")
+    ap.add_argument("--reward-model", default=None, help="a run DIR of this script's step 1 to reuse (DIR/rm)")
     ap.add_argument("--output", default=None, help="directory for the runs, pipeline.json and pipeline.png")
     args = ap.parse_args()
     work = args.output or tempfile.mkdtemp(prefix="tunix-rt-reward-pipeline-")
     os.makedirs(work, exist_ok=True)
-    train, held = questions()
-    rm_train = write_jsonl(f"{work}/rm_train.jsonl", preference_rows(train, 400, 0))
-    rm_held = write_jsonl(f"{work}/rm_held.jsonl", preference_rows(held, 100, 1))
-    grpo_rows = write_jsonl(f"{work}/grpo.jsonl", [{"prompt": ask(a, b), "answer": str(a + b)} for a, b in train])
-
-    rm = f"{work}/rm"
-    rm_seconds = tunix("reward", "--data", rm_train, "--output", rm, "--steps", args.rm_steps, "--lora-rank", 8,
-                       "batch_size=8", "learning_rate=1e-3", "max_length=128", f"eval_data={rm_held}",
-                       f"eval_steps={args.rm_steps}", "progress=false", "--overwrite")
-    rm_acc = metrics(rm)[-1]["eval_accuracy"]
-    print(f"reward model: {args.rm_steps} steps in {rm_seconds:.0f}s, held-out pair accuracy {rm_acc:.3f}", flush=True)
+    train, held = questions(400, 0), questions(64, 1)
+    grpo_rows = write_jsonl(f"{work}/grpo.jsonl", [{"prompt": ask(q), "answer": str(q["value"])} for q in train])
+    rm, rm_seconds = args.reward_model, 0.0
+    if rm is None:
+        unseen = questions(100, 2)
+        rm_train = write_jsonl(f"{work}/rm_train.jsonl", preference_rows(train, 0) + policy_pairs(train, 0))
+        rm_held = write_jsonl(f"{work}/rm_held.jsonl", preference_rows(unseen, 1) + policy_pairs(unseen, 1))
+        rm = f"{work}/rm"
+        rm_seconds = tunix("reward", "--data", rm_train, "--output", rm, "--steps", args.rm_steps, "--lora-rank", 8,
+                           "batch_size=8", "learning_rate=1e-3", "max_length=128", f"eval_data={rm_held}",
+                           f"eval_steps={args.rm_steps}", "progress=false", "--overwrite")
+    rm_acc = [m for m in metrics(rm) if "eval_accuracy" in m][-1]["eval_accuracy"]
+    made = f"reused from {rm}" if args.reward_model else f"{args.rm_steps} steps in {rm_seconds:.0f}s"
+    print(f"reward model: {made}, held-out pair accuracy {rm_acc:.3f}", flush=True)
 
     before = evaluate_policy(None, f"{rm}/final", held, args.n)
     print(f"before GRPO: {before}", flush=True)
     grpo = f"{work}/grpo"
     grpo_seconds = tunix("grpo", "--data", grpo_rows, "--output", grpo, "--steps", args.grpo_steps, "--lora-rank", 8,
                          "--reward", "accuracy", "--reward-model", f"{rm}/final", "reward_weights=[0,1]",
-                         "batch_size=32", "num_generations=8", "max_completion_length=48", "learning_rate=2e-4",
+                         "batch_size=32", "num_generations=8", "max_completion_length=24", "learning_rate=3e-4",
+                         f"temperature={args.temperature}", f"beta={args.beta}",
                          "progress=false", "--overwrite")
     curve = [m for m in metrics(grpo) if "reward" in m]
     after = evaluate_policy(f"{grpo}/final", f"{rm}/final", held, args.n)

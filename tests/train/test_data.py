@@ -428,6 +428,15 @@ def test_data_order_seeds_and_shuffle():
 # --- bucketed lengths and the head window ----------------------------------------------------------------------
 
 
+def test_packed_lengths():
+    from tunix_rt.train.data import packed_length
+
+    assert [packed_length(n) for n in (0, 1, 16, 17, 128, 129, 200, 257, 513, 570, 1025)] == \
+        [16, 16, 16, 32, 128, 144, 208, 288, 576, 576, 1152]
+    assert all(n <= packed_length(n) < max(1.125 * n, n + 16) for n in range(1, 5000))  # padding under an eighth
+    assert len({packed_length(n) for n in range(513, 1025)}) == 8
+
+
 def test_bucket_lengths():
     from tunix_rt.train.data import bucket_length
 

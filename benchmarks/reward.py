@@ -1,12 +1,12 @@
 """Reward model training: tunix-rt's `reward` against TRL's RewardTrainer on the same rows, same run.
 
-Usage: python benchmarks/reward.py [--steps 20] [--gradient-checkpointing on|off] [--dtype float32|bfloat16]
-                                  [--peer-python PY]
+Usage: python benchmarks/reward.py [--steps 20] [--gradient-checkpointing default|on|off]
+                                  [--dtype default|float32|bfloat16] [--peer-python PY]
 
 The default model (its Q4_1 weights dequantized, written once as an HF directory both sides load), LoRA r8 on
-every projection plus the score head, batch 8 pairs, lr 1e-3, max_length 128, 2 threads each, gradient
-checkpointing on (both sides' default) or off on both, compute in float32 on both (TRL's own default on CPU
-is bf16 autocast: set it on both with --dtype bfloat16). Data: polite
+every projection plus the score head, batch 8 pairs, lr 1e-3, max_length 128, 2 threads each. Gradient
+checkpointing and the compute dtype are each side's default unless given (then the same on both): TRL's
+RewardConfig checkpoints and runs bf16 autocast on CPU; ours does neither (f32). Data: polite
 against rude replies to everyday requests (320 training pairs; 100 held-out pairs whose requests and reply
 templates the training set never shows). Prints the median seconds per step (the first 2 steps are warm-up), the
 first step's (compile included), each process's peak RSS and the held-out accuracy after the run (chosen scored
@@ -65,7 +65,7 @@ def pairs(split: str, n: int, seed: int) -> list[dict]:
 # --- contenders (each in its own process: `python reward.py --run NAME STEPS DIR`) ------------------------------
 
 
-def run_ours(steps: int, work: str, checkpointing: bool, dtype: str) -> dict:
+def run_ours(steps: int, work: str, options: dict) -> dict:
     import numpy as np
 
     from tunix_rt.checkpoints.loader import load_model
@@ -81,7 +81,7 @@ def run_ours(steps: int, work: str, checkpointing: bool, dtype: str) -> dict:
     cfg = RewardConfig(data="-", output=f"{work}/ours", steps=steps, batch_size=BATCH, max_length=MAX_LENGTH,
                        lora_rank=RANK, lora_alpha=ALPHA, lora_targets=TARGETS, learning_rate=LR,
                        lr_scheduler_type="constant", warmup_ratio=0.0, progress=False, save_steps=10_000,
-                       gradient_checkpointing=checkpointing, compute_dtype=dtype)
+                       **options)
     pad = loaded.tokenizer.pad_token_id or 0
     trainer = Trainer(cfg, loaded.model, RewardObjective(train, max_length=MAX_LENGTH, pad_id=pad))
     times = []
@@ -93,7 +93,7 @@ def run_ours(steps: int, work: str, checkpointing: bool, dtype: str) -> dict:
     return {"times": times, "accuracy": float(np.asarray(accuracy)), "rss": peak_rss_gb()}
 
 
-def run_trl(steps: int, work: str, checkpointing: bool, dtype: str) -> dict:
+def run_trl(steps: int, work: str, options: dict) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -110,11 +110,13 @@ def run_trl(steps: int, work: str, checkpointing: bool, dtype: str) -> dict:
     read = lambda name: [json.loads(line) for line in open(f"{work}/{name}.jsonl")]  # noqa: E731
     _, timer, times = trl_lora_and_timer("full", RANK, ALPHA, TARGETS)  # the step timer (LoRA set below: SEQ_CLS)
 
+    same = {k: v for k, v in options.items() if k == "gradient_checkpointing"}  # the options both sides set
+    if "compute_dtype" in options:
+        same["bf16"] = options["compute_dtype"] == "bfloat16"
     config = RewardConfig(output_dir=f"{work}/trl", per_device_train_batch_size=BATCH, max_length=MAX_LENGTH,
                           max_steps=steps, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
                           logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True,
-                          dataloader_num_workers=0, gradient_checkpointing=checkpointing,
-                          bf16=dtype == "bfloat16")
+                          dataloader_num_workers=0, **same)
     peft = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(TARGETS), task_type="SEQ_CLS")
     trainer = RewardTrainer(model=model, args=config, train_dataset=Dataset.from_list(read("train")),
                             processing_class=tokenizer, peft_config=peft, callbacks=[timer])
@@ -140,14 +142,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter with trl, peft and torch 2.13.0")
-    parser.add_argument("--gradient-checkpointing", choices=("on", "off"), default="on")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype, both")
+    parser.add_argument("--gradient-checkpointing", choices=("default", "on", "off"), default="default")
+    parser.add_argument("--dtype", choices=("default", "float32", "bfloat16"), default="default",
+                        help="compute dtype")
     parser.add_argument("--run", nargs=3, metavar=("NAME", "STEPS", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    checkpointing = args.gradient_checkpointing == "on"
+    options = {}  # what both sides set alike; the rest stays each side's default
+    if args.gradient_checkpointing != "default":
+        options["gradient_checkpointing"] = args.gradient_checkpointing == "on"
+    if args.dtype != "default":
+        options["compute_dtype"] = args.dtype
     if args.run:
         name, steps, work = args.run
-        print(json.dumps(CONTENDERS[name](int(steps), work, checkpointing, args.dtype)))
+        print(json.dumps(CONTENDERS[name](int(steps), work, options)))
         return
 
     from tunix_rt.checkpoints.hf_export import export_hf
@@ -168,7 +175,7 @@ def main() -> None:
                                                          f"--gradient-checkpointing={args.gradient_checkpointing}",
                                                          f"--dtype={args.dtype}"],
                                       THREADS, TUNIX_RT_BENCH_HF_DIR=hf_dir)
-    print(f"reward model, default model ({args.dtype} compute), LoRA r{RANK} + score head, batch {BATCH} pairs, "
+    print(f"reward model, default model (compute {args.dtype}), LoRA r{RANK} + score head, batch {BATCH} pairs, "
           f"{args.steps} steps, "
           f"{THREADS} threads, gradient checkpointing {args.gradient_checkpointing}; held-out: 100 unseen polite/rude "
           "pairs")

@@ -5,7 +5,7 @@ Usage: python benchmarks/reward_pipeline.py [--rm-steps 200] [--grpo-steps 30] [
 
 Task: a lookup grounded in the question, "Values: apple=4, pear=7, fig=2, plum=9. What is the value of pear?"
 (four distinct fruits and digits; the answer checked by the math reward's final-number rule). Training questions
-and 64 held-out ones from separate seeds.
+and 256 held-out ones from separate seeds.
 1. `tunix-rt reward`: the right value against another value of the same list, in one of four phrasings, and the
    policy's own samples (one per training question, temperature 1) against a phrasing of the right value where
    the sample is wrong, or against another value where it is right: a reward model that never saw the policy's
@@ -186,6 +186,7 @@ def main() -> None:
     ap.add_argument("--rm-steps", type=int, default=200)
     ap.add_argument("--grpo-steps", type=int, default=30)
     ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--heldout", type=int, default=256, help="held-out questions")
     ap.add_argument("--temperature", type=float, default=0.7, help="GRPO's sampling temperature")
     ap.add_argument("--beta", type=float, default=0.04, help="GRPO's KL weight")
     ap.add_argument("--reward-model", default=None, help="a run DIR of this script's step 1 to reuse (DIR/rm)")
@@ -193,7 +194,7 @@ def main() -> None:
     args = ap.parse_args()
     work = args.output or tempfile.mkdtemp(prefix="tunix-rt-reward-pipeline-")
     os.makedirs(work, exist_ok=True)
-    train, held = questions(400, 0), questions(64, 1)
+    train, held = questions(400, 0), questions(args.heldout, 1)
     grpo_rows = write_jsonl(f"{work}/grpo.jsonl", [{"prompt": ask(q), "answer": str(q["value"])} for q in train])
     rm, rm_seconds = args.reward_model, 0.0
     if rm is None:

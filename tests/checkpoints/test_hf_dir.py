@@ -78,9 +78,13 @@ def test_safetensors_reader_matches_the_package_and_refuses_bad_files(tmp_path):
     cases = {"truncated": raw[:-8], "no header": raw[:4],
              "huge header length": (10**12).to_bytes(8, "little") + raw[8:],
              "header not JSON": raw[:8] + b"{" * header_len + raw[8 + header_len:]}
-    for key, change in (("dtype", "Q4"), ("shape", [3, 6]), ("data_offsets", [0, 10**9]), ("shape", [-1, 5])):
+    for key, change in (("dtype", "Q4"), ("shape", [3, 6]), ("data_offsets", [0, 10**9]), ("shape", [-1, 5]),
+                        ("shape", [2**63, 2]), ("shape", [2**40, 2**40]), ("data_offsets", "0-60"), (None, [1, 2])):
         bad = json.loads(json.dumps(header))
-        bad["f32"][key] = change
+        if key is None:
+            bad["f32"] = change  # an entry that is no object
+        else:
+            bad["f32"][key] = change
         text = json.dumps(bad).encode().ljust(header_len)
         cases[f"bad {key} {change}"] = raw[:8] + text[:header_len] + raw[8 + header_len:] if len(text) <= header_len \
             else len(text).to_bytes(8, "little") + text + raw[8 + header_len:]
@@ -90,6 +94,16 @@ def test_safetensors_reader_matches_the_package_and_refuses_bad_files(tmp_path):
             f = hf_dir.SafetensorsFile(path)
             for name in f.tensors:
                 f.read(name)
+    # a dtype numpy has none of is listed (the loader skips what it has no place for) and refused when read
+    complex_header = json.loads(json.dumps(header))
+    complex_header["f32"]["dtype"], complex_header["f32"]["shape"] = "C64", [3, 1]
+    complex_header["f32"]["data_offsets"][1] = complex_header["f32"]["data_offsets"][0] + 24
+    text = json.dumps(complex_header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + header_len:])
+    f = hf_dir.SafetensorsFile(path)
+    assert "f32" in f.tensors and f.read("i64").tolist() == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(CheckpointError, match="dtype tunix-rt does not read"):
+        f.read("f32")
 
 
 def test_tensors_come_a_stack_at_a_time():
@@ -100,3 +114,8 @@ def test_tensors_come_a_stack_at_a_time():
         "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.layers.2.mlp.up_proj.weight",
         "model.layers.0.self_attn.q_proj.weight.qs", "model.layers.0.self_attn.q_proj.weight.scales",
         "model.layers.10.self_attn.q_proj.weight.qs", "model.norm.weight"]
+    experts = [f"model.layers.{layer}.mlp.experts.{e}.{p}.weight" for layer in (0, 1) for e in (0, 1)
+               for p in ("down_proj", "up_proj")]
+    assert sorted(experts, key=hf_dir._stack_order) == [  # each projection's experts of every layer in a row
+        f"model.layers.{layer}.mlp.experts.{e}.{p}.weight" for p in ("down_proj", "up_proj") for layer in (0, 1)
+        for e in (0, 1)]

@@ -239,6 +239,11 @@ _TIER_SCRIPT = textwrap.dedent(
     k, v = (rng.standard_normal((2, 150, 2, 16)).astype(np.float32) for _ in range(2))
     positions = np.r_[np.arange(20), 20 + np.arange(130) % 65].astype(np.int32)[None].repeat(2, 0)
     segments = np.r_[-np.ones(20), 1 + np.arange(130) // 65].astype(np.int32)[None].repeat(2, 0)
+    # row 1: grouped prefixes at the int32 extremes: group 32767's prefix (-32768) seen by its two completions
+    # and by INT32_MAX (group 32767 too); an INT32_MIN prefix no positive segment sees
+    top, lo, hi = (32767 << 16), np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    positions[1] = np.r_[np.arange(20), 20 + np.arange(65), 20 + np.arange(45), np.arange(10), 20 + np.arange(10)]
+    segments[1] = np.r_[[-32768] * 20, [top + 1] * 65, [top + 2] * 45, [lo] * 10, [hi] * 10]
     dout = rng.standard_normal(q.shape).astype(np.float32)
     out = dict(q=q, k=k, v=v, positions=positions, segments=segments, dout=dout)
     q_nan = q.copy()

@@ -16,7 +16,7 @@ from tests.train.test_train_cli import cli
 from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.train.config import RewardConfig
 from tunix_rt.train.data import DataError, PreferenceExample, load_preferences
-from tunix_rt.train.reward import RewardObjective, attach_score_head, pack_pairs, packed_rewards, pair_layout
+from tunix_rt.train.reward import RewardObjective, attach_score_head, pack_pairs, packed_rewards, packed_rows, pair_layout
 from tunix_rt.train.trainer import LossContext
 
 torch = pytest.importorskip("torch")
@@ -91,9 +91,30 @@ def test_loss_and_metrics_match_numpy(tiny, center, rows):
     assert grads.shape == (model.config.hidden_size, 1)
 
 
+def test_a_sequence_with_nothing_readable_is_read_at_its_first_token(tiny):
+    """All of a sequence's tokens are the pad id: HF (and sequence_scores) read its first token; packed, that is
+    its own prompt's first token, not the row's."""
+    loaded = load_model(tiny / "model")
+    model = attach_score_head(loaded.model, 3, seed=1)
+    normal = PreferenceExample(np.array([1, 40, 41], np.int32), np.array([42, 43], np.int32), np.array([44], np.int32))
+    padded = PreferenceExample(np.array([3, 3], np.int32), np.array([3], np.int32), np.array([], np.int32))
+    batch = pack_pairs([normal, padded], 1, 32, max_length=16, pad_id=0)
+    r = np.asarray(packed_rewards(model, {k: jnp.asarray(v) for k, v in batch.items()}))
+    want = [_alone(model, np.r_[p.prompt_ids, getattr(p, side)]) for side in ("chosen_ids", "rejected_ids")
+            for p in (normal, padded)]
+    np.testing.assert_allclose(r, want, rtol=1e-4, atol=1e-5)
+
+
+def test_packed_rows():
+    assert packed_rows(8, 1, 128) == 1 and packed_rows(8, 2, 128) == 2  # one row per data shard
+    assert packed_rows(8, 1, 1024) == 4  # rows of at most ROW_TOKENS: two pairs of 2 x 1024
+    assert packed_rows(6, 1, 1024) == 3 and packed_rows(8, 1, 4096) == 8  # dividing the batch; a pair alone
+    assert packed_rows(12, 2, 1024) == 6
+
+
 def test_pairs_cut_as_rows_of_their_own():
     """A prompt longer than max_length is cut there and both replies dropped; a reply is cut where prompt +
-    reply reaches max_length, as two separate rows would be."""
+    reply reaches max_length (tokenize_preference's cut)."""
     pair = PreferenceExample(np.arange(1, 9, dtype=np.int32), np.arange(20, 25, dtype=np.int32),
                              np.arange(30, 32, dtype=np.int32))
     prompt, chosen, rejected = pair_layout(pair, 10)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -64,8 +65,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
-           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
+           "U8": np.uint8, "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+_ITEMSIZE = {"F8_E8M0": 1, "C64": 8}  # dtypes a header may name that no tensor tunix-rt reads has
 _MAX_HEADER = 100 << 20  # safetensors' own bound on the JSON header
 
 
@@ -86,17 +88,19 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
         except OSError as e:
             raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise CheckpointError(f"{path} is not a readable safetensors file: its header is not JSON ({e})") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{path} is not a readable safetensors file: its header is not a JSON object")
         header.pop("__metadata__", None)
-        self.tensors = {}  # name -> (dtype, shape, file offset, bytes)
+        self.tensors = {}  # name -> (dtype or None where numpy has none, shape, file offset, bytes)
         for name, entry in header.items():
             try:
-                dtype, shape, (start, end) = np.dtype(_DTYPES[entry["dtype"]]), tuple(entry["shape"]), entry["data_offsets"]
+                kind, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+                dtype = np.dtype(_DTYPES[kind]).newbyteorder("<") if kind in _DTYPES else None
+                itemsize = dtype.itemsize if dtype is not None else _ITEMSIZE[kind]
                 ok = all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(start, int) and 0 <= start <= end
-                ok = ok and end - start == int(np.prod(shape, dtype=np.int64)) * dtype.itemsize and 8 + n + end <= size
+                ok = ok and end - start == math.prod(shape) * itemsize and 8 + n + end <= size
             except (KeyError, TypeError, ValueError):
                 ok = False
             if not ok:
@@ -105,6 +109,8 @@ class SafetensorsFile:
 
     def read(self, name: str) -> np.ndarray:
         dtype, shape, offset, nbytes = self.tensors[name]
+        if dtype is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has a dtype tunix-rt does not read")
         out = np.empty(shape, dtype)
         try:
             with open(self.path, "rb") as f:
@@ -123,6 +129,7 @@ def tensor_names(model_dir: Path) -> list[str]:
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_STACKED = re.compile(r"(?:^|\.)(?:layers|experts)\.(\d+)\.")
 
 
 def check_layer_count(model_dir: Path, num_layers: int) -> None:
@@ -139,9 +146,8 @@ def _stack_order(name: str) -> tuple:
     """Tensors of one layer-stacked weight in a row (every layer's q_proj, then every layer's k_proj, ...; a
     quantized weight's parts together): each stack is whole, moved to the device and its host parts freed
     before the next is read, instead of every layer's tensors waiting for the last layer."""
-    m = _LAYER.search(name)
-    stem = name[:m.start(1)] + "*" + name[m.end(1):] if m else name
-    return stem.split(".weight", 1)[0], int(m.group(1)) if m else -1, name
+    indices = tuple(int(i) for i in _STACKED.findall(name))  # the layer, and an expert's index
+    return _STACKED.sub(lambda m: m.group(0).replace(m.group(1), "*"), name).split(".weight", 1)[0], indices, name
 
 
 def iter_tensors(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:

@@ -2,7 +2,8 @@
 
 Numpy only. A batch is as long as its longest row needs, rounded up to a bucket of `bucket_length` (16s up to
 64, then powers of two and the points halfway between), so the trainer compiles one program per bucket, never one per batch,
-and short chats are not padded to max_length. The trained targets are gathered into a window of their own
+and short chats are not padded to max_length (a reward model's pairs, packed end to end, take the finer
+`packed_length`). The trained targets are gathered into a window of their own
 (`head_window`), so the output head runs on them only.
 """
 
@@ -450,7 +451,7 @@ def bucket_length(n: int, cap: int | None = None) -> int:
 
 def packed_length(n: int) -> int:
     """The padded length of a row packing several examples end to end, n tokens in all: the next multiple of 16
-    up to 128, then of an eighth of n's octave (64 from 512 to 1024). A packed row's total varies little from
+    up to 128, then of an eighth of n's octave (64 from 513 to 1024). A packed row's total varies little from
     batch to batch, so the finer steps cost few compiles and keep the padding under an eighth."""
     n = max(int(n), 1)
     step = 16 if n <= 128 else 1 << ((n - 1).bit_length() - 4)

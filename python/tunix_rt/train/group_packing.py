@@ -26,6 +26,8 @@ def pack_groups(c: Completions, cfg: RLConfig, seq_len: int, pad_id: int, *,
     drew from). Truncated completions lose their loss mask when
     mask_truncated_completions is set. With `block_size`, the paged layout of the rows (paged_layout) too."""
     g, width = cfg.num_generations, cfg.max_completion_length
+    if g >= 1 << 16:  # segment ids 1..G see the prefix -1 only below 2**16 (ops/attention.prefix_segment)
+        raise ValueError(f"num_generations={g}: at most {(1 << 16) - 1} completions share a prompt")
     n = len(c)
     groups = n // g
     batch = {"tokens": np.full((groups, seq_len), pad_id, np.int32),

@@ -5,7 +5,7 @@ gets a fresh score head (trained in full under LoRA too); a loaded reward model 
 
 A pair trains as its prompt once with both replies behind it (the rejected reply sees the prompt, never the
 chosen one: ops/attention's grouped shared prefixes), and a batch's pairs pack end to end into as few rows as the
-data-parallel axis allows: against two padded rows per pair (TRL's), a short-reply dataset runs about half the
+data-parallel axis and ROW_TOKENS allow: against two padded rows per pair (TRL's), a short-reply dataset runs about half the
 tokens, with the same scores."""
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def whole_pairs(examples: Sequence[PreferenceExample], max_length: int) -> list[
 
 
 def pair_layout(pair: PreferenceExample, max_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(prompt, chosen reply, rejected reply) as packed: prompt + reply is cut to max_length as each would be
-    on a row of its own, so the prompt is at most max_length tokens and a reply what fits after it."""
+    """(prompt, chosen reply, rejected reply) as packed: the prompt at most max_length tokens and each reply what
+    fits after it (data.tokenize_preference's cut; the CLI's pairs fit whole, `whole_pairs`)."""
     prompt = pair.prompt_ids[:max_length]
     room = max_length - len(prompt)
     return prompt, pair.chosen_ids[:room], pair.rejected_ids[:room]
@@ -81,6 +81,8 @@ def pack_pairs(pairs: Sequence[PreferenceExample], rows: int, length: int, *, ma
     if len(pairs) % rows:
         raise ValueError(f"{len(pairs)} pairs do not split evenly into {rows} rows")
     per_row = len(pairs) // rows
+    if per_row >= 1 << 15:  # a pair's segment ids (j << 16) + 2 must stay an int32
+        raise ValueError(f"{per_row} pairs in one row; at most {(1 << 15) - 1}")
     batch = {"tokens": np.full((rows, length), pad_id, np.int32), "positions": np.full((rows, length), -1, np.int32),
              "segment_ids": np.zeros((rows, length), np.int32)}
     score_row, score_segment = np.zeros((2, len(pairs)), np.int32), np.zeros((2, len(pairs)), np.int32)
@@ -102,14 +104,31 @@ def pack_pairs(pairs: Sequence[PreferenceExample], rows: int, length: int, *, ma
 
 def packed_rewards(model: Decoder, batch: dict) -> jax.Array:
     """(2B,) the reward of each packed sequence: the score head at its last readable token (Decoder.score_readable,
-    HF's rule), among its reply's tokens and its prompt's -- the token an unpacked row would be read at."""
+    HF's rule), among its reply's tokens and its prompt's -- the token an unpacked row would be read at (its first
+    token where none is readable, as there)."""
     h, _ = model.hidden_states(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"])
     rows, own = batch["score_row"], batch["score_segment"]
     segments = batch["segment_ids"][rows]
     mine = (segments == own[:, None]) | (segments == prefix_segment(own)[:, None])
     readable = mine & model.score_readable(batch["tokens"][rows], batch["positions"][rows])
     last = jnp.argmax(jnp.where(readable, jnp.arange(segments.shape[-1]), -1), axis=-1)
+    last = jnp.where(readable.any(-1), last, jnp.argmax(mine, axis=-1))
     return model.score(h[rows, last])[:, 0]
+
+
+ROW_TOKENS = 4096  # a packed row's tokens at most (pairs * 2 * max_length): the dense attention off CPU is O(T^2)
+
+
+def packed_rows(batch_size: int, data_parallel: int, max_length: int) -> int:
+    """Rows a batch of pairs packs into: a multiple of the data-parallel axis dividing batch_size, as few as keep
+    each row within ROW_TOKENS."""
+    per_row = max(1, ROW_TOKENS // (2 * max_length))
+    rows = data_parallel
+    while batch_size % rows or -(-batch_size // rows) > per_row:
+        if rows >= batch_size:
+            return batch_size
+        rows += data_parallel
+    return rows
 
 
 class RewardObjective:

@@ -93,7 +93,7 @@ def _kto(cfg: KTOConfig, loaded: LoadedModel, data: str):
 
 
 def _reward(cfg: RewardConfig, loaded: LoadedModel, data: str):
-    from tunix_rt.train.reward import RewardObjective, attach_score_head, reward_pad_id, whole_pairs
+    from tunix_rt.train.reward import RewardObjective, attach_score_head, packed_rows, reward_pad_id, whole_pairs
 
     model_type = loaded.hf_config.get("model_type")
     if model_type not in CLASSIFIERS:  # refused before training, not at export
@@ -103,7 +103,7 @@ def _reward(cfg: RewardConfig, loaded: LoadedModel, data: str):
                                             max_prompt_length=cfg.max_prompt_length), cfg.max_length)
     return RewardObjective(examples, max_length=cfg.max_length, pad_id=_pad_id(loaded.tokenizer),
                            center_rewards_coefficient=cfg.center_rewards_coefficient,
-                           rows=make_mesh(cfg.fsdp, cfg.tp).shape["fsdp"])  # one packed row per data shard
+                           rows=packed_rows(cfg.batch_size, make_mesh(cfg.fsdp, cfg.tp).shape["fsdp"], cfg.max_length))
 
 
 def _distill(cfg: DistillConfig, loaded: LoadedModel, data: str):

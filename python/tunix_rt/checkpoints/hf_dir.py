@@ -100,11 +100,15 @@ class SafetensorsFile:
                 dtype = np.dtype(_DTYPES[kind]).newbyteorder("<") if kind in _DTYPES else None
                 itemsize = dtype.itemsize if dtype is not None else _ITEMSIZE[kind]
                 ok = all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(start, int) and 0 <= start <= end
-                ok = ok and end - start == math.prod(shape) * itemsize and 8 + n + end <= size
+                ok = ok and end - start == math.prod(shape) * itemsize
             except (KeyError, TypeError, ValueError):
                 ok = False
             if not ok:
-                raise CheckpointError(f"{path}: tensor {name!r} has a malformed entry in the header ({entry!r:.200})")
+                raise CheckpointError(f"{path} is not a readable safetensors file: tensor {name!r} has a malformed "
+                                      f"entry in the header ({entry!r:.200})")
+            if 8 + n + end > size:
+                raise CheckpointError(f"{path} is not a readable safetensors file: it ends before tensor {name!r}'s "
+                                      "data (truncated)")
             self.tensors[name] = (dtype, shape, 8 + n + start, end - start)
 
     def read(self, name: str) -> np.ndarray:
@@ -119,7 +123,8 @@ class SafetensorsFile:
         except OSError as e:
             raise CheckpointError(f"cannot read {self.path}: {e.strerror}") from None
         if got != nbytes:
-            raise CheckpointError(f"{self.path} ends inside tensor {name!r}: the file is truncated")
+            raise CheckpointError(f"{self.path} is not a readable safetensors file: it ends inside tensor {name!r} "
+                                  "(truncated)")
         return out
 
 

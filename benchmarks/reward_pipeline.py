@@ -67,18 +67,28 @@ def preference_rows(qs: list[dict], seed: int) -> list[dict]:
     return rows
 
 
+def policy(adapter: str | None, qs: list[dict]):
+    """(engine, prompt ids): the default model (with `adapter`) in the rollout engine, and each question as its
+    chat prompt."""
+    from tunix_rt.checkpoints.loader import load_model
+    from tunix_rt.checkpoints.peft_adapter import load_adapter
+    from tunix_rt.engine.engine import Engine
+
+    loaded = load_model("default")
+    if adapter is not None:
+        load_adapter(loaded.model, adapter)
+    tok = loaded.tokenizer
+    prompts = [tok.apply_chat_template(ask(q), add_generation_prompt=True, tokenize=True) for q in qs]
+    return Engine(loaded.model, tok, max_model_len=128, max_num_seqs=64), prompts
+
+
 def policy_pairs(qs: list[dict], seed: int) -> list[dict]:
     """The default model's sample of each question (temperature 1, 32 tokens) against a phrasing of the right
     value (a wrong sample) or of another value (a right one)."""
-    from tunix_rt.checkpoints.loader import load_model
-    from tunix_rt.engine.engine import Engine
     from tunix_rt.engine.params import SamplingParams
 
-    loaded = load_model("default")
-    tok = loaded.tokenizer
-    prompts = [tok.apply_chat_template(ask(q), add_generation_prompt=True, tokenize=True) for q in qs]
-    samples = Engine(loaded.model, tok, max_model_len=128, max_num_seqs=64).generate(
-        prompts, SamplingParams(max_tokens=32, temperature=1.0, seed=seed))
+    engine, prompts = policy(None, qs)
+    samples = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=1.0, seed=seed))
     rng = random.Random(seed)
     rows = []
     for q, sample in zip(qs, samples):
@@ -123,18 +133,11 @@ def evaluate_policy(adapter: str | None, reward_model: str, held, n: int) -> dic
     reward model, majority of n."""
     import numpy as np
 
-    from tunix_rt.checkpoints.loader import load_model
-    from tunix_rt.checkpoints.peft_adapter import load_adapter
-    from tunix_rt.engine.engine import Engine
     from tunix_rt.engine.params import SamplingParams
     from tunix_rt.evaluation.selection import by_majority, by_reward
     from tunix_rt.train.reward_model_reward import RewardModelReward
-    loaded = load_model("default")
-    if adapter is not None:
-        load_adapter(loaded.model, adapter)
-    tok = loaded.tokenizer
-    prompts = [tok.apply_chat_template(ask(q), add_generation_prompt=True, tokenize=True) for q in held]
-    engine = Engine(loaded.model, tok, max_model_len=128, max_num_seqs=64)
+
+    engine, prompts = policy(adapter, held)
     greedy = engine.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0))
     sampled = engine.generate(prompts, SamplingParams(max_tokens=48, temperature=1.0, n=n, seed=1))
     reward = RewardModelReward(reward_model)

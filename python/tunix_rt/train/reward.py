@@ -88,7 +88,8 @@ def pack_pairs(pairs: Sequence[PreferenceExample], rows: int, length: int, *, ma
     score_row, score_segment = np.zeros((2, len(pairs)), np.int32), np.zeros((2, len(pairs)), np.int32)
     for i, pair in enumerate(pairs):
         row, j = divmod(i, per_row)
-        offset = int(np.count_nonzero(batch["positions"][row] >= 0))
+        if j == 0:  # pairs fill a row in order, each after the last
+            offset = 0
         prompt, *replies = pair_layout(pair, max_length)
         parts = [(prompt, 0, -(j + 1))] + [(ids, len(prompt), (j << 16) + side) for side, ids in enumerate(replies, 1)]
         for ids, start, segment in parts:

@@ -216,3 +216,66 @@ def test_a_trained_scanned_layer_keeps_only_its_named_values():
     from tunix_rt.models.decoder import SAVED_IN_TRAINING
 
     assert named <= len(SAVED_IN_TRAINING) + 2  # and the layer's input, the positions
+
+
+def test_bf16_training_scans_move_uint16_bits_and_differentiate_the_same():
+    """A bf16 LoRA step's layer scan takes the frozen base's stacks as uint16 bits (`constant_params`) and hands
+    its backward the named bf16 values as uint16 (models/remat.py saved_value): XLA:CPU has no bf16 dynamic
+    slice or update and converted whole stacks to f32 for each layer. Loss and adapter gradients are the ones
+    the plain bf16 stacks give, bit for bit."""
+    from tunix_rt.models.layer_stack import as_bits
+    from tunix_rt.train.trainer import set_compute_dtype
+
+    cfg = _config(architecture="llama", sandwich_norms=False, layer_types=(FULL,) * 4, num_layers=4)
+    model = apply_lora(Decoder(cfg, rngs=nnx.Rngs(3)), rank=4, alpha=8.0)
+    set_compute_dtype(model, jnp.bfloat16)
+    graphdef, adapters, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    adapters = jax.tree.map(lambda a: a + 0.01, adapters)  # B starts at zero: make every adapter count
+    frozen = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, frozen)
+    tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % cfg.vocab_size
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+
+    def loss(adapters, frozen, constant):
+        model = nnx.merge(graphdef, adapters, frozen)
+        model.layers.constant_params = constant
+        return jnp.sum(model.hidden_states(tokens, positions)[0].astype(jnp.float32) ** 2)
+
+    bits = {k: (as_bits(v) if k == "layers" else v) for k, v in frozen.items()}
+    plain = jax.value_and_grad(loss)(adapters, frozen, False)
+    through_bits = jax.value_and_grad(loss)(adapters, bits, True)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, plain), jax.tree.map(np.asarray, through_bits))
+
+    jaxpr = jax.make_jaxpr(lambda a: jax.grad(loss)(a, bits, True))(adapters).jaxpr
+    forward = next(eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan")
+    residuals = forward.outvars[forward.params["num_carry"]:]
+    stacked_in = forward.invars[forward.params["num_consts"] + forward.params["num_carry"]:]
+    assert residuals and jnp.dtype(jnp.uint16) in {v.aval.dtype for v in residuals}
+    assert jnp.dtype(jnp.bfloat16) not in {v.aval.dtype for v in [*residuals, *stacked_in]}
+
+
+def test_checkpointed_bf16_layers_stack_no_bf16_residual():
+    """With gradient checkpointing the layers keep their own inputs (models/remat.py), a bf16 one as uint16 bits,
+    and the scan adds no policy of its own (which kept every layer's bf16 input a second time); the gradients are
+    the unchecked layers'."""
+    from tunix_rt.train.trainer import set_compute_dtype
+
+    cfg = _config(architecture="llama", sandwich_norms=False, layer_types=(FULL,) * 4, num_layers=4)
+    model = apply_lora(Decoder(cfg, rngs=nnx.Rngs(4)), rank=4, alpha=8.0)
+    set_compute_dtype(model, jnp.bfloat16)
+    graphdef, adapters, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    adapters = jax.tree.map(lambda a: a + 0.01, adapters)
+    tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % cfg.vocab_size
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+
+    def loss(adapters, remat):
+        model = nnx.merge(graphdef, adapters, frozen)
+        model.remat = remat
+        return jnp.sum(model.hidden_states(tokens, positions)[0].astype(jnp.float32) ** 2)
+
+    checkpointed, plain = (jax.value_and_grad(loss)(adapters, remat) for remat in (True, False))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, plain), jax.tree.map(np.asarray, checkpointed))
+    jaxpr = jax.make_jaxpr(lambda a: jax.grad(loss)(a, True))(adapters).jaxpr
+    forward = next(eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan")
+    residuals = forward.outvars[forward.params["num_carry"]:]
+    assert jnp.dtype(jnp.uint16) in {v.aval.dtype for v in residuals}
+    assert jnp.dtype(jnp.bfloat16) not in {v.aval.dtype for v in residuals}

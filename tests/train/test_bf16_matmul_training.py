@@ -46,12 +46,18 @@ def test_kernel_option(tmp_path):
 
 
 def test_a_lora_base_is_cast_once_and_exported_in_f32(tmp_path):
-    """The frozen base reaches every step in bf16, cast once when training starts; the f32 masters stay for the
-    merged export."""
+    """The frozen base reaches every step in bf16, cast once when training starts (the layers' stacks as their
+    uint16 bits, which the layer scan reads back as bf16); the f32 masters stay for the merged export."""
     objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
     trainer = Trainer(W.config(tmp_path, steps=2, compute_dtype="bfloat16", lora_rank=4), W.new_model(), objective)
     dtypes = lambda tree: {x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
-    assert dtypes(trainer.frozen_compute) == {jnp.dtype(jnp.bfloat16)}
+    layers = lambda tree: {k: v for k, v in tree.items() if k == "layers"}
+    others = lambda tree: {k: v for k, v in tree.items() if k != "layers"}
+    assert dtypes(others(trainer.frozen_compute)) == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(layers(trainer.frozen_compute))} == {jnp.dtype(jnp.uint16)}
+    jax.tree.map(lambda bits, master: np.testing.assert_array_equal(
+        np.asarray(jax.lax.bitcast_convert_type(bits, jnp.bfloat16)), np.asarray(master.astype(jnp.bfloat16))),
+        layers(trainer.frozen_compute), layers(trainer.frozen))
     assert dtypes(trainer.frozen) == {jnp.dtype(jnp.float32)}
     before = jax.tree.map(np.asarray, trainer.frozen_compute)
     records = [trainer.run_step(step) for step in range(2)]

@@ -10,13 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from tunix_rt.models.config import ModelConfig
 from tunix_rt.models.kv_cache import DenseKVCache, PagedKVCache
 from tunix_rt.models.layer_stack import LayerStack, LayerView
 from tunix_rt.models.quant_layers import QuantEmbed, QuantLinear
-from tunix_rt.models.remat import recompute_in_backward, tie
+from tunix_rt.models.remat import recompute_in_backward, saved_value, tie
 from tunix_rt.models.rope import apply_rope, attention_scaling, dynamic_inverse_frequencies, inverse_frequencies
 from tunix_rt.models.vision import ImageEncoder, ImageTokens, image_attend_until, merge_image_tokens
 from tunix_rt.ops import attention, grouped_matmul, permute, rms_norm, router_topk, unpermute
@@ -141,7 +140,7 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq, scaling)
         k = apply_rope(k, positions, inv_freq, scaling)
         if cache is None:
-            q, k, v = (checkpoint_name(a, name) for a, name in zip((q, k, v), ("attention_q", "attention_k", "attention_v")))
+            q, k, v = (saved_value(a, name) for a, name in zip((q, k, v), ("attention_q", "attention_k", "attention_v")))
             out = attention(q, k, v, positions, segment_ids, scale=self.scale, window=self.window, softcap=self.softcap,
                             attend_until=attend_until)
         else:
@@ -159,7 +158,7 @@ class MLP(nnx.Module):
         self.act = _ACT[cfg.activation]
 
     def __call__(self, x):
-        gate, up = checkpoint_name(self.gate_proj(x), "mlp_gate"), checkpoint_name(self.up_proj(x), "mlp_up")
+        gate, up = saved_value(self.gate_proj(x), "mlp_gate"), saved_value(self.up_proj(x), "mlp_up")
         return self.down_proj(self.act(gate) * up)
 
 
@@ -202,8 +201,8 @@ class MoEMLP(nnx.Module):
         weights, ids = router_topk(logits, self.top_k, renormalize=self.renormalize)
         rows, row_of, group_sizes = permute(flat, ids, self.num_experts)
         ex = self.experts
-        gate = checkpoint_name(_experts_matmul(rows, ex.gate_proj.get_value(), group_sizes), "mlp_gate")
-        up = checkpoint_name(_experts_matmul(rows, ex.up_proj.get_value(), group_sizes), "mlp_up")
+        gate = saved_value(_experts_matmul(rows, ex.gate_proj.get_value(), group_sizes), "mlp_gate")
+        up = saved_value(_experts_matmul(rows, ex.up_proj.get_value(), group_sizes), "mlp_up")
         out = unpermute(_experts_matmul(self.act(gate) * up, ex.down_proj.get_value(), group_sizes), row_of, weights)
         if self.shared:  # the product behind a barrier: no FMA with the add, whatever the fusion
             out = out + jax.lax.optimization_barrier(jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat))
@@ -221,9 +220,11 @@ def _experts_matmul(rows, w, group_sizes):
     return grouped_matmul(rows, w.stack.reshape(layers * experts, *w.stack.shape[2:]), sizes)
 
 
-# What a training layer keeps for its backward (named by checkpoint_name; LayerStack recomputes the rest): the
-# products and the attention kernel's results, not the norms, activations and LoRA products made from them.
-SAVED_IN_TRAINING = ("attention_q", "attention_k", "attention_v", *ATTENTION_SAVED, "residual", "mlp_gate", "mlp_up")
+# What a training layer keeps for its backward (named by remat.saved_value; LayerStack recomputes the rest): its
+# input, the products and the attention kernel's results, not the norms, activations and LoRA products made
+# from them.
+SAVED_IN_TRAINING = ("layer_input", "attention_q", "attention_k", "attention_v", *ATTENTION_SAVED, "residual",
+                     "mlp_gate", "mlp_up")
 
 
 class DecoderLayer(nnx.Module):
@@ -242,7 +243,7 @@ class DecoderLayer(nnx.Module):
         """`layer`: the layer's index in the decoder (a traced int32 in a scanned segment), which the cache needs;
         `attend_until`: the last key position each query sees, where images' tokens see their whole image."""
         attn, cache = self.attn(self.input_norm(x), positions, cache, segment_ids, layer, attend_until)
-        x = checkpoint_name(x + (self.post_attn_norm(attn) if self.sandwich else attn), "residual")
+        x = saved_value(x + (self.post_attn_norm(attn) if self.sandwich else attn), "residual")
         mlp = self.mlp(self.pre_mlp_norm(x))
         return x + (self.post_mlp_norm(mlp) if self.sandwich else mlp), cache
 
@@ -290,9 +291,11 @@ class Decoder(nnx.Module):
             x, cache = carry
             if self.remat and cache is None:
                 return _remat_layer(layer, x, positions, segment_ids, attend_until, self.dtype), cache
-            return layer(x, positions, cache, segment_ids, index, attend_until)
+            # what a scanned layer's recomputation starts from, named for its dtype (not inside _remat_layer,
+            # which keeps its input itself: named there too, the scan would stack a second copy)
+            return layer(saved_value(x, "layer_input"), positions, cache, segment_ids, index, attend_until)
 
-        x, cache = self.layers((x, cache), run)
+        x, cache = self.layers((x, cache), run, recomputes=self.remat and cache is None)
         if cache is not None:
             cache = cache.end(tokens.shape[1])
         return self.final_norm(x), cache

@@ -15,12 +15,20 @@ materialised), which a weight-bound decode step cannot afford. So a stack runs o
   the body gets views (`LayerView`, a QuantizedTensor with its `layer` set) that the kernels index
   directly; what has no indexing kernel reads its slice, which only small tensors do.
 
+A bf16 stack that is never differentiated (a LoRA base: `constant_params`) goes into the scan as its uint16
+bits (`as_bits`; the trainer holds them so) and each layer's slice is read back as bf16: XLA:CPU has no bf16
+dynamic slice, and converted every such stack to f32 at each step to slice it there. With the named values
+kept as bits too (models/remat.py saved_value), the default model's bf16 LoRA reward step went 1.08 -> 0.73 s
+(benchmarks/reward.py's rows, without checkpointing, XLA's bf16 dot, 2 threads, AVX-512 BF16).
+
 What a scanned layer keeps for its backward is stacked too: each value is written into a zeroed buffer over
 the layers and sliced out again, three passes over memory that an unrolled layer does not make. So when
 differentiated a scanned layer keeps only the values its model names in `saved` (jax.checkpoint's
 save_only_these_names: the products and the attention kernel's results) and recomputes the cheap rest
 (norms, activations, LoRA's rank-r products): the default model's f32 LoRA step on short chats went 1.74 ->
-1.60 s (benchmarks/train_real.py; 1.58 s before the layers were scanned), its peak RSS 2.35 -> 1.97 GB.
+1.60 s (benchmarks/train_real.py; 1.58 s before the layers were scanned), its peak RSS 2.35 -> 1.97 GB. A
+layer function that recomputes itself (gradient checkpointing: `recomputes`) gets no policy from the scan,
+which would keep each layer's input a second time (a bf16 one through those whole-stack converts).
 """
 
 from __future__ import annotations
@@ -128,6 +136,17 @@ def _view(state, index) -> Any:
     return jax.tree.map(one, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
+def as_bits(state) -> Any:
+    """bf16 arrays as their uint16 bits; others as they are. XLA:CPU copies a whole array to bitcast it, so a
+    caller that runs the stack many times (the trainer) hands it constant stacks as bits made once."""
+    return jax.tree.map(lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a, state)
+
+
+def _from_bits(state) -> Any:
+    """A constant stack's uint16 arrays (`as_bits`) back as bf16: no model has uint16 weights of its own."""
+    return jax.tree.map(lambda a: jax.lax.bitcast_convert_type(a, jnp.bfloat16) if a.dtype == jnp.uint16 else a, state)
+
+
 def _slice(state, first: int, count: int, step: int) -> Any:
     """Entries first, first + step, ... (count of them) of every stacked weight, stacked: a scan's xs."""
     return jax.tree.map(lambda a: a[first:first + (count - 1) * step + 1:step], state)
@@ -152,6 +171,7 @@ class LayerStack(nnx.Module):
         self.segments = plan_segments(self.kind_of)
         self.saved = tuple(saved)  # checkpoint names of what a scanned layer keeps for its backward
         self.read_in_place = False
+        self.constant_params = False  # the stacked nnx.Params but LoRA's are never differentiated (a LoRA base)
 
     def __len__(self) -> int:
         return len(self.kind_of)
@@ -168,20 +188,27 @@ class LayerStack(nnx.Module):
         graphdef, weights, other = nnx.split(module, _stacked, ...)
         return nnx.merge(graphdef, jax.tree.map(lambda a: a[entry], weights), other)
 
-    def __call__(self, carry, layer_fn: Callable[[nnx.Module, Any, Any], Any]):
+    def __call__(self, carry, layer_fn: Callable[[nnx.Module, Any, Any], Any], *, recomputes: bool = False):
         """Run every layer in order: carry = layer_fn(layer module, carry, layer index), where the layer index
-        (a traced int32 inside a scanned segment) is the layer's place in the decoder."""
-        split = [nnx.split(m, _stacked, nnx.Intermediate, nnx.RngState, ...) for m in self.kinds]
-        graphdefs, stacks, sown_before, rngs, rest = (list(parts) for parts in zip(*split))
+        (a traced int32 inside a scanned segment) is the layer's place in the decoder. `recomputes`: layer_fn
+        keeps what its backward needs itself (gradient checkpointing), so the scan adds no policy of its own
+        (which would keep each layer's input a second time)."""
+        constant = (nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+                    if self.constant_params and not self.read_in_place else nnx.Nothing)
+        split = [nnx.split(m, nnx.All(_stacked, constant), _stacked, nnx.Intermediate, nnx.RngState, ...)
+                 for m in self.kinds]
+        graphdefs, constants, stacks, sown_before, rngs, rest = (list(parts) for parts in zip(*split))
+        stacks = [(as_bits(c), s) for c, s in zip(constants, stacks)]
         rngs = tuple(rngs)  # dropout's counters: carried from layer to layer and written back
         for seg in self.segments:
-            carry, rngs = self._segment(seg, carry, rngs, graphdefs, stacks, sown_before, rest, layer_fn)
+            carry, rngs = self._segment(seg, carry, rngs, graphdefs, stacks, sown_before, rest, layer_fn, recomputes)
         for module, rng in zip(self.kinds, rngs):
             if jax.tree.leaves(rng):
                 nnx.update(module, rng)
         return carry
 
-    def _segment(self, seg: Segment, carry, rngs, graphdefs, stacks, sown_before, rest, layer_fn):
+    def _segment(self, seg: Segment, carry, rngs, graphdefs, stacks, sown_before, rest, layer_fn, recomputes):
+        """`stacks[k]`: kind k's (constant stacks as `as_bits`, the differentiable ones)."""
         kinds = [self.kind_of[seg.start + j] for j in range(seg.period)]
         first = [self.index_in_kind[seg.start + j] for j in range(seg.period)]
         step = [kinds.count(k) for k in kinds]  # entries of a kind a repeat of the group takes
@@ -191,9 +218,10 @@ class LayerStack(nnx.Module):
             rngs = list(rngs)
             sown = []
             for j, k in enumerate(kinds):
-                weights = _view(stacks[k], first[j] + g * step[j]) if self.read_in_place else xs[j]
+                bits, weights = _view(stacks[k], first[j] + g * step[j]) if self.read_in_place else xs[j]
                 # fresh containers to sow into: nnx.capture's are dicts the outer modules share
-                module = nnx.merge(graphdefs[k], weights, jax.tree.map(lambda v: v, sown_before[k]), rngs[k], rest[k])
+                module = nnx.merge(graphdefs[k], _from_bits(bits), weights,
+                                   jax.tree.map(lambda v: v, sown_before[k]), rngs[k], rest[k])
                 carry = layer_fn(module, carry, seg.start + g * seg.period + j)
                 _, _, layer_sown, rngs[k], _ = nnx.split(module, _stacked, nnx.Intermediate, nnx.RngState, ...)
                 sown.append(layer_sown)
@@ -205,7 +233,7 @@ class LayerStack(nnx.Module):
             self._sow(sown, stacked=False)
             return carry, rngs
         xs = None if self.read_in_place else [_slice(stacks[k], i, seg.repeats, s) for k, i, s in zip(kinds, first, step)]
-        if self.saved and not self.read_in_place:
+        if self.saved and not self.read_in_place and not recomputes:
             group = jax.checkpoint(group, policy=jax.checkpoint_policies.save_only_these_names(*self.saved))
         (carry, rngs), sown = jax.lax.scan(lambda state, x: group(state, x[0], x[1]), (carry, rngs),
                                            (jnp.arange(seg.repeats, dtype=jnp.int32), xs))

@@ -28,6 +28,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from tunix_rt.models.decoder import Decoder, Embed, HeadParam, record_router_logits
+from tunix_rt.models.layer_stack import as_bits
 from tunix_rt.models.lora import apply_lora, has_lora
 from tunix_rt.models.qat import enable_qat, fake_quant
 from tunix_rt.models.quant_layers import QuantEmbed, set_int8_rows
@@ -171,6 +172,13 @@ def _cast(tree, dtype, *, skip_layers: bool = False):
     return jax.tree_util.tree_map_with_path(cast, tree)
 
 
+@jax.jit
+def _layers_as_bits(tree):
+    """The decoder layers' leaves of `tree` as layer_stack.as_bits makes them (bf16 as uint16)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: as_bits(x) if getattr(path[0], "key", None) == "layers" else x, tree)
+
+
 def decays(params):
     """Which parameters weight decay applies to: matrices, not vectors (norms, biases), reading a decoder layer's
     weight per layer (it leads with a layer-stack axis, models/layer_stack.py)."""
@@ -245,6 +253,7 @@ class Trainer:
         self._set_kernels(model)
         self.model_config = model.config
         model.remat = cfg.gradient_checkpointing
+        model.layers.constant_params = self.lora  # LoRA differentiates its adapters only (models/layer_stack.py)
         self.router_losses = any(model.config.moe_layers) and (cfg.router_aux_loss_coef > 0 or cfg.router_z_loss_coef > 0)
         # Checkpointed layers cast their own params (models/decoder.py _remat_layer), except where their call
         # changes their state (dropout's RNG, sown router logits): those go through nnx.remat, cast up front.
@@ -262,14 +271,20 @@ class Trainer:
         shard = lambda tree: put_global(tree, state_shardings(tree, self.mesh))
         self.params, self.rngs, self.frozen, self.rest = shard(params), shard(rngs), shard(frozen), shard(rest)
         # What the steps read of the frozen weights (a LoRA base): cast to the compute dtype once, not in every
-        # step (those casts were 12 % of a bf16 LoRA step); self.frozen keeps the f32 masters for export. Not
-        # where checkpointed layers cast their own weights one layer at a time: a whole cast copy held for the
-        # run is the memory they save.
-        self.frozen_compute = self.frozen if self._layers_cast_themselves else _cast(self.frozen, self.compute_dtype)
+        # step (those casts were 12 % of a bf16 LoRA step); self.frozen keeps the f32 masters for export. A bf16
+        # LoRA base's layer stacks as the bits the layer scan reads (models/layer_stack.py). Not where
+        # checkpointed layers cast their own weights one layer at a time: a whole cast copy held for the run is
+        # the memory they save (and, held in bf16, their recomputation would stack every layer's weights).
+        self.frozen_compute = (self.frozen if self._layers_cast_themselves else
+                               _layers_as_bits(_cast(self.frozen, self.compute_dtype))
+                               if self.lora and self.compute_dtype == jnp.bfloat16 else
+                               _cast(self.frozen, self.compute_dtype))
         # The same for the trained weights: the steps differentiate a compute-dtype copy, which the optimizer
         # update writes beside the f32 masters it writes anyway; casting the masters at the start of every
         # step was a second pass over them (a sixth of a bf16 full fine-tuning step).
-        self._compute_copy = self.compute_dtype != jnp.float32 and not self._layers_cast_themselves
+        # Not for LoRA: its adapters are small and cast themselves (models/lora.py), and a bf16 copy's gradients
+        # would leave the layer scan as stacked bf16 values, which XLA:CPU writes through f32 whole-stack converts.
+        self._compute_copy = self.compute_dtype != jnp.float32 and not self._layers_cast_themselves and not self.lora
         self.params_compute = self._cast_params(self.params)
         param_shardings, rng_shardings = state_shardings(params, self.mesh), state_shardings(rngs, self.mesh)
         self.initial_params, self._reference_graphdef = None, None
@@ -335,7 +350,7 @@ class Trainer:
 
     def _model(self, graphdef, params, rngs, frozen, rest) -> Decoder:
         skip = self._layers_cast_themselves
-        return nnx.merge(graphdef, _cast(params, self.compute_dtype, skip_layers=skip), rngs,
+        return nnx.merge(graphdef, _cast(params, self.compute_dtype, skip_layers=skip or self.lora), rngs,
                          _cast(frozen, self.compute_dtype, skip_layers=skip), rest)
 
     def _reference(self, graphdef, params, rngs, frozen, rest, inputs: StepInputs) -> Callable[[], Decoder]:

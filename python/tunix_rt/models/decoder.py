@@ -291,6 +291,9 @@ class Decoder(nnx.Module):
             x, cache = carry
             if self.remat and cache is None:
                 return _remat_layer(layer, x, positions, segment_ids, attend_until, self.dtype), cache
+            if cache is None and self.dtype != jnp.float32:  # a layer's f32 (trained) params, cast in the scan
+                params = nnx.state(layer, nnx.Param)
+                nnx.update(layer, jax.tree.map(lambda v: v.astype(self.dtype) if v.dtype == jnp.float32 else v, params))
             # what a scanned layer's recomputation starts from, named for its dtype (not inside _remat_layer,
             # which keeps its input itself: named there too, the scan would stack a second copy)
             return layer(saved_value(x, "layer_input"), positions, cache, segment_ids, index, attend_until)

@@ -255,10 +255,12 @@ class Trainer:
         model.remat = cfg.gradient_checkpointing
         model.layers.constant_params = self.lora  # LoRA differentiates its adapters only (models/layer_stack.py)
         self.router_losses = any(model.config.moe_layers) and (cfg.router_aux_loss_coef > 0 or cfg.router_z_loss_coef > 0)
-        # Checkpointed layers cast their own params (models/decoder.py _remat_layer), except where their call
-        # changes their state (dropout's RNG, sown router logits): those go through nnx.remat, cast up front.
+        # The layers cast their own f32 params to the compute dtype inside the layer scan (models/decoder.py), so
+        # the weights enter the scan and their gradients leave it in f32: XLA:CPU stacks bf16 values over the
+        # layers through f32 converts of the whole stack, for every layer. Except checkpointed layers whose
+        # call changes their state (dropout's RNG, sown router logits): those go through nnx.remat, cast up front.
         through_nnx_remat = (self.lora and cfg.lora_dropout > 0) or self.router_losses
-        self._layers_cast_themselves = cfg.gradient_checkpointing and not through_nnx_remat
+        self._layers_cast_themselves = not (cfg.gradient_checkpointing and through_nnx_remat)
         if cfg.gradient_checkpointing and through_nnx_remat:
             log.warning("gradient_checkpointing with %s recomputes through nnx.remat, which saves no memory on "
                         "XLA:CPU (models/remat.py)", "router losses" if self.router_losses else "lora_dropout")
@@ -271,20 +273,18 @@ class Trainer:
         shard = lambda tree: put_global(tree, state_shardings(tree, self.mesh))
         self.params, self.rngs, self.frozen, self.rest = shard(params), shard(rngs), shard(frozen), shard(rest)
         # What the steps read of the frozen weights (a LoRA base): cast to the compute dtype once, not in every
-        # step (those casts were 12 % of a bf16 LoRA step); self.frozen keeps the f32 masters for export. A bf16
-        # LoRA base's layer stacks as the bits the layer scan reads (models/layer_stack.py). Not where
-        # checkpointed layers cast their own weights one layer at a time: a whole cast copy held for the run is
-        # the memory they save (and, held in bf16, their recomputation would stack every layer's weights).
-        self.frozen_compute = (self.frozen if self._layers_cast_themselves else
-                               _layers_as_bits(_cast(self.frozen, self.compute_dtype))
-                               if self.lora and self.compute_dtype == jnp.bfloat16 else
+        # step (those casts were 12 % of a bf16 LoRA step), a bf16 base's layer stacks held as the bits the layer
+        # scan reads (models/layer_stack.py); self.frozen keeps the f32 masters for export. Not where checkpointed
+        # layers cast their own weights one layer at a time: a whole cast copy held for the run is the memory
+        # they save (and, held in bf16, their recomputation would stack every layer's weights).
+        bf16 = self.compute_dtype == jnp.bfloat16
+        self.frozen_compute = (_layers_as_bits(_cast(self.frozen, self.compute_dtype))
+                               if bf16 and self.lora and not cfg.gradient_checkpointing else
+                               self.frozen if cfg.gradient_checkpointing and self._layers_cast_themselves else
                                _cast(self.frozen, self.compute_dtype))
-        # The same for the trained weights: the steps differentiate a compute-dtype copy, which the optimizer
-        # update writes beside the f32 masters it writes anyway; casting the masters at the start of every
-        # step was a second pass over them (a sixth of a bf16 full fine-tuning step).
-        # Not for LoRA: its adapters are small and cast themselves (models/lora.py), and a bf16 copy's gradients
-        # would leave the layer scan as stacked bf16 values, which XLA:CPU writes through f32 whole-stack converts.
-        self._compute_copy = self.compute_dtype != jnp.float32 and not self._layers_cast_themselves and not self.lora
+        # Where the layers cannot cast their trained weights (nnx.remat's), the steps differentiate a
+        # compute-dtype copy, which the optimizer update writes beside the f32 masters it writes anyway.
+        self._compute_copy = bf16 and not self._layers_cast_themselves and not self.lora
         self.params_compute = self._cast_params(self.params)
         param_shardings, rng_shardings = state_shardings(params, self.mesh), state_shardings(rngs, self.mesh)
         self.initial_params, self._reference_graphdef = None, None

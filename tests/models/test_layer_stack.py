@@ -215,7 +215,7 @@ def test_a_trained_scanned_layer_keeps_only_its_named_values():
     assert named < unnamed
     from tunix_rt.models.decoder import SAVED_IN_TRAINING
 
-    assert named <= len(SAVED_IN_TRAINING) + 2  # and the layer's input, the positions
+    assert named <= len(SAVED_IN_TRAINING) + 1  # and the positions
 
 
 def test_bf16_training_scans_move_uint16_bits_and_differentiate_the_same():
@@ -279,3 +279,29 @@ def test_checkpointed_bf16_layers_stack_no_bf16_residual():
     residuals = forward.outvars[forward.params["num_carry"]:]
     assert jnp.dtype(jnp.uint16) in {v.aval.dtype for v in residuals}
     assert jnp.dtype(jnp.bfloat16) not in {v.aval.dtype for v in residuals}
+
+
+def test_bf16_full_fine_tuning_stacks_nothing_in_bf16():
+    """bf16 full fine-tuning: the f32 params enter the layer scan and each layer casts its own there
+    (models/decoder.py), so neither scan takes or stacks a bf16 array: the weights go in and their gradients
+    come out in f32, the kept values as uint16 bits."""
+    from tunix_rt.train.trainer import set_compute_dtype
+
+    cfg = _config(architecture="llama", sandwich_norms=False, layer_types=(FULL,) * 4, num_layers=4)
+    model = Decoder(cfg, rngs=nnx.Rngs(5))
+    set_compute_dtype(model, jnp.bfloat16)
+    graphdef, params = nnx.split(model)
+    tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % cfg.vocab_size
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+
+    def loss(params):
+        return jnp.sum(nnx.merge(graphdef, params).hidden_states(tokens, positions)[0].astype(jnp.float32) ** 2)
+
+    grads = jax.grad(loss)(params)
+    assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+    scans = [eqn for eqn in jax.make_jaxpr(jax.grad(loss))(params).jaxpr.eqns if eqn.primitive.name == "scan"]
+    assert len(scans) == 2
+    for scan in scans:
+        stacked = [*scan.invars[scan.params["num_consts"] + scan.params["num_carry"]:],
+                   *scan.outvars[scan.params["num_carry"]:]]
+        assert jnp.dtype(jnp.bfloat16) not in {v.aval.dtype for v in stacked}

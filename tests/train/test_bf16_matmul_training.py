@@ -70,6 +70,18 @@ def test_a_lora_base_is_cast_once_and_exported_in_f32(tmp_path):
     assert checkpointed.frozen_compute is checkpointed.frozen
 
 
+def _scans(jaxpr):
+    """Every scan in a jaxpr, its sub-jaxprs' included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _scans(sub)
+
+
 @pytest.mark.slow
 def test_full_fine_tuning_casts_each_layer_in_the_layer_scan(tmp_path):
     """bf16 full fine-tuning differentiates the f32 masters, each layer casting its own inside the layer scan (a
@@ -79,6 +91,14 @@ def test_full_fine_tuning_casts_each_layer_in_the_layer_scan(tmp_path):
     objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
     trainer = Trainer(W.config(tmp_path, steps=3, compute_dtype="bfloat16"), W.new_model(), objective)
     assert trainer.params_compute is None
+    step = jax.make_jaxpr(trainer._step)(trainer.params, trainer.params_compute, trainer.opt_state, trainer.rngs,
+                                         trainer.frozen_compute, trainer.rest, trainer._inputs(), trainer.train_batch(0))
+    layer_scans = [scan for scan in _scans(step.jaxpr) if scan.params["length"] == W.model_config().num_layers]
+    assert len(layer_scans) >= 2  # the forward and the backward
+    for scan in layer_scans:
+        stacked = [*scan.invars[scan.params["num_consts"] + scan.params["num_carry"]:],
+                   *scan.outvars[scan.params["num_carry"]:]]
+        assert jnp.dtype(jnp.bfloat16) not in {v.aval.dtype for v in stacked}
     records = [trainer.run_step(step) for step in range(3)]
     checkpointed = Trainer(W.config(tmp_path / "gc", steps=3, compute_dtype="bfloat16", gradient_checkpointing=True),
                            W.new_model(), objective)
@@ -104,3 +124,16 @@ def test_layers_under_nnx_remat_train_a_bf16_copy_the_update_writes(tmp_path):
     trainer.params_compute = None
     trainer.load_state(trainer.state())
     jax.tree.map(np.testing.assert_array_equal, rounded(), jax.tree.map(np.asarray, trainer.params_compute))
+
+
+@pytest.mark.slow
+def test_checkpointed_lora_with_dropout_trains_in_bf16(tmp_path):
+    """LoRA dropout under gradient checkpointing goes through nnx.remat, which cannot cast the layers' weights: the
+    base is held as bf16 bits as without checkpointing, the adapters cast themselves, and the run trains."""
+    objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
+    trainer = Trainer(W.config(tmp_path, steps=3, compute_dtype="bfloat16", lora_rank=4, lora_dropout=0.1,
+                               gradient_checkpointing=True), W.new_model(), objective)
+    assert trainer.params_compute is None
+    assert {x.dtype for x in jax.tree.leaves(trainer.frozen_compute["layers"])} == {jnp.dtype(jnp.uint16)}
+    records = [trainer.run_step(step) for step in range(3)]
+    assert all(np.isfinite(r["loss"]) for r in records) and records[-1]["loss"] < records[0]["loss"]

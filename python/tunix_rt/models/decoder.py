@@ -294,9 +294,10 @@ class Decoder(nnx.Module):
             if cache is None and self.dtype != jnp.float32:  # a layer's f32 (trained) params, cast in the scan
                 params = nnx.state(layer, nnx.Param)
                 nnx.update(layer, jax.tree.map(lambda v: v.astype(self.dtype) if v.dtype == jnp.float32 else v, params))
-            # what a scanned layer's recomputation starts from, named for its dtype (not inside _remat_layer,
-            # which keeps its input itself: named there too, the scan would stack a second copy)
-            return layer(saved_value(x, "layer_input"), positions, cache, segment_ids, index, attend_until)
+            if cache is None:  # what a scanned layer's recomputation starts from, named for its dtype (not
+                # inside _remat_layer, which keeps its input itself: named twice, the scan would stack it twice)
+                x = saved_value(x, "layer_input")
+            return layer(x, positions, cache, segment_ids, index, attend_until)
 
         x, cache = self.layers((x, cache), run, recomputes=self.remat and cache is None)
         if cache is not None:

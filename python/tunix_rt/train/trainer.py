@@ -161,11 +161,16 @@ def _last_good(last_saved: int | None) -> str:
             else "no good state was saved")
 
 
+def _in_layers(path) -> bool:
+    """Whether a state path is in the decoder's layer stack (not, say, a vision tower's layers)."""
+    return bool(path) and getattr(path[0], "key", None) == "layers"
+
+
 def _cast(tree, dtype, *, skip_layers: bool = False):
-    """f32 leaves at `dtype`; with skip_layers, the decoder layers' stay f32 (checkpointed layers cast
-    their own inside the recomputed region)."""
+    """f32 leaves at `dtype`; with skip_layers, the decoder layers' stay f32 (the layers cast their own inside
+    the layer scan, models/decoder.py)."""
     def cast(path, x):
-        if skip_layers and any(getattr(k, "key", None) == "layers" for k in path):
+        if skip_layers and _in_layers(path):
             return x
         return x.astype(dtype) if x.dtype == jnp.float32 and dtype != jnp.float32 else x
 
@@ -175,8 +180,7 @@ def _cast(tree, dtype, *, skip_layers: bool = False):
 @jax.jit
 def _layers_as_bits(tree):
     """The decoder layers' leaves of `tree` as layer_stack.as_bits makes them (bf16 as uint16)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: as_bits(x) if getattr(path[0], "key", None) == "layers" else x, tree)
+    return jax.tree_util.tree_map_with_path(lambda path, x: as_bits(x) if _in_layers(path) else x, tree)
 
 
 def decays(params):
@@ -253,7 +257,9 @@ class Trainer:
         self._set_kernels(model)
         self.model_config = model.config
         model.remat = cfg.gradient_checkpointing
-        model.layers.constant_params = self.lora  # LoRA differentiates its adapters only (models/layer_stack.py)
+        # LoRA differentiates its adapters only (models/layer_stack.py): set for the steps' programs, and unset on
+        # the caller's model and the one model() returns, which others may differentiate as they like.
+        model.layers.constant_params = self.lora
         self.router_losses = any(model.config.moe_layers) and (cfg.router_aux_loss_coef > 0 or cfg.router_z_loss_coef > 0)
         # The layers cast their own f32 params to the compute dtype inside the layer scan (models/decoder.py), so
         # the weights enter the scan and their gradients leave it in f32: XLA:CPU stacks bf16 values over the
@@ -270,6 +276,7 @@ class Trainer:
             trainable = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("vision")))
         self.graphdef, params, rngs, frozen, rest = nnx.split(model, trainable, nnx.RngState, nnx.Param, ...)
         self.eval_graphdef = self._graphdef_in_eval_mode(model)
+        model.layers.constant_params = False
         shard = lambda tree: put_global(tree, state_shardings(tree, self.mesh))
         self.params, self.rngs, self.frozen, self.rest = shard(params), shard(rngs), shard(frozen), shard(rest)
         # What the steps read of the frozen weights (a LoRA base): cast to the compute dtype once, not in every
@@ -278,9 +285,9 @@ class Trainer:
         # layers cast their own weights one layer at a time: a whole cast copy held for the run is the memory
         # they save (and, held in bf16, their recomputation would stack every layer's weights).
         bf16 = self.compute_dtype == jnp.bfloat16
-        self.frozen_compute = (_layers_as_bits(_cast(self.frozen, self.compute_dtype))
-                               if bf16 and self.lora and not cfg.gradient_checkpointing else
-                               self.frozen if cfg.gradient_checkpointing and self._layers_cast_themselves else
+        checkpointed_casts = cfg.gradient_checkpointing and self._layers_cast_themselves
+        self.frozen_compute = (self.frozen if checkpointed_casts else
+                               _layers_as_bits(_cast(self.frozen, self.compute_dtype)) if bf16 and self.lora else
                                _cast(self.frozen, self.compute_dtype))
         # Where the layers cannot cast their trained weights (nnx.remat's), the steps differentiate a
         # compute-dtype copy, which the optimizer update writes beside the f32 masters it writes anyway.
@@ -550,7 +557,9 @@ class Trainer:
 
     def model(self) -> Decoder:
         """The current model (eval mode, params in f32) for export or generation."""
-        return nnx.merge(self.eval_graphdef, self.params, self.rngs, self.frozen, self.rest)
+        model = nnx.merge(self.eval_graphdef, self.params, self.rngs, self.frozen, self.rest)
+        model.layers.constant_params = False
+        return model
 
     def inference_model(self) -> Decoder:
         """The current model as a rollout engine runs it. Where bf16 training runs on XLA's bf16 dots

@@ -93,13 +93,11 @@ def policy_pairs(qs: list[dict], seed: int) -> list[dict]:
     rows = []
     for q, sample in zip(qs, samples):
         phrase = rng.choice(PHRASES)
+        right = correct(sample.text, q)
         reply = [{"role": "assistant", "content": sample.text}]
-        if correct(sample.text, q):
-            other = [{"role": "assistant", "content": phrase.format(key=q["key"], value=q["wrong"])}]
-            rows.append({"prompt": ask(q), "chosen": reply, "rejected": other})
-        else:
-            other = [{"role": "assistant", "content": phrase.format(key=q["key"], value=q["value"])}]
-            rows.append({"prompt": ask(q), "chosen": other, "rejected": reply})
+        other = [{"role": "assistant", "content": phrase.format(key=q["key"], value=q["wrong" if right else "value"])}]
+        chosen, rejected = (reply, other) if right else (other, reply)
+        rows.append({"prompt": ask(q), "chosen": chosen, "rejected": rejected})
     return rows
 
 

@@ -292,8 +292,7 @@ class Decoder(nnx.Module):
             if self.remat and cache is None:
                 return _remat_layer(layer, x, positions, segment_ids, attend_until, self.dtype), cache
             if cache is None and self.dtype != jnp.float32:  # a layer's f32 (trained) params, cast in the scan
-                params = nnx.state(layer, nnx.Param)
-                nnx.update(layer, jax.tree.map(lambda v: v.astype(self.dtype) if v.dtype == jnp.float32 else v, params))
+                nnx.update(layer, _f32_as(nnx.state(layer, nnx.Param), self.dtype))
             if cache is None:  # what a scanned layer's recomputation starts from, named for its dtype (not
                 # inside _remat_layer, which keeps its input itself: named twice, the scan would stack it twice)
                 x = saved_value(x, "layer_input")
@@ -342,8 +341,7 @@ class Decoder(nnx.Module):
         """(B, num_labels) f32: the score head at each row's last token that is real (position >= 0) and, where the
         config has a pad_token_id, not that id: where HF's sequence classifiers read it (TRL's reward models pad
         with EOS, so a row ending with EOS is read before it)."""
-        last = jnp.argmax(jnp.where(self.score_readable(tokens, positions), jnp.arange(positions.shape[-1]), -1),
-                          axis=-1)
+        last = last_true(self.score_readable(tokens, positions))
         return self.score(jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0])
 
     def score_readable(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
@@ -391,6 +389,16 @@ class Decoder(nnx.Module):
         return DenseKVCache.create(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, self.dtype)
 
 
+def last_true(mask: jax.Array) -> jax.Array:
+    """The index of each row's last True along the last axis (0 where a row has none)."""
+    return jnp.argmax(jnp.where(mask, jnp.arange(mask.shape[-1]), -1), axis=-1)
+
+
+def _f32_as(tree, dtype):
+    """tree's f32 leaves at `dtype` (a layer's params at the compute dtype), the others as they are."""
+    return jax.tree.map(lambda v: v.astype(dtype) if v.dtype == jnp.float32 else v, tree)
+
+
 def _remat_layer(layer: DecoderLayer, x, positions, segment_ids, attend_until, dtype):
     """The layer with its activations recomputed in the backward (models/remat.py). Its f32 params are
     cast to the compute `dtype` inside, so the backward recasts them instead of keeping a bf16 copy
@@ -404,7 +412,7 @@ def _remat_layer(layer: DecoderLayer, x, positions, segment_ids, attend_until, d
 
     def run(state, x, positions, segment_ids, attend_until):
         if dtype != jnp.float32:  # the cast waits for x: one layer's bf16 copy at a time, forward and backward
-            state = jax.tree.map(lambda v: v.astype(dtype) if v.dtype == jnp.float32 else v, tie(state, x))
+            state = _f32_as(tie(state, x), dtype)
         return nnx.merge(graphdef, state)(x, positions, None, segment_ids, None, attend_until)[0]
 
     return recompute_in_backward(run, state, x, (positions, segment_ids, attend_until))

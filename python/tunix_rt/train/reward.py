@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_rt.models.decoder import Decoder, ScoreHead
+from tunix_rt.models.decoder import Decoder, ScoreHead, last_true
 from tunix_rt.ops.attention import prefix_segment
 from tunix_rt.train.data import PreferenceExample, packed_length
 from tunix_rt.train.trainer import LossContext
@@ -112,8 +112,7 @@ def packed_rewards(model: Decoder, batch: dict) -> jax.Array:
     segments = batch["segment_ids"][rows]
     mine = (segments == own[:, None]) | (segments == prefix_segment(own)[:, None])
     readable = mine & model.score_readable(batch["tokens"][rows], batch["positions"][rows])
-    last = jnp.argmax(jnp.where(readable, jnp.arange(segments.shape[-1]), -1), axis=-1)
-    last = jnp.where(readable.any(-1), last, jnp.argmax(mine, axis=-1))
+    last = jnp.where(readable.any(-1), last_true(readable), jnp.argmax(mine, axis=-1))
     return model.score(h[rows, last])[:, 0]
 
 

@@ -166,29 +166,33 @@ def _in_layers(path) -> bool:
     return bool(path) and getattr(path[0], "key", None) == "layers"
 
 
-def _cast(tree, dtype, *, skip_layers: bool = False):
+def _cast(tree, dtype, *, skip_layers: bool = False, layers_as_bits: bool = False):
     """f32 leaves at `dtype`; with skip_layers, the decoder layers' stay f32 (the layers cast their own inside
-    the layer scan, models/decoder.py)."""
+    the layer scan, models/decoder.py); with layers_as_bits (bf16 only), the decoder layers' float leaves are
+    rounded to bf16 and held as the uint16 bits the layer scan reads (layer_stack.as_bits). Other leaves are
+    passed through, never copied."""
     def cast(path, x):
-        if skip_layers and _in_layers(path):
-            return x
+        if _in_layers(path):
+            if layers_as_bits and x.dtype in (jnp.float32, jnp.bfloat16):
+                return _bf16_bits(x)
+            if skip_layers:
+                return x
         return x.astype(dtype) if x.dtype == jnp.float32 and dtype != jnp.float32 else x
 
     return jax.tree_util.tree_map_with_path(cast, tree)
 
 
 @jax.jit
-def _layers_as_bits(tree):
-    """The decoder layers' leaves of `tree` as layer_stack.as_bits makes them (bf16 as uint16)."""
-    return jax.tree_util.tree_map_with_path(lambda path, x: as_bits(x) if _in_layers(path) else x, tree)
+def _bf16_bits(x: jax.Array) -> jax.Array:
+    """x rounded to bf16, as its uint16 bits: one pass making one array (XLA:CPU copies to bitcast)."""
+    return as_bits(x.astype(jnp.bfloat16))
 
 
 def decays(params):
     """Which parameters weight decay applies to: matrices, not vectors (norms, biases), reading a decoder layer's
     weight per layer (it leads with a layer-stack axis, models/layer_stack.py)."""
     def one(path, x):
-        stacked = bool(path) and getattr(path[0], "key", None) == "layers"
-        return x.ndim - stacked > 1
+        return x.ndim - _in_layers(path) > 1
 
     return jax.tree_util.tree_map_with_path(one, params)
 
@@ -287,7 +291,7 @@ class Trainer:
         bf16 = self.compute_dtype == jnp.bfloat16
         checkpointed_casts = cfg.gradient_checkpointing and self._layers_cast_themselves
         self.frozen_compute = (self.frozen if checkpointed_casts else
-                               _layers_as_bits(_cast(self.frozen, self.compute_dtype)) if bf16 and self.lora else
+                               _cast(self.frozen, self.compute_dtype, layers_as_bits=True) if bf16 and self.lora else
                                _cast(self.frozen, self.compute_dtype))
         # Where the layers cannot cast their trained weights (nnx.remat's), the steps differentiate a
         # compute-dtype copy, which the optimizer update writes beside the f32 masters it writes anyway.

@@ -1,5 +1,8 @@
 // bf16 matmul with f32 accumulation: C = op(A) @ op(B), op = identity or transpose, for the linear
 // layers of bf16-compute training (forward, and both backward products through the transposes).
+// The "plus" form adds a second product, C = op(A) @ op(B) + U @ op(V), in the same sums: a LoRA layer's
+// low-rank path (U = s x A, V = B forward; U = s dy B^T, V = A^T for dx) rides along as R more k, so
+// neither its (M, N) product nor the add of two bf16 results is ever written.
 //
 // With AVX-512 BF16, vdpbf16ps adds two bf16 products into each f32 lane: B is packed into 32-column
 // panels whose consecutive k pairs sit side by side (one 64-byte load = 16 columns x 2 k), A into
@@ -175,10 +178,11 @@ BF16_FN void MicroBf16(const uint32_t* a, int64_t a_row, int64_t a_pair, const u
   }
 }
 
-// c (rows x cols, row stride ldc) = rows [r0, r0 + rows) x columns [c0, c0 + cols) of A @ B, in k slabs.
+// c (rows x cols, row stride ldc) += rows [r0, r0 + rows) x columns [c0, c0 + cols) of A @ B, in k slabs.
 // A row-major with even k is read in place (its k pairs are 32-bit words); otherwise it is packed.
-void BlockBf16(Bf16Matrix a, Bf16Matrix b, int64_t r0, int64_t rows, int64_t c0, int64_t cols, int64_t k, float* c,
-               int64_t ldc) {
+void AccumulateBf16(Bf16Matrix a, Bf16Matrix b, int64_t r0, int64_t rows, int64_t c0, int64_t cols, int64_t k, float* c,
+                    int64_t ldc) {
+  if (k == 0) return;
   using Micro = void (*)(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, float*, int64_t, int);
   static constexpr Micro kTable[kMR] = {MicroBf16<1>, MicroBf16<2>, MicroBf16<3>,
                                         MicroBf16<4>, MicroBf16<5>, MicroBf16<6>};
@@ -188,7 +192,6 @@ void BlockBf16(Bf16Matrix a, Bf16Matrix b, int64_t r0, int64_t rows, int64_t c0,
   thread_local std::vector<uint32_t> ap, bp;
   if (!a_in_place && ap.size() < static_cast<size_t>(rows * (kSlabK / 2))) ap.resize(rows * (kSlabK / 2));
   if (bp.size() < static_cast<size_t>(panels * (kSlabK / 2) * kMaxNR)) bp.resize(panels * (kSlabK / 2) * kMaxNR);
-  for (int64_t i = 0; i < rows; ++i) std::fill(c + i * ldc, c + i * ldc + cols, 0.0f);
   // Slabs of equal even depth (at most kSlabK): K = 576 runs as 3 x 192, not 256 + 256 + 64.
   const int64_t slabs = (k + kSlabK - 1) / kSlabK, depth = 2 * ((k + 2 * slabs - 1) / (2 * slabs));
   for (int64_t k0 = 0; k0 < k; k0 += depth) {
@@ -240,16 +243,25 @@ bool HasBf16Kernels() {
 #endif
 }
 
+// The second product of the "plus" form, C = op(A) @ op(B) + U @ op(V): U (M, R) row-major, V (R, N) or,
+// with transpose_v, (N, R). LoRA's low-rank path rides along as R more k after A @ B's (R = 0: none).
+struct Extra {
+  const void* u = nullptr;
+  const void* v = nullptr;
+  int64_t r = 0;
+  bool transpose_v = false;
+};
+
 // a (M, K) or, with transpose_a, (K, M); b (K, N) or, with transpose_b, (N, K); both bf16 (c (M, N) f32
 // or bf16) or both f32 (c f32). b may be a stack (S, ...) of such weights: its layer `layer` is read in place.
-ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::BufferR0<ffi::S32> layer,
-                       ffi::Result<ffi::AnyBuffer> c, bool transpose_a, bool transpose_b) {
+// Each output is A @ B's k slabs, then the extra product's, summed in one f32 chain and rounded once.
+ffi::Future Bf16MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, int32_t at, Extra extra,
+                           ffi::Result<ffi::AnyBuffer> c, bool transpose_a, bool transpose_b) {
   const Stack s = b.dimensions().size() == 3 ? Stack{true, b.dimensions()[0]} : Stack{};
   ffi::Span<const int64_t> bd;
   const auto ad = a.dimensions(), cd = c->dimensions();
   if (ad.size() != 2 || !LayerDims(b, s, &bd) || bd.size() != 2 || cd.size() != 2)
     return ReadyFuture(InvalidArgument("bf16_matmul: operands must be 2-D (b may be a stack (S, ...) of them)"));
-  const int32_t at = layer.typed_data()[0];
   if (ffi::Error e = CheckLayer("bf16_matmul", at, s); !e.success()) return ReadyFuture(e);
   const bool f32 = a.element_type() == ffi::DataType::F32;
   if ((!f32 && a.element_type() != ffi::DataType::BF16) || b.element_type() != a.element_type() ||
@@ -258,25 +270,38 @@ ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
   const int64_t m = transpose_a ? ad[1] : ad[0], k = transpose_a ? ad[0] : ad[1];
   const int64_t n = transpose_b ? bd[0] : bd[1], kb = transpose_b ? bd[1] : bd[0];
   if (kb != k || cd[0] != m || cd[1] != n) return ReadyFuture(InvalidArgument("bf16_matmul: shapes do not agree"));
+  const int64_t r = extra.r;
   const uint16_t* ap = static_cast<const uint16_t*>(a.untyped_data());
   const uint16_t* bp = static_cast<const uint16_t*>(LayerData(b, s, at));
+  const uint16_t* up = static_cast<const uint16_t*>(extra.u);
+  const uint16_t* vp = static_cast<const uint16_t*>(extra.v);
   const Bf16Matrix am = transpose_a ? Bf16Matrix{ap, 1, m} : Bf16Matrix{ap, k, 1};
   const Bf16Matrix bm = transpose_b ? Bf16Matrix{bp, 1, k} : Bf16Matrix{bp, n, 1};
+  const Bf16Matrix um{up, r, 1};
+  const Bf16Matrix vm = extra.transpose_v ? Bf16Matrix{vp, 1, r} : Bf16Matrix{vp, n, 1};
   const bool out_f32 = c->element_type() == ffi::DataType::F32;
   float* cf = out_f32 ? static_cast<float*>(c->untyped_data()) : nullptr;
   uint16_t* c16 = out_f32 ? nullptr : static_cast<uint16_t*>(c->untyped_data());
   // Without BF16 kernels bf16 operands are widened once and every block runs the f32 GEMM on them.
   const bool bf16_kernels = !f32 && HasBf16Kernels();
-  std::shared_ptr<std::vector<float>> af, bf;
+  std::shared_ptr<std::vector<float>> af, bf, uf, vf;
   const float* a32 = static_cast<const float*>(a.untyped_data());
   const float* b32 = static_cast<const float*>(LayerData(b, s, at));
+  const float* u32 = static_cast<const float*>(extra.u);
+  const float* v32 = static_cast<const float*>(extra.v);
   if (!f32 && !bf16_kernels) {
     af = WidenBf16(ap, a.element_count());
     bf = WidenBf16(bp, b.element_count() / s.depth);
     a32 = af->data();
     b32 = bf->data();
+    if (r > 0) {
+      uf = WidenBf16(up, m * r);
+      vf = WidenBf16(vp, r * n);
+      u32 = uf->data();
+      v32 = vf->data();
+    }
   }
-  if (k == 0) {
+  if (k == 0 && r == 0) {
     if (cf) std::fill(cf, cf + m * n, 0.0f);
     if (c16) std::fill(c16, c16 + m * n, 0);
     return ReadyFuture(ffi::Error::Success());
@@ -295,30 +320,56 @@ ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
       if (c16 && sums.size() < static_cast<size_t>(rows * cols)) sums.resize(rows * cols);
       float* block = c16 ? sums.data() : cf + r0 * n + c0;
       const int64_t ldc = c16 ? cols : n;
+      for (int64_t row = 0; row < rows; ++row) std::fill(block + row * ldc, block + row * ldc + cols, 0.0f);
       if (bf16_kernels) {
 #ifdef TUNIX_RT_X86
-        BlockBf16(am, bm, r0, rows, c0, cols, k, block, ldc);
+        AccumulateBf16(am, bm, r0, rows, c0, cols, k, block, ldc);
+        AccumulateBf16(um, vm, r0, rows, c0, cols, r, block, ldc);
 #endif
       } else {
-        for (int64_t r = 0; r < rows; ++r) std::fill(block + r * ldc, block + r * ldc + cols, 0.0f);
         GemmAccumulate({a32 + r0 * am.row_stride, am.row_stride, am.col_stride},
                        {b32 + c0 * bm.col_stride, bm.row_stride, bm.col_stride}, rows, cols, k, block, ldc);
+        if (r > 0)
+          GemmAccumulate({u32 + r0 * r, r, 1}, {v32 + c0 * vm.col_stride, vm.row_stride, vm.col_stride}, rows, cols, r,
+                         block, ldc);
       }
       if (c16)
-        for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t row = 0; row < rows; ++row) {
 #ifdef TUNIX_RT_X86
           if (bf16_kernels) {
-            RoundToBf16(block + r * ldc, cols, c16 + (r0 + r) * n + c0);
+            RoundToBf16(block + row * ldc, cols, c16 + (r0 + row) * n + c0);
             continue;
           }
 #endif
-          for (int64_t j = 0; j < cols; ++j) c16[(r0 + r) * n + c0 + j] = F32ToBf16(block[r * ldc + j]);
+          for (int64_t j = 0; j < cols; ++j) c16[(r0 + row) * n + c0 + j] = F32ToBf16(block[row * ldc + j]);
         }
     }
     (void)af;
     (void)bf;
+    (void)uf;
+    (void)vf;
     return ffi::Error::Success();
   });
+}
+
+ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::BufferR0<ffi::S32> layer,
+                       ffi::Result<ffi::AnyBuffer> c, bool transpose_a, bool transpose_b) {
+  return Bf16MatmulImpl(pool, a, b, layer.typed_data()[0], Extra{}, c, transpose_a, transpose_b);
+}
+
+// op(a) @ op(b) + u @ op(v): u (M, R), v (R, N) or, with transpose_v, (N, R), of a's element type.
+ffi::Future Bf16MatmulPlus(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer u, ffi::AnyBuffer v,
+                           ffi::Result<ffi::AnyBuffer> c, bool transpose_a, bool transpose_b, bool transpose_v) {
+  const auto ud = u.dimensions(), vd = v.dimensions(), cd = c->dimensions();
+  if (ud.size() != 2 || vd.size() != 2 || cd.size() != 2)
+    return ReadyFuture(InvalidArgument("bf16_matmul_plus: u and v must be 2-D"));
+  if (u.element_type() != a.element_type() || v.element_type() != a.element_type())
+    return ReadyFuture(InvalidArgument("bf16_matmul_plus: u and v must have a's element type"));
+  const int64_t r = ud[1], vr = transpose_v ? vd[1] : vd[0], vn = transpose_v ? vd[0] : vd[1];
+  if (ud[0] != cd[0] || vr != r || vn != cd[1])
+    return ReadyFuture(InvalidArgument("bf16_matmul_plus: u (M, R) and v (R, N) do not agree with the result"));
+  return Bf16MatmulImpl(pool, a, b, 0, Extra{u.untyped_data(), v.untyped_data(), r, transpose_v}, c, transpose_a,
+                        transpose_b);
 }
 
 }  // namespace
@@ -332,5 +383,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16MatmulHandler, Bf16Matmul,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transpose_a")
                                   .Attr<bool>("transpose_b"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16MatmulPlusHandler, Bf16MatmulPlus,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_a")
+                                  .Attr<bool>("transpose_b")
+                                  .Attr<bool>("transpose_v"));
 
 }  // namespace tunix_rt

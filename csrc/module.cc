@@ -22,6 +22,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeUnpermuteBwdHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedMatmulHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedMatmulDwHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(Bf16MatmulHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Bf16MatmulPlusHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionFwdHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionBwdHandler);
 }  // namespace tunix_rt
@@ -55,6 +56,7 @@ NB_MODULE(_ext, m) {
     d["tunix_rt_grouped_matmul"] = Capsule(tunix_rt::GroupedMatmulHandler);
     d["tunix_rt_grouped_matmul_dw"] = Capsule(tunix_rt::GroupedMatmulDwHandler);
     d["tunix_rt_bf16_matmul"] = Capsule(tunix_rt::Bf16MatmulHandler);
+    d["tunix_rt_bf16_matmul_plus"] = Capsule(tunix_rt::Bf16MatmulPlusHandler);
     d["tunix_rt_attention_fwd"] = Capsule(tunix_rt::AttentionFwdHandler);
     d["tunix_rt_attention_bwd"] = Capsule(tunix_rt::AttentionBwdHandler);
     return d;

@@ -16,6 +16,7 @@ from flax import nnx
 
 from tunix_rt.models.decoder import MLP, Decoder, Linear
 from tunix_rt.models.quant_layers import QuantLinear, dequantize_stacked
+from tunix_rt.ops.bf16_matmul import lora_matmul
 from tunix_rt.ops.matmul import matmul
 from tunix_rt.ops.quant import QuantizedTensor
 
@@ -90,6 +91,12 @@ class LoRALinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.fake_quant is not None:
             return self._fake_quantized(x)
+        kernel = self._fused_kernel(x)
+        if kernel is not None:
+            base = self.base
+            y = lora_matmul(x, base.kernel[...].astype(x.dtype), self.lora_a[...].astype(x.dtype),
+                            self.lora_b[...].astype(x.dtype), scaling=self.scaling, kernel=kernel)
+            return y if base.bias is None else y + base.bias[...].astype(y.dtype)
         y = self.base(x)
         h = x if self.dropout is None else self.dropout(x)
         flat = h.reshape(-1, h.shape[-1])
@@ -99,6 +106,18 @@ class LoRALinear(nnx.Module):
         else:
             delta = lora_delta(flat, a, b, self.scaling)
         return y + delta.reshape(*h.shape[:-1], -1).astype(y.dtype)
+
+    def _fused_kernel(self, x: jax.Array) -> str | None:
+        """The bf16 kernel the base's product runs on (ops/bf16_matmul.py) where the adapter can ride in its sums
+        (lora_matmul): a float base computing in bf16 on one layer's kernel, no dropout, neither QAT nor the
+        engine's row-invariant path. None elsewhere: the adapter's delta is added to the base's output."""
+        base = self.base
+        kernel = getattr(getattr(base, "dot_general", None), "bf16_kernel", None)
+        if (kernel is None or self.dropout is not None or self.invariant or not isinstance(base, nnx.Linear)
+                or getattr(base, "fake_quant", None) is not None or x.dtype != jnp.bfloat16 or base.dtype != jnp.bfloat16):
+            return None
+        w = base.kernel.get_value()
+        return kernel if isinstance(w, jax.Array) and w.ndim == 2 else None
 
     def _fake_quantized(self, x: jax.Array) -> jax.Array:
         """x @ fake_quant(W + s A B) (+ b): the merged weight as the export quantizes it (models/qat.py); dropout

@@ -52,7 +52,7 @@ OP_FAMILIES = {
     "rms norm": (("tunix_rt_rms_norm_fwd", "tunix_rt_rms_norm_bwd"), None),
     "quantized matmul": (("tunix_rt_quant_matmul", "tunix_rt_quantize", "tunix_rt_dequantize"),
                          "Pallas/Triton quant_matmul_pallas (bf16 activations; f32, quantize, dequantize: XLA)"),
-    "float matmul (row-invariant)": (("tunix_rt_bf16_matmul",), None),
+    "float matmul (row-invariant)": (("tunix_rt_bf16_matmul", "tunix_rt_bf16_matmul_plus"), None),
     "moe routing and grouped matmul": (("tunix_rt_moe_route", "tunix_rt_moe_permute", "tunix_rt_moe_unpermute",
                                         "tunix_rt_moe_unpermute_bwd", "tunix_rt_grouped_matmul",
                                         "tunix_rt_grouped_matmul_dw"), None),

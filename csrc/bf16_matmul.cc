@@ -361,8 +361,8 @@ ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
 ffi::Future Bf16MatmulPlus(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer u, ffi::AnyBuffer v,
                            ffi::Result<ffi::AnyBuffer> c, bool transpose_a, bool transpose_b, bool transpose_v) {
   const auto ud = u.dimensions(), vd = v.dimensions(), cd = c->dimensions();
-  if (ud.size() != 2 || vd.size() != 2 || cd.size() != 2)
-    return ReadyFuture(InvalidArgument("bf16_matmul_plus: u and v must be 2-D"));
+  if (b.dimensions().size() != 2 || ud.size() != 2 || vd.size() != 2 || cd.size() != 2)
+    return ReadyFuture(InvalidArgument("bf16_matmul_plus: b, u and v must be 2-D (no stack of b)"));
   if (u.element_type() != a.element_type() || v.element_type() != a.element_type())
     return ReadyFuture(InvalidArgument("bf16_matmul_plus: u and v must have a's element type"));
   const int64_t r = ud[1], vr = transpose_v ? vd[1] : vd[0], vn = transpose_v ? vd[0] : vd[1];

@@ -77,25 +77,29 @@ def test_matches_reference_forward_and_backward(kernel, case):
     ref, gr = _product_and_grads(x, w, a, b, probe, fn=lora_matmul_reference, **opts)
     assert y.shape == ref.shape and y.dtype == jnp.dtype(out_dtype)
     assert all(t.dtype == BF16 for t in g)
-    # Both round s x @ a to bf16 and sum the rest in f32 (in another order); a bf16 result adds one rounding.
+    # Both round s x @ a to bf16 and sum the rest in f32, in another order; a bf16 result adds one rounding.
     scale_y = np.abs(_f32(x)) @ np.abs(_f32(w)) + np.abs(_f32(x)) @ np.abs(_f32(a)) * scaling @ np.abs(_f32(b))
-    assert np.all(np.abs(_f32(y) - _f32(ref)) <= 2.0**-7 * scale_y + 1e-5)
+    bound = 2.0**-7 if out_dtype == BF16 else 1e-5
+    assert np.all(np.abs(_f32(y) - _f32(ref)) <= bound * scale_y + 1e-5)
     _assert_close_gradients(g, gr, x, w, a, b, probe, scaling)
 
 
 @pytest.mark.parametrize("kernel", ["ffi", "xla"])
-@pytest.mark.parametrize("k, r", [(300, 8), (301, 3), (1030, 16)])
-def test_exact_on_ternary_operands(kernel, k, r):
-    """Ternary operands (sparse adapters) with s = 1 make every sum an integer that bf16 holds exactly
-    (checked), so the forward product and every gradient must equal numpy's whatever the kernel's order: K even
-    (x read in place) and odd (packed), r even and odd, past one slab, M over many row tiles."""
+@pytest.mark.parametrize("k, r, scaling", [(300, 8, 1.0), (301, 3, 2.0), (1030, 16, 1.0), (64, 530, 2.0),
+                                           (301, 530, 1.0)])
+def test_exact_on_ternary_operands(kernel, k, r, scaling):
+    """Ternary operands (sparse adapters) with s a power of two make every sum an integer that bf16 holds
+    exactly (checked), so the forward product and every gradient must equal numpy's whatever the kernel's order:
+    K even (x read in place) and odd (packed), r even, odd and past one slab, M over many row tiles."""
     rng = np.random.default_rng(k + r)
     x, w, dy = (rng.integers(-1, 2, shape).astype(np.float32) for shape in ((97, k), (k, 70), (97, 70)))
-    a, b = ((rng.integers(-1, 2, shape) * (rng.random(shape) < 0.1)).astype(np.float32) for shape in ((k, r), (r, 70)))
-    us, dyb = x @ a, dy @ b.T
+    density = 0.1 if r <= 16 else 0.02
+    a, b = ((rng.integers(-1, 2, shape) * (rng.random(shape) < density)).astype(np.float32)
+            for shape in ((k, r), (r, 70)))
+    us, dyb = scaling * (x @ a), scaling * (dy @ b.T)
     want = (x @ w + us @ b, dy @ w.T + dyb @ a.T, x.T @ dy, x.T @ dyb, us.T @ dy)
     assert all(np.abs(v).max() <= 256 for v in (us, dyb, *want[1:]))  # integers exact in bf16
-    y, vjp = jax.vjp(lambda *t: lora_matmul(*t, scaling=1.0, out_dtype=jnp.float32, kernel=kernel),
+    y, vjp = jax.vjp(lambda *t: lora_matmul(*t, scaling=scaling, out_dtype=jnp.float32, kernel=kernel),
                      *(jnp.asarray(t, BF16) for t in (x, w, a, b)))
     np.testing.assert_array_equal(np.asarray(y), want[0])
     for got, expected in zip(vjp(jnp.asarray(dy)), want[1:]):
@@ -161,7 +165,7 @@ def test_lora_layer_fuses_its_adapter_in_bf16(kernel):
     layer = _lora_layer(kernel)
     x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 7, 48)), BF16)
     hlo = _lowered(layer, x)
-    assert ("tunix_rt_bf16_matmul_plus" in hlo) == (kernel == "ffi") and "tunix_rt_bf16_matmul\"" not in hlo
+    assert ("@tunix_rt_bf16_matmul_plus(" in hlo) == (kernel == "ffi") and "@tunix_rt_bf16_matmul(" not in hlo
     base = layer.base
     want = (_f32(x) @ _f32(base.kernel[...].astype(BF16)) + _f32(base.bias[...].astype(BF16))
             + _f32(x) @ _f32(layer.lora_a[...].astype(BF16)) @ _f32(layer.lora_b[...].astype(BF16)) * layer.scaling)
@@ -169,9 +173,17 @@ def test_lora_layer_fuses_its_adapter_in_bf16(kernel):
 
 
 def test_lora_layer_keeps_the_separate_adapter_where_it_cannot_fuse():
-    """Dropout feeds the adapter another input than the base, and f32 compute runs XLA's dot: no fused op."""
+    """Dropout feeds the adapter another input than the base, the engine's row-invariant path and an f32 result
+    asked of the base have their own products, and f32 compute runs XLA's dot: no fused op."""
     x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 48)), BF16)
+    assert "@tunix_rt_bf16_matmul_plus(" in _lowered(_lora_layer("ffi"), x)
     assert "tunix_rt_bf16_matmul_plus" not in _lowered(_lora_layer("ffi", dropout=0.1), x)
+    invariant = _lora_layer("ffi")
+    invariant.invariant = True
+    assert "tunix_rt_bf16_matmul_plus" not in _lowered(invariant, x)
+    f32_out = _lora_layer("ffi")
+    f32_out.base.preferred_element_type = jnp.float32
+    assert "tunix_rt_bf16_matmul_plus" not in _lowered(f32_out, x) and f32_out(x).dtype == jnp.float32
     f32 = LoRALinear(Linear(48, 40, rngs=nnx.Rngs(0), dot_general=bf16_dot_general("ffi")), rank=4, alpha=8.0,
                      dropout=0.0, rngs=nnx.Rngs(1))
     assert "tunix_rt_bf16_matmul_plus" not in _lowered(f32, x.astype(jnp.float32))
@@ -210,3 +222,33 @@ def test_every_isa_tier_matches_reference(tier_runs, tier):
     y, vjp = jax.vjp(lambda *t: lora_matmul_reference(*t, scaling=2.0, out_dtype=jnp.float32), x, w, a, b)
     np.testing.assert_allclose(res["y"], np.asarray(y), rtol=1e-4, atol=1e-3)
     _assert_close_gradients([res["d" + name] for name in "xwab"], vjp(dy), x, w, a, b, dy, 2.0)
+
+
+def _plus_call(a, b, u, v, *, transpose_b=False, transpose_v=False):
+    out = jax.ShapeDtypeStruct((a.shape[0], b.shape[-2] if transpose_b else b.shape[-1]), a.dtype)
+    return jax.ffi.ffi_call("tunix_rt_bf16_matmul_plus", out)(a, b, u, v, transpose_a=False, transpose_b=transpose_b,
+                                                              transpose_v=transpose_v)
+
+
+@pytest.mark.parametrize("transpose_b, transpose_v", [(False, False), (True, True)])
+def test_plus_handler_on_f32_operands(transpose_b, transpose_v):
+    """The handler's f32 route (the shared f32 GEMM, both products): integers make the sums exact."""
+    rng = np.random.default_rng(6)
+    a, b, u, v = (rng.integers(-4, 5, s).astype(np.float32) for s in ((13, 37), (37, 21), (13, 5), (5, 21)))
+    y = _plus_call(jnp.asarray(a), jnp.asarray(b.T if transpose_b else b), jnp.asarray(u),
+                   jnp.asarray(v.T if transpose_v else v), transpose_b=transpose_b, transpose_v=transpose_v)
+    np.testing.assert_array_equal(np.asarray(y), a @ b + u @ v)
+
+
+@pytest.mark.parametrize("shapes, message", [
+    (((4, 6), (2, 6, 5), (4, 3), (3, 5)), "b, u and v must be 2-D"),
+    (((4, 6), (6, 5), (4, 3), (2, 5)), r"u \(M, R\) and v \(R, N\) do not agree"),
+    (((4, 6), (6, 5), (3, 3), (3, 5)), r"u \(M, R\) and v \(R, N\) do not agree"),
+])
+def test_plus_handler_rejects_bad_operands(shapes, message):
+    a, b, u, v = (jnp.ones(s, jnp.float32) for s in shapes)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"bf16_matmul_plus: {message}"):
+        jax.block_until_ready(_plus_call(a, b, u, v))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="bf16_matmul_plus: u and v must have a's element type"):
+        jax.block_until_ready(_plus_call(jnp.ones((4, 6)), jnp.ones((6, 5)), jnp.ones((4, 3), BF16),
+                                         jnp.ones((3, 5), BF16)))

@@ -109,12 +109,14 @@ class LoRALinear(nnx.Module):
 
     def _fused_kernel(self, x: jax.Array) -> str | None:
         """The bf16 kernel the base's product runs on (ops/bf16_matmul.py) where the adapter can ride in its sums
-        (lora_matmul): a float base computing in bf16 on one layer's kernel, no dropout, neither QAT nor the
-        engine's row-invariant path. None elsewhere: the adapter's delta is added to the base's output."""
+        (lora_matmul): a float base computing in bf16 (with a bf16 result) on one layer's kernel, no dropout,
+        neither QAT nor the engine's row-invariant path. None elsewhere: the adapter's delta is added to the
+        base's output."""
         base = self.base
         kernel = getattr(getattr(base, "dot_general", None), "bf16_kernel", None)
         if (kernel is None or self.dropout is not None or self.invariant or not isinstance(base, nnx.Linear)
-                or getattr(base, "fake_quant", None) is not None or x.dtype != jnp.bfloat16 or base.dtype != jnp.bfloat16):
+                or getattr(base, "fake_quant", None) is not None or base.preferred_element_type is not None
+                or x.dtype != jnp.bfloat16 or base.dtype != jnp.bfloat16):
             return None
         w = base.kernel.get_value()
         return kernel if isinstance(w, jax.Array) and w.ndim == 2 else None

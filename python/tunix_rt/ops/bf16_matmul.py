@@ -17,10 +17,11 @@ is XLA's dot with an f32 result under plain autodiff.
 `lora_matmul(x, w, a, b, scaling=s)` = x @ w + s (x @ a) @ b, a LoRA layer over a bf16 base, as one product:
 the low-rank path rides in the base product's f32 sums as r more k (the FFI op's plus form,
 `[x | s x a] @ [w ; b]`, and `[dy | s dy b^T] @ [w^T ; a^T]` for dx), rounded once. Two bf16 products
-and their add would write two (M, N) arrays and add them through f32 converts (XLA:CPU has no bf16
-arithmetic), a sixth of a bf16 LoRA step on the default model. The thin products (x @ a, dy @ b^T
-and the adapters' gradients) stay on XLA's dot. `lora_matmul_reference` is the same function under
-plain autodiff of XLA's dots.
+and their add write two (M, N) arrays and add them through f32 converts (XLA:CPU has no bf16
+arithmetic): the fused form made the default model's bf16 LoRA step 5-6 % faster. On the "xla" kernel
+it is two f32-result dots and one add, rounded once. The thin products (x @ a, dy @ b^T and the
+adapters' gradients) stay on XLA's dot. `lora_matmul_reference` is the same function under plain
+autodiff of XLA's dots.
 """
 
 from __future__ import annotations

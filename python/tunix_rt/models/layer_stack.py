@@ -16,7 +16,8 @@ materialised), which a weight-bound decode step cannot afford. So a stack runs o
   directly; what has no indexing kernel reads its slice, which only small tensors do.
 
 A bf16 stack that is never differentiated (a LoRA base: `constant_params`) goes into the scan as its uint16
-bits (`as_bits`; the trainer holds them so) and each layer's slice is read back as bf16: XLA:CPU has no bf16
+bits (`as_bits`; the trainer holds them so where its layers cannot cast their own f32 weights, under
+nnx.remat) and each layer's slice is read back as bf16: XLA:CPU has no bf16
 dynamic slice, and converted every such stack to f32 at each step to slice it there. With the named values
 kept as bits too (models/remat.py saved_value), the default model's bf16 LoRA reward step went 1.08 -> 0.73 s
 (benchmarks/reward.py's rows, without checkpointing, XLA's bf16 dot, 2 threads, AVX-512 BF16).

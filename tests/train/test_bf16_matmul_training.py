@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from tests.train import sharded_worker as W
+from tunix_rt.models.lora import LoRALinear
 from tunix_rt.ops.bf16_matmul import default_kernel
 from tunix_rt.train.sft import SFTObjective
 from tunix_rt.train.trainer import Trainer
@@ -31,6 +32,56 @@ def test_ffi_bf16_matmul_trains_like_xla(tmp_path):
     for a, b in zip(xla, ffi):  # bf16 roundings of the same products, summed in another order
         np.testing.assert_allclose(b["loss"], a["loss"], rtol=2e-2)
         np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=5e-2)
+
+
+@pytest.mark.slow
+def test_lora_steps_run_the_adapter_in_the_base_products_sums(tmp_path, monkeypatch):
+    """A bf16 LoRA step runs each adapted projection as one fused product (ops.bf16_matmul.lora_matmul) and
+    trains as the separate adapter product and add do."""
+    def lora_steps(path):
+        objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
+        trainer = Trainer(W.config(path, steps=3, compute_dtype="bfloat16", bf16_matmul="ffi", lora_rank=4,
+                                   learning_rate=1e-2), W.new_model(), objective)
+        hlo = trainer._train_step.lower(trainer.params, trainer.params_compute, trainer.opt_state, trainer.rngs,
+                                        trainer.frozen_compute, trainer.rest, trainer._inputs(),
+                                        trainer.train_batch(0)).as_text()
+        return hlo, [trainer.run_step(step) for step in range(3)]
+
+    hlo, fused = lora_steps(tmp_path / "fused")
+    assert "@tunix_rt_bf16_matmul_plus(" in hlo
+    monkeypatch.setattr(LoRALinear, "_fused_kernel", lambda self, x: None)
+    hlo, separate = lora_steps(tmp_path / "separate")
+    assert "tunix_rt_bf16_matmul_plus" not in hlo
+    for a, b in zip(separate, fused):  # bf16 roundings at other points of the same sums
+        np.testing.assert_allclose(b["loss"], a["loss"], rtol=2e-2)
+        np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=5e-2)
+    assert fused[-1]["loss"] < fused[0]["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_moe_lora_trains_in_bf16_with_no_bf16_stacked_over_the_layers(tmp_path, checkpointing):
+    """LoRA on a MoE model in bf16 (experts' grouped matmuls beside fused attention adapters): the base's stacks
+    stay the f32 masters, no layer scan takes or stacks bf16, and the run trains as in f32."""
+    from tests.train.test_moe_training import _moe_model
+
+    def run(path, dtype):
+        objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
+        trainer = Trainer(W.config(path, steps=3, compute_dtype=dtype, lora_rank=4, learning_rate=1e-2,
+                                   gradient_checkpointing=checkpointing), _moe_model(), objective)
+        step = jax.make_jaxpr(trainer._step)(trainer.params, trainer.params_compute, trainer.opt_state, trainer.rngs,
+                                             trainer.frozen_compute, trainer.rest, trainer._inputs(),
+                                             trainer.train_batch(0))
+        for scan in _scans(step.jaxpr):
+            if scan.params["length"] == 2:  # the model's layers
+                stacked = [*scan.invars[scan.params["num_consts"] + scan.params["num_carry"]:],
+                           *scan.outvars[scan.params["num_carry"]:]]
+                assert jnp.dtype(jnp.bfloat16) not in {v.aval.dtype for v in stacked}
+        return [trainer.run_step(step)["loss"] for step in range(3)]
+
+    bf16, f32 = run(tmp_path / "bf16", "bfloat16"), run(tmp_path / "f32", "float32")
+    np.testing.assert_allclose(bf16, f32, rtol=3e-2)
+    assert bf16[-1] < bf16[0]
 
 
 def test_kernel_option(tmp_path):

@@ -96,15 +96,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Ar
     The angles, their cos/sin and the two products sit behind optimization barriers: XLA:CPU contracts a
     multiply feeding an add into an FMA wherever the two land in one fusion, and fusion follows the program
     around them, so without the barriers a token's rotation could round differently in the engine's step and
-    in the trainer's (the exact mode needs them equal)."""
+    in the trainer's (the exact mode needs them equal).
+
+    The halves are rotated apart, (x1 c - x2 s, x2 c + x1 s), and joined once at the end: the rotate-half form
+    x * cos + concat(-x2, x1) * sin (the same bits) had XLA:CPU read through a concatenate inside every
+    elementwise loop: 1.6x the time of this one forward, 1.3x forward and backward."""
     angles = jax.lax.optimization_barrier(positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq))
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # (B, T, 1, D)
+    angles = angles[:, :, None, :]  # (B, T, 1, D / 2)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if scaling != 1.0:
         cos, sin = cos * np.float32(scaling), sin * np.float32(scaling)
     cos, sin = jax.lax.optimization_barrier((cos, sin))
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    a, b = jax.lax.optimization_barrier((xf * cos, rotated * sin))
-    return (a + b).astype(x.dtype)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    a1, b1, a2, b2 = jax.lax.optimization_barrier((x1 * cos, x2 * sin, x2 * cos, x1 * sin))
+    return jnp.concatenate([a1 - b1, a2 + b2], axis=-1).astype(x.dtype)

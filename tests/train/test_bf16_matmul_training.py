@@ -69,14 +69,7 @@ def test_moe_lora_trains_in_bf16_with_no_bf16_stacked_over_the_layers(tmp_path, 
         objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
         trainer = Trainer(W.config(path, steps=3, compute_dtype=dtype, lora_rank=4, learning_rate=1e-2,
                                    gradient_checkpointing=checkpointing), _moe_model(), objective)
-        step = jax.make_jaxpr(trainer._step)(trainer.params, trainer.params_compute, trainer.opt_state, trainer.rngs,
-                                             trainer.frozen_compute, trainer.rest, trainer._inputs(),
-                                             trainer.train_batch(0))
-        for scan in _scans(step.jaxpr):
-            if scan.params["length"] == 2:  # the model's layers
-                stacked = [*scan.invars[scan.params["num_consts"] + scan.params["num_carry"]:],
-                           *scan.outvars[scan.params["num_carry"]:]]
-                assert jnp.dtype(jnp.bfloat16) not in {v.aval.dtype for v in stacked}
+        _assert_layer_scans_stack_no_bf16(trainer, 2)
         return [trainer.run_step(step)["loss"] for step in range(3)]
 
     bf16, f32 = run(tmp_path / "bf16", "bfloat16"), run(tmp_path / "f32", "float32")
@@ -111,14 +104,7 @@ def test_a_lora_base_is_cast_once_and_exported_in_f32(tmp_path):
         assert dtypes(others(trainer.frozen_compute)) == {jnp.dtype(jnp.bfloat16)}
         assert all(a is b for a, b in zip(layers(trainer.frozen_compute), layers(trainer.frozen), strict=True))
         assert dtypes(trainer.frozen) == {jnp.dtype(jnp.float32)}
-        step = jax.make_jaxpr(trainer._step)(trainer.params, trainer.params_compute, trainer.opt_state,
-                                             trainer.rngs, trainer.frozen_compute, trainer.rest, trainer._inputs(),
-                                             trainer.train_batch(0))
-        for scan in _scans(step.jaxpr):  # no layer scan takes or stacks bf16 (XLA:CPU converts whole stacks)
-            if scan.params["length"] == W.model_config().num_layers:
-                stacked = [*scan.invars[scan.params["num_consts"] + scan.params["num_carry"]:],
-                           *scan.outvars[scan.params["num_carry"]:]]
-                assert jnp.dtype(jnp.bfloat16) not in {v.aval.dtype for v in stacked}
+        _assert_layer_scans_stack_no_bf16(trainer, W.model_config().num_layers)
         before = jax.tree.map(np.asarray, trainer.frozen_compute)
         records = [trainer.run_step(step) for step in range(2)]
         assert all(np.isfinite(r["loss"]) for r in records)
@@ -138,6 +124,19 @@ def _scans(jaxpr):
                     yield from _scans(sub)
 
 
+def _assert_layer_scans_stack_no_bf16(trainer, num_layers: int) -> None:
+    """No layer scan of the trainer's step takes or stacks a bf16 array (XLA:CPU has no bf16 dynamic slice or
+    update: it converts whole stacks to f32 for every layer), the forward's and the backward's alike."""
+    step = jax.make_jaxpr(trainer._step)(trainer.params, trainer.params_compute, trainer.opt_state, trainer.rngs,
+                                         trainer.frozen_compute, trainer.rest, trainer._inputs(), trainer.train_batch(0))
+    layer_scans = [scan for scan in _scans(step.jaxpr) if scan.params["length"] == num_layers]
+    assert len(layer_scans) >= 2  # the forward and the backward
+    for scan in layer_scans:
+        stacked = [*scan.invars[scan.params["num_consts"] + scan.params["num_carry"]:],
+                   *scan.outvars[scan.params["num_carry"]:]]
+        assert jnp.dtype(jnp.bfloat16) not in {v.aval.dtype for v in stacked}
+
+
 @pytest.mark.slow
 def test_full_fine_tuning_casts_each_layer_in_the_layer_scan(tmp_path):
     """bf16 full fine-tuning differentiates the f32 masters, each layer casting its own inside the layer scan (a
@@ -147,14 +146,7 @@ def test_full_fine_tuning_casts_each_layer_in_the_layer_scan(tmp_path):
     objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
     trainer = Trainer(W.config(tmp_path, steps=3, compute_dtype="bfloat16"), W.new_model(), objective)
     assert trainer.params_compute is None
-    step = jax.make_jaxpr(trainer._step)(trainer.params, trainer.params_compute, trainer.opt_state, trainer.rngs,
-                                         trainer.frozen_compute, trainer.rest, trainer._inputs(), trainer.train_batch(0))
-    layer_scans = [scan for scan in _scans(step.jaxpr) if scan.params["length"] == W.model_config().num_layers]
-    assert len(layer_scans) >= 2  # the forward and the backward
-    for scan in layer_scans:
-        stacked = [*scan.invars[scan.params["num_consts"] + scan.params["num_carry"]:],
-                   *scan.outvars[scan.params["num_carry"]:]]
-        assert jnp.dtype(jnp.bfloat16) not in {v.aval.dtype for v in stacked}
+    _assert_layer_scans_stack_no_bf16(trainer, W.model_config().num_layers)
     records = [trainer.run_step(step) for step in range(3)]
     checkpointed = Trainer(W.config(tmp_path / "gc", steps=3, compute_dtype="bfloat16", gradient_checkpointing=True),
                            W.new_model(), objective)

@@ -255,21 +255,23 @@ struct Extra {
 // a (M, K) or, with transpose_a, (K, M); b (K, N) or, with transpose_b, (N, K); both bf16 (c (M, N) f32
 // or bf16) or both f32 (c f32). b may be a stack (S, ...) of such weights: its layer `layer` is read in place.
 // Each output is A @ B's k slabs, then the extra product's, summed in one f32 chain and rounded once.
-ffi::Future Bf16MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, int32_t at, Extra extra,
-                           ffi::Result<ffi::AnyBuffer> c, bool transpose_a, bool transpose_b) {
+ffi::Future Bf16MatmulImpl(const char* op, ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, int32_t at,
+                           Extra extra, ffi::Result<ffi::AnyBuffer> c, bool transpose_a, bool transpose_b) {
   const Stack s = b.dimensions().size() == 3 ? Stack{true, b.dimensions()[0]} : Stack{};
   ffi::Span<const int64_t> bd;
   const auto ad = a.dimensions(), cd = c->dimensions();
   if (ad.size() != 2 || !LayerDims(b, s, &bd) || bd.size() != 2 || cd.size() != 2)
-    return ReadyFuture(InvalidArgument("bf16_matmul: operands must be 2-D (b may be a stack (S, ...) of them)"));
-  if (ffi::Error e = CheckLayer("bf16_matmul", at, s); !e.success()) return ReadyFuture(e);
+    return ReadyFuture(InvalidArgument(std::string(op) + ": operands must be 2-D (b may be a stack (S, ...) of them)"));
+  if (ffi::Error e = CheckLayer(op, at, s); !e.success()) return ReadyFuture(e);
   const bool f32 = a.element_type() == ffi::DataType::F32;
   if ((!f32 && a.element_type() != ffi::DataType::BF16) || b.element_type() != a.element_type() ||
       !IsF32OrBf16(c->element_type()) || (f32 && c->element_type() != ffi::DataType::F32))
-    return ReadyFuture(InvalidArgument("bf16_matmul: operands must be both bf16 (f32 or bf16 result) or both f32"));
+    return ReadyFuture(
+        InvalidArgument(std::string(op) + ": operands must be both bf16 (f32 or bf16 result) or both f32"));
   const int64_t m = transpose_a ? ad[1] : ad[0], k = transpose_a ? ad[0] : ad[1];
   const int64_t n = transpose_b ? bd[0] : bd[1], kb = transpose_b ? bd[1] : bd[0];
-  if (kb != k || cd[0] != m || cd[1] != n) return ReadyFuture(InvalidArgument("bf16_matmul: shapes do not agree"));
+  if (kb != k || cd[0] != m || cd[1] != n)
+    return ReadyFuture(InvalidArgument(std::string(op) + ": shapes do not agree"));
   const int64_t r = extra.r;
   const uint16_t* ap = static_cast<const uint16_t*>(a.untyped_data());
   const uint16_t* bp = static_cast<const uint16_t*>(LayerData(b, s, at));
@@ -354,7 +356,7 @@ ffi::Future Bf16MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffe
 
 ffi::Future Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::BufferR0<ffi::S32> layer,
                        ffi::Result<ffi::AnyBuffer> c, bool transpose_a, bool transpose_b) {
-  return Bf16MatmulImpl(pool, a, b, layer.typed_data()[0], Extra{}, c, transpose_a, transpose_b);
+  return Bf16MatmulImpl("bf16_matmul", pool, a, b, layer.typed_data()[0], Extra{}, c, transpose_a, transpose_b);
 }
 
 // op(a) @ op(b) + u @ op(v): u (M, R), v (R, N) or, with transpose_v, (N, R), of a's element type.
@@ -368,8 +370,8 @@ ffi::Future Bf16MatmulPlus(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffe
   const int64_t r = ud[1], vr = transpose_v ? vd[1] : vd[0], vn = transpose_v ? vd[0] : vd[1];
   if (ud[0] != cd[0] || vr != r || vn != cd[1])
     return ReadyFuture(InvalidArgument("bf16_matmul_plus: u (M, R) and v (R, N) do not agree with the result"));
-  return Bf16MatmulImpl(pool, a, b, 0, Extra{u.untyped_data(), v.untyped_data(), r, transpose_v}, c, transpose_a,
-                        transpose_b);
+  return Bf16MatmulImpl("bf16_matmul_plus", pool, a, b, 0, Extra{u.untyped_data(), v.untyped_data(), r, transpose_v}, c,
+                        transpose_a, transpose_b);
 }
 
 }  // namespace

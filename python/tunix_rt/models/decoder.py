@@ -291,10 +291,11 @@ class Decoder(nnx.Module):
             x, cache = carry
             if self.remat and cache is None:
                 return _remat_layer(layer, x, positions, segment_ids, attend_until, self.dtype), cache
-            if cache is None and self.dtype != jnp.float32:  # a layer's f32 (trained) params, cast in the scan
-                nnx.update(layer, _f32_as(nnx.state(layer, nnx.Param), self.dtype))
-            if cache is None:  # what a scanned layer's recomputation starts from, named for its dtype (not
-                # inside _remat_layer, which keeps its input itself: named twice, the scan would stack it twice)
+            if cache is None:
+                if self.dtype != jnp.float32:  # a layer's f32 params, cast in the scan
+                    nnx.update(layer, _f32_as(nnx.state(layer, nnx.Param), self.dtype))
+                # what a scanned layer's recomputation starts from, named for its dtype (not inside _remat_layer,
+                # which keeps its input itself: named twice, the scan would stack it twice)
                 x = saved_value(x, "layer_input")
             return layer(x, positions, cache, segment_ids, index, attend_until)
 

@@ -47,20 +47,23 @@ def default_kernel() -> str:
     return "xla" if cpu_features().get("amx_bf16") else "ffi"
 
 
-def _check_kernel(kernel) -> None:
+def _check_kernel(kernel, op="bf16_matmul") -> None:
     if kernel not in KERNELS:
-        raise ValueError(f"bf16_matmul: kernel must be one of {KERNELS}, got {kernel!r}")
+        raise ValueError(f"{op}: kernel must be one of {KERNELS}, got {kernel!r}")
+
+
+def _check_bf16(op, **arrays) -> None:
+    for name, arr in arrays.items():
+        if jnp.dtype(require_array(op, name, arr).dtype) != _BF16:
+            raise ValueError(f"{op}: {name} must be bfloat16, got {jnp.dtype(arr.dtype)}")
 
 
 def _check(x, w, out_dtype, transpose_w, kernel, op="bf16_matmul") -> None:
-    for name, arr in (("x", x), ("w", w)):
-        if jnp.dtype(require_array(op, name, arr).dtype) != _BF16:
-            raise ValueError(f"{op}: {name} must be bfloat16, got {jnp.dtype(arr.dtype)}")
+    _check_bf16(op, x=x, w=w)
     check_product_shapes(op, x, w, transpose_w)
     if jnp.dtype(out_dtype) not in _OUT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    if kernel not in KERNELS:
-        raise ValueError(f"{op}: kernel must be one of {KERNELS}, got {kernel!r}")
+    _check_kernel(kernel, op)
 
 
 def bf16_matmul_reference(x, w, *, out_dtype=jnp.bfloat16, transpose_w=False, kernel="ffi"):
@@ -141,9 +144,7 @@ def bf16_dot_general(kernel: str = "ffi"):
 
 def _check_lora(x, w, a, b, scaling, out_dtype, kernel) -> None:
     _check(x, w, out_dtype, False, kernel, op="lora_matmul")
-    for name, arr in (("a", a), ("b", b)):
-        if jnp.dtype(require_array("lora_matmul", name, arr).dtype) != _BF16:
-            raise ValueError(f"lora_matmul: {name} must be bfloat16, got {jnp.dtype(arr.dtype)}")
+    _check_bf16("lora_matmul", a=a, b=b)
     k, n = w.shape
     if a.ndim != 2 or b.ndim != 2 or a.shape[0] != k or b.shape != (a.shape[1], n):
         raise ValueError(f"lora_matmul: need a (K, r) and b (r, N) for w (K, N) = {w.shape}, got a {a.shape} and "
@@ -178,14 +179,14 @@ def _plus(a, b, u, v, out_dtype, transpose_b, transpose_v, kernel):
     return call(a, b, u, v, transpose_a=False, transpose_b=transpose_b, transpose_v=transpose_v)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _lora2d(x, w, a, b, scaling, out_dtype, kernel):
-    return _plus(x, w, _thin(x, a, scaling, 0), b, out_dtype, False, False, kernel)
-
-
 def _lora_fwd(x, w, a, b, scaling, out_dtype, kernel):
     us = _thin(x, a, scaling, 0)
     return _plus(x, w, us, b, out_dtype, False, False, kernel), (x, w, a, b, us)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _lora2d(x, w, a, b, scaling, out_dtype, kernel):
+    return _lora_fwd(x, w, a, b, scaling, out_dtype, kernel)[0]
 
 
 def _lora_bwd(scaling, out_dtype, kernel, residuals, dy):

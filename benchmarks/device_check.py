@@ -10,6 +10,13 @@ part that fails or hangs is recorded and the rest still run:
   attention the kernel's time per step against the reference (GQA 4, head dim 128, bf16): decode of 64
             sequences x 2K, 4 x 32K and 1 x 32K tokens, a 512-token prefill chunk over 2K; its own launch
             shape and a sweep of blocks per loop step x key splits.
+  train_attention
+            the Pallas flash-attention kernels of training against the dense reference: max relative error of
+            the output and dq, dk, dv, and the time of the forward and of forward + backward, bf16 (and f32),
+            plain causal rows and packed ones, at the 135M, 1B and a head-dim-256 shape; a sweep of rows per
+            tile on each shape's bf16 causal rows.
+  moe       MoE's grouped matmul (XLA's ragged_dot off CPU) forward and forward + backward against a dense
+            matmul of the same rows, at a Qwen3-30B-A3B-like expert layer.
   quant     the Pallas quantized-matmul kernel against its reference (dequantize, then XLA's dot) on the
             device: max error for every format and group, f32 and bf16, 1 to 100 rows; and the time of a
             Llama-1B-shaped projection (K 2048, N 8192; q4_1 and q8_0, bf16 and f32) at 1, 16 and 512 rows,
@@ -19,7 +26,8 @@ part that fails or hangs is recorded and the rest still run:
             load time, the first generate's time (its compiles), decode tokens/s at 1 and 16 streams,
             prefill tokens/s of a 512-token prompt, and the greedy tokens of fixed prompts (compared across
             the two modes).
-  train     per model: one LoRA SFT step and one GRPO step (2 steps each: the first compiles).
+  train     per model and kernel mode: one LoRA SFT step and one GRPO step in bf16 compute (2 steps each: the
+            first compiles), their losses.
 Models: SmolLM2-135M-shaped (the default model's shape; its GGUF is too large to carry to the device)
 and Llama-3.2-1B-shaped, random bf16 weights written here as HF directories with a tiny tokenizer; the engine
 also runs each quantized to q4_1 (`tunix-rt quantize`), the kind of weight the default model has.
@@ -226,6 +234,127 @@ def part_quant(interpret: bool = False) -> dict:
     return dict(cases=cases, worst_relative_err=worst, timings=timings)
 
 
+def _attention_rows(rng, b: int, t: int, kind: str):
+    """Positions and segments of b training rows of t tokens: plain causal rows, or rows packed with
+    examples of 64 to 1024 tokens (tests/ops/test_attention.packed_row draws them the same way, shorter)."""
+    import numpy as np
+
+    if kind == "causal":
+        return np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(), None
+    positions, segments = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+    for row in range(b):
+        at, seg = 0, 1
+        while at < t:
+            n = min(int(rng.integers(64, 1025)), t - at)
+            positions[row, at:at + n], segments[row, at:at + n] = np.arange(n), seg
+            at, seg = at + n, seg + 1
+    return positions, segments
+
+
+def part_train_attention(interpret: bool = False) -> dict:
+    """Training attention on the device: the Pallas flash-attention kernels against the dense reference
+    (forward, and forward + backward), bf16 and f32, plain causal rows and packed ones, at the shapes training
+    runs (interpret: tiny shapes, to try the part on any host)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tunix_rt.ops.attention import attention_reference
+    from tunix_rt.ops.attention_pallas import attention_pallas
+
+    # (name, rows, tokens, query heads, kv heads, head dim)
+    shapes = [("smollm2-135m 8 x 1K", 8, 1024, 9, 3, 64), ("llama-1b 4 x 4K", 4, 4096, 32, 8, 64),
+              ("gemma d256 2 x 2K", 2, 2048, 8, 4, 256)]
+    if interpret:
+        shapes = [("tiny 2 x 100", 2, 100, 4, 2, 16)]
+    rng = np.random.default_rng(0)
+    rows = []
+    for (name, b, t, h, kv, d), kind, dtype in [(s, k, dt) for s in shapes for k in ("causal", "packed")
+                                                  for dt in (jnp.bfloat16, jnp.float32)]:
+        if dtype == jnp.float32 and kind == "packed":
+            continue
+        positions, segments = _attention_rows(rng, b, t, kind)
+        positions, segments = jnp.asarray(positions), None if segments is None else jnp.asarray(segments)
+        q = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+        k, v = (jnp.asarray(rng.standard_normal((b, t, kv, d)), dtype) for _ in range(2))
+        dout = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+        opts = dict(scale=d**-0.5)
+
+        def grads(fn):
+            def run(q, k, v, dout):
+                y, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, positions, segments, **opts), q, k, v)
+                return (y, *vjp(dout))
+            return jax.jit(run)
+
+        kernel = functools.partial(attention_pallas, interpret=interpret)
+        row = dict(shape=name, kind=kind, dtype=jnp.dtype(dtype).name)
+        f32 = lambda x: np.asarray(x.astype(jnp.float32))  # noqa: E731
+        try:
+            got = [f32(x) for x in grads(kernel)(q, k, v, dout)]
+            want = [f32(x) for x in grads(attention_reference)(*(x.astype(jnp.float32) for x in (q, k, v, dout)))]
+            row["max_rel_err"] = {n: float(np.abs(a - e).max() / max(np.abs(e).max(), 1e-6))
+                                  for n, a, e in zip(("out", "dq", "dk", "dv"), got, want)}
+            for label, fn in (("kernel", kernel), ("reference", attention_reference)):
+                forward = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, positions, segments, **opts))
+                row[f"{label}_fwd_ms"] = _median_seconds(functools.partial(forward, q, k, v)) * 1e3
+                row[f"{label}_fwd_bwd_ms"] = _median_seconds(functools.partial(grads(fn), q, k, v, dout)) * 1e3
+            row["fwd_over_reference"] = row["reference_fwd_ms"] / row["kernel_fwd_ms"]
+            row["fwd_bwd_over_reference"] = row["reference_fwd_bwd_ms"] / row["kernel_fwd_bwd_ms"]
+            if kind == "causal" and dtype == jnp.bfloat16:  # the rows per tile, swept on one row of each shape
+                row["tile_sweep_fwd_bwd_ms"] = {}
+                for tile in (16, 32, 64, 128) if not interpret else (16, 32):
+                    swept = grads(functools.partial(attention_pallas, interpret=interpret, tile=tile))
+                    try:
+                        ms = _median_seconds(functools.partial(swept, q, k, v, dout)) * 1e3
+                    except Exception as e:  # a tile the device refuses (registers, shared memory)
+                        ms = f"{type(e).__name__}: {e}"[:200]
+                    row["tile_sweep_fwd_bwd_ms"][tile] = ms
+        except Exception as e:  # recorded (a shape the device refuses, memory), the other rows still run
+            row["error"] = f"{type(e).__name__}: {e}"[:400]
+        rows.append(row)
+    return dict(rows=rows)
+
+
+def part_moe(interpret: bool = False) -> dict:
+    """MoE's grouped matmul off CPU is the reference, jax.lax.ragged_dot, as XLA compiles it for the device:
+    its time forward and forward + backward against a dense matmul of the same rows (the FLOP floor), at a
+    Qwen3-30B-A3B-like expert layer (128 experts, top 8, hidden 2048, expert width 768), bf16."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tunix_rt.ops.moe import grouped_matmul
+
+    experts, k, n = (128, 2048, 768) if not interpret else (8, 64, 32)
+    rng = np.random.default_rng(0)
+    rows = []
+    for tokens in ((512, 4096) if not interpret else (16,)):
+        m = tokens * 8  # top 8
+        sizes = rng.multinomial(m, rng.dirichlet(np.ones(experts))).astype(np.int32)  # uneven loads
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((experts, k, n)) * 0.02, jnp.bfloat16)
+        dense_w = w[0]
+        sizes = jnp.asarray(sizes)
+        gmm = jax.jit(lambda x, w: grouped_matmul(x, w, sizes))
+        dense = jax.jit(lambda x, w: x @ w)
+        gmm_grad = jax.jit(jax.grad(lambda x, w: jnp.sum(grouped_matmul(x, w, sizes).astype(jnp.float32)), (0, 1)))
+        dense_grad = jax.jit(jax.grad(lambda x, w: jnp.sum((x @ w).astype(jnp.float32)), (0, 1)))
+        row = dict(rows=m, experts=experts, k=k, n=n)
+        row["gmm_ms"] = _median_seconds(functools.partial(gmm, x, w)) * 1e3
+        row["dense_ms"] = _median_seconds(functools.partial(dense, x, dense_w)) * 1e3
+        row["gmm_grad_ms"] = _median_seconds(functools.partial(gmm_grad, x, w)) * 1e3
+        row["dense_grad_ms"] = _median_seconds(functools.partial(dense_grad, x, dense_w)) * 1e3
+        row["gmm_tflops"] = 2 * m * k * n / row["gmm_ms"] / 1e9
+        row["dense_over_gmm"] = row["dense_ms"] / row["gmm_ms"]
+        row["dense_grad_over_gmm_grad"] = row["dense_grad_ms"] / row["gmm_grad_ms"]
+        rows.append(row)
+    return dict(rows=rows)
+
+
 def part_engine(model_dir: str) -> dict:
     import jax.numpy as jnp
     import numpy as np
@@ -294,30 +423,31 @@ def part_train(model_dir: str) -> dict:
         vocab = loaded.model.config.vocab_size
         items = [SFTExample(rng.integers(5, vocab, length).astype(np.int32), np.ones(length, bool)) for _ in range(2 * batch)]
         cfg = SFTConfig(data="-", output=out + "/sft", steps=2, batch_size=batch, max_length=length, lora_rank=8,
-                        lora_alpha=16.0, shuffle=False, progress=False, save_steps=10_000)
+                        lora_alpha=16.0, shuffle=False, progress=False, save_steps=10_000, compute_dtype="bfloat16")
         trainer = Trainer(cfg, loaded.model, SFTObjective(items, max_length=length, pad_id=0))
-        report["sft_lora_step_s"] = _timed_steps(trainer, 2)
+        report["sft_lora_step_s"], report["sft_loss"] = _timed_steps(trainer, 2)
         prompts = Path(out) / "prompts.jsonl"
         prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"tell {i}"}]}) + "\n"
                                    for i in range(8)))
         cfg = GRPOConfig(model=model_dir, data=str(prompts), output=out + "/grpo", steps=2, batch_size=16,
                          num_generations=4, max_completion_length=32, lora_rank=8, lora_alpha=16.0,
                          reward=(f"{Path(__file__).resolve()}:reward_short",), learning_rate=1e-5, save_steps=10_000,
-                         progress=False, shuffle=False)
+                         progress=False, shuffle=False, compute_dtype="bfloat16")
         loaded = load_model(model_dir, dequantize=False)
         trainer = RLTrainer(cfg, loaded.model, build_objective(cfg, loaded, cfg.data))
-        report["grpo_lora_step_s"] = _timed_steps(trainer, 2)
+        report["grpo_lora_step_s"], report["grpo_loss"] = _timed_steps(trainer, 2)
     report["peak_rss_gb"] = peak_rss_gb()
     return report
 
 
-def _timed_steps(trainer, steps: int) -> list[float]:
-    times = []
+def _timed_steps(trainer, steps: int) -> tuple[list[float], list[float]]:
+    """Each step's seconds and loss (the kernel modes' losses should agree)."""
+    times, losses = [], []
     for step in range(steps):
         start = time.perf_counter()
-        trainer.run_step(step)
+        losses.append(trainer.run_step(step)["loss"])
         times.append(time.perf_counter() - start)
-    return times
+    return times, losses
 
 
 def _device_memory() -> dict:
@@ -330,6 +460,7 @@ def _device_memory() -> dict:
 def run_part(args) -> None:
     part = {"kernels": lambda: part_kernels(), "quant": lambda: part_quant(args.interpret),
             "attention": lambda: part_attention(args.interpret),
+            "train_attention": lambda: part_train_attention(args.interpret), "moe": lambda: part_moe(args.interpret),
             "engine": lambda: part_engine(args.model_dir),
             "train": lambda: part_train(args.model_dir)}[args.part]
     result = part()
@@ -366,14 +497,15 @@ def _engine_runs(directory: str, env: dict, timeout: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="device_check.json")
-    parser.add_argument("--part", choices=("kernels", "attention", "quant", "engine", "train"), help=argparse.SUPPRESS)
+    parser.add_argument("--part", choices=("kernels", "attention", "train_attention", "moe", "quant", "engine", "train"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--skip-1b", action="store_true", help="only the SmolLM2-135M-shaped model")
-    parser.add_argument("--parts", default="kernels,attention,quant,engine,train",
+    parser.add_argument("--parts", default="kernels,attention,train_attention,moe,quant,engine,train",
                         help="which parts to run (comma-separated)")
     parser.add_argument("--interpret", action="store_true",
-                        help="run the attention and quant parts' kernels in interpret mode (small shapes): to try "
-                             "those parts on any host")
+                        help="run the attention, train_attention, moe and quant parts' kernels in interpret mode "
+                             "(small shapes): to try those parts on any host")
     parser.add_argument("--engine-weights", default="bf16,q4_1",
                         help="which weights the engine part runs each model with (comma-separated: bf16, q4_1)")
     parser.add_argument("--part-timeout", type=float, default=240.0, help="seconds each part may take")
@@ -395,7 +527,7 @@ def main() -> None:
 
     parts = set(args.parts.split(","))
     weights = set(args.engine_weights.split(","))
-    for kernels in ("kernels", "attention", "quant"):
+    for kernels in ("kernels", "attention", "train_attention", "moe", "quant"):
         if kernels in parts:
             record(kernels, _subprocess(["--part", kernels] + (["--interpret"] if args.interpret else []), env,
                                         args.part_timeout))
@@ -419,8 +551,9 @@ def main() -> None:
                 record(f"engine/{name}-q4_1", _engine_runs(quantized, env, args.part_timeout) if quantize.returncode == 0
                        else {"error": "tunix-rt quantize failed", "stderr_tail": quantize.stderr[-3000:]})
             if "train" in parts:
-                record(f"train/{name}", _subprocess(["--part", "train", "--model-dir", directory], env,
-                                                    args.part_timeout))
+                record(f"train/{name}", {mode: _subprocess(["--part", "train", "--model-dir", directory],
+                                                           dict(env, TUNIX_RT_KERNELS=mode), args.part_timeout)
+                                         for mode in ("native", "reference")})
 
 
 if __name__ == "__main__":

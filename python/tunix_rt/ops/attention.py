@@ -9,7 +9,8 @@ separate mask tensors travel through the model.
 queries' own tokens) as the FFI op of csrc/attention.cc: flash attention's tiling on CPU, which
 never materialises the (heads, T, T) scores and skips the tiles packed rows never attend across,
 with a custom_vjp on its own backward handler. `attention_reference` (same signature) is
-`dot_product_attention` under `attention_mask`, what the dense KV cache also runs.
+`dot_product_attention` under `attention_mask`, what the dense KV cache also runs. On CUDA GPUs the op
+runs as Pallas kernels (`attention_pallas`: flash attention under the same rule, forward and backward).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from tunix_rt.ops import attention_pallas
 from tunix_rt.ops._ffi import platform_dispatch, require_array
 
 _FWD = "tunix_rt_attention_fwd"
@@ -175,9 +177,13 @@ def attention(q, k, v, positions, segment_ids=None, *, scale: float, window: int
     segments = segment_ids is not None
     ids = (positions.astype(jnp.int32), (segment_ids if segments else positions).astype(jnp.int32))
     attrs_key = tuple(_attrs(scale, window, softcap, segments).items())
+    opts = dict(scale=scale, window=window, softcap=softcap)
+    cuda = None
+    if attention_pallas.supported(q):
+        cuda = lambda q, k, v, p, s, interpret: attention_pallas.attention_pallas(  # noqa: E731
+            q, k, v, p, s if segments else None, **opts, interpret=interpret)
     return platform_dispatch(
         _FWD,
         lambda q, k, v, p, s: _attention_ffi(q, k, v, p, s, attrs_key),
-        lambda q, k, v, p, s: attention_reference(q, k, v, p, s if segments else None, scale=scale, window=window,
-                                                  softcap=softcap),
-        q, k, v, *ids)
+        lambda q, k, v, p, s: attention_reference(q, k, v, p, s if segments else None, **opts),
+        q, k, v, *ids, cuda=cuda)

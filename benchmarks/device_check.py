@@ -12,11 +12,11 @@ part that fails or hangs is recorded and the rest still run:
             shape and a sweep of blocks per loop step x key splits.
   train_attention
             the Pallas flash-attention kernels of training against the dense reference: max relative error of
-            the output and dq, dk, dv, and the time of the forward and of forward + backward, bf16 (and f32),
+            the output and dq, dk, dv, and the time of the forward and of forward + backward, bf16 (f32 on one),
             plain causal rows and packed ones, at the 135M, 1B and a head-dim-256 shape; a sweep of rows per
             tile on each shape's bf16 causal rows.
-  moe       MoE's grouped matmul (XLA's ragged_dot off CPU) forward and forward + backward against a dense
-            matmul of the same rows, at a Qwen3-30B-A3B-like expert layer.
+  moe       MoE's grouped matmul: the Pallas kernels against the reference (XLA's ragged_dot) and a dense
+            matmul of the same rows, forward and forward + backward, at a Qwen3-30B-A3B-like expert layer.
   quant     the Pallas quantized-matmul kernel against its reference (dequantize, then XLA's dot) on the
             device: max error for every format and group, f32 and bf16, 1 to 100 rows; and the time of a
             Llama-1B-shaped projection (K 2048, N 8192; q4_1 and q8_0, bf16 and f32) at 1, 16 and 512 rows,
@@ -273,7 +273,7 @@ def part_train_attention(interpret: bool = False) -> dict:
     rows = []
     for (name, b, t, h, kv, d), kind, dtype in [(s, k, dt) for s in shapes for k in ("causal", "packed")
                                                   for dt in (jnp.bfloat16, jnp.float32)]:
-        if dtype == jnp.float32 and kind == "packed":
+        if dtype == jnp.float32 and (kind == "packed" or name != shapes[0][0]):  # f32: one row says enough
             continue
         positions, segments = _attention_rows(rng, b, t, kind)
         positions, segments = jnp.asarray(positions), None if segments is None else jnp.asarray(segments)
@@ -318,39 +318,48 @@ def part_train_attention(interpret: bool = False) -> dict:
 
 
 def part_moe(interpret: bool = False) -> dict:
-    """MoE's grouped matmul off CPU is the reference, jax.lax.ragged_dot, as XLA compiles it for the device:
-    its time forward and forward + backward against a dense matmul of the same rows (the FLOP floor), at a
-    Qwen3-30B-A3B-like expert layer (128 experts, top 8, hidden 2048, expert width 768), bf16."""
+    """MoE's grouped matmul on the device: the Pallas kernels against the reference (XLA's ragged_dot) and a
+    dense matmul of the same rows (the FLOP floor), forward and forward + backward, at a Qwen3-30B-A3B-like
+    expert layer (128 experts, top 8, hidden 2048, expert width 768) with uneven loads; bf16 and f32."""
     import functools
 
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from tunix_rt.ops.moe import grouped_matmul
+    from tunix_rt.ops.grouped_matmul_pallas import grouped_matmul_pallas
+    from tunix_rt.ops.moe import grouped_matmul_reference
 
     experts, k, n = (128, 2048, 768) if not interpret else (8, 64, 32)
     rng = np.random.default_rng(0)
     rows = []
-    for tokens in ((512, 4096) if not interpret else (16,)):
+    for tokens, dtype in ((512, jnp.bfloat16), (4096, jnp.bfloat16), (4096, jnp.float32)) if not interpret else \
+            ((16, jnp.bfloat16),):
         m = tokens * 8  # top 8
-        sizes = rng.multinomial(m, rng.dirichlet(np.ones(experts))).astype(np.int32)  # uneven loads
-        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-        w = jnp.asarray(rng.standard_normal((experts, k, n)) * 0.02, jnp.bfloat16)
-        dense_w = w[0]
-        sizes = jnp.asarray(sizes)
-        gmm = jax.jit(lambda x, w: grouped_matmul(x, w, sizes))
-        dense = jax.jit(lambda x, w: x @ w)
-        gmm_grad = jax.jit(jax.grad(lambda x, w: jnp.sum(grouped_matmul(x, w, sizes).astype(jnp.float32)), (0, 1)))
-        dense_grad = jax.jit(jax.grad(lambda x, w: jnp.sum((x @ w).astype(jnp.float32)), (0, 1)))
-        row = dict(rows=m, experts=experts, k=k, n=n)
-        row["gmm_ms"] = _median_seconds(functools.partial(gmm, x, w)) * 1e3
-        row["dense_ms"] = _median_seconds(functools.partial(dense, x, dense_w)) * 1e3
-        row["gmm_grad_ms"] = _median_seconds(functools.partial(gmm_grad, x, w)) * 1e3
-        row["dense_grad_ms"] = _median_seconds(functools.partial(dense_grad, x, dense_w)) * 1e3
-        row["gmm_tflops"] = 2 * m * k * n / row["gmm_ms"] / 1e9
-        row["dense_over_gmm"] = row["dense_ms"] / row["gmm_ms"]
-        row["dense_grad_over_gmm_grad"] = row["dense_grad_ms"] / row["gmm_grad_ms"]
+        sizes = jnp.asarray(rng.multinomial(m, rng.dirichlet(np.ones(experts))).astype(np.int32))  # uneven loads
+        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+        w = jnp.asarray(rng.standard_normal((experts, k, n)) * 0.02, dtype)
+        kernel = functools.partial(grouped_matmul_pallas, interpret=interpret)
+        fns = {"kernel": lambda x, w, fn=kernel: fn(x, w, sizes), "reference": lambda x, w: grouped_matmul_reference(x, w, sizes),
+               "dense": lambda x, w: x @ w[0]}
+        row = dict(rows=m, experts=experts, k=k, n=n, dtype=jnp.dtype(dtype).name)
+        f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
+        try:
+            grads = {name: jax.jit(jax.grad(lambda x, w, fn=fn: jnp.sum(fn(x, w).astype(jnp.float32) * x[:, :1]),
+                                            (0, 1))) for name, fn in fns.items()}
+            want = [f32(a) for a in (jax.jit(fns["reference"])(x, w), *grads["reference"](x, w))]
+            got = [f32(a) for a in (jax.jit(fns["kernel"])(x, w), *grads["kernel"](x, w))]
+            row["max_rel_err"] = {name: float(np.abs(a - e).max() / max(np.abs(e).max(), 1e-6))
+                                  for name, a, e in zip(("y", "dx", "dw"), got, want)}
+            for name, fn in fns.items():
+                row[f"{name}_ms"] = _median_seconds(functools.partial(jax.jit(fn), x, w)) * 1e3
+                row[f"{name}_grad_ms"] = _median_seconds(functools.partial(grads[name], x, w)) * 1e3
+            row["kernel_tflops"] = 2 * m * k * n / row["kernel_ms"] / 1e9
+            row["kernel_over_reference"] = row["reference_ms"] / row["kernel_ms"]
+            row["kernel_grad_over_reference"] = row["reference_grad_ms"] / row["kernel_grad_ms"]
+            row["kernel_over_dense"] = row["dense_ms"] / row["kernel_ms"]
+        except Exception as e:  # recorded, the other rows still run
+            row["error"] = f"{type(e).__name__}: {e}"[:400]
         rows.append(row)
     return dict(rows=rows)
 

@@ -31,3 +31,19 @@ def kernels(mode: str):
         else:
             os.environ["TUNIX_RT_KERNELS"] = old
         _ffi.kernel_mode.cache_clear()
+
+
+def trainer_steps(mode: str, output, model, steps: int = 2, **config):
+    """(the train step's jaxpr as text, each step's metrics) of an SFT run on sharded_worker's items with the
+    ops traced under TUNIX_RT_KERNELS=mode: a training step through the accelerator path's kernels."""
+    from tests.train import sharded_worker as W
+    from tunix_rt.train.sft import SFTObjective
+    from tunix_rt.train.trainer import Trainer
+
+    with kernels(mode):
+        objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
+        trainer = Trainer(W.config(output / mode, steps=steps, **config), model, objective)
+        program = str(jax.make_jaxpr(trainer._train_step)(
+            trainer.params, trainer.params_compute, trainer.opt_state, trainer.rngs, trainer.frozen_compute,
+            trainer.rest, trainer._inputs(), trainer.train_batch(0)))
+        return program, [trainer.run_step(step) for step in range(steps)]

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.ops.conftest import kernels
+from tests.ops.conftest import kernels, trainer_steps
 from tests.ops.test_attention import _close, _f32, _forward_and_vjp, _magnitudes, packed_row
 from tunix_rt.ops import attention, attention_reference
 from tunix_rt.ops.attention_pallas import attention_pallas, supported, tile_size
@@ -160,20 +160,10 @@ def test_a_bf16_training_step_through_the_kernels_trains_as_the_reference(tmp_pa
     """bf16 SFT steps of a tiny decoder with the kernels (interpret mode) against the reference path: the same
     losses and gradient norms up to bf16 rounding, and the step's program runs the three kernels."""
     from tests.train import sharded_worker as W
-    from tunix_rt.train.sft import SFTObjective
-    from tunix_rt.train.trainer import Trainer
 
-    def steps(mode):
-        with kernels(mode):
-            objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)
-            trainer = Trainer(W.config(tmp_path / mode, steps=2, compute_dtype="bfloat16", bf16_matmul="xla"),
-                              W.new_model(), objective)
-            program = str(jax.make_jaxpr(trainer._train_step)(
-                trainer.params, trainer.params_compute, trainer.opt_state, trainer.rngs, trainer.frozen_compute,
-                trainer.rest, trainer._inputs(), trainer.train_batch(0)))
-            return program, [trainer.run_step(step) for step in range(2)]
-
-    (kernel_program, kernel), (reference_program, reference) = steps("interpret"), steps("reference")
+    config = dict(compute_dtype="bfloat16", bf16_matmul="xla")
+    (kernel_program, kernel), (reference_program, reference) = (
+        trainer_steps(mode, tmp_path, W.new_model(), **config) for mode in ("interpret", "reference"))
     for name in ("tunix_rt_attention_fwd", "tunix_rt_attention_dkv", "tunix_rt_attention_dq"):
         assert name in kernel_program and name not in reference_program
     for a, b in zip(kernel, reference):

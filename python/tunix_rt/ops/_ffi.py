@@ -57,7 +57,8 @@ OP_FAMILIES = {
                                                                 None),
     "moe routing and grouped matmul": (("tunix_rt_moe_route", "tunix_rt_moe_permute", "tunix_rt_moe_unpermute",
                                         "tunix_rt_moe_unpermute_bwd", "tunix_rt_grouped_matmul",
-                                        "tunix_rt_grouped_matmul_dw"), None),
+                                        "tunix_rt_grouped_matmul_dw"),
+                                       "Pallas/Triton grouped_matmul_pallas (K, N multiples of 16; routing: XLA)"),
 }
 
 

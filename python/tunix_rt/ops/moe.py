@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tunix_rt.ops import grouped_matmul_pallas
 from tunix_rt.ops._ffi import platform_dispatch, require_array
 
 _ROUTE = "tunix_rt_moe_route"
@@ -354,6 +355,10 @@ def grouped_matmul(x, w, group_sizes, *, transpose_w=False):
     """
     _check_gmm(x, w, group_sizes, transpose_w)
     transpose_w = bool(transpose_w)
+    cuda = None
+    if grouped_matmul_pallas.supported(x, w, transpose_w):
+        cuda = lambda x, w, gs, interpret: grouped_matmul_pallas.grouped_matmul_pallas(  # noqa: E731
+            x, w, gs, transpose_w=transpose_w, interpret=interpret)
     return platform_dispatch(
         _GMM,
         lambda x, w, gs: _gmm_ffi(x, w, gs, transpose_w),
@@ -361,6 +366,7 @@ def grouped_matmul(x, w, group_sizes, *, transpose_w=False):
         x,
         w,
         group_sizes,
+        cuda=cuda,
     )
 
 

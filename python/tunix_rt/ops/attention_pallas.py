@@ -41,7 +41,7 @@ def supported(q) -> bool:
     """Whether the kernels run on this q (B, T, H, D): bf16, and a power-of-two head_dim (Triton's tiles).
 
     f32 keeps XLA's reference: with f32 tiles in IEEE precision (tensor cores take TF32 only) the kernels
-    measured 18-20x slower than the reference on one H200; bf16 ones 2.0-2.9x faster forward, 1.2-5x
+    measured 15-42x slower than the reference on one H200; bf16 ones 1.1-3.5x faster forward, 1.4-4.9x
     forward + backward (benchmarks/device_check.py's train_attention part)."""
     d = q.shape[-1]
     return jnp.dtype(q.dtype) == jnp.bfloat16 and d >= _MIN_TILE and d & (d - 1) == 0

@@ -168,21 +168,25 @@ def test_matches_reference_forward_and_backward(case):
         _close(g, g_ref, q.dtype, f"d{name}", 1e-2 * size)
 
 
-@needs_ffi
-def test_queries_that_see_nothing_average_every_value():
+def assert_unseen_queries_average_every_value(fn, d: int) -> None:
     """Every position -1: the reference's softmax over equal scores is uniform over all T keys, its
-    gradient reaches v alone."""
+    gradient reaches v alone. `fn` has attention's signature."""
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((1, 70, 2, 8)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((1, 70, 1, 8)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((1, 70, 2, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 70, 1, d)), jnp.float32) for _ in range(2))
     positions = jnp.full((1, 70), -1, jnp.int32)
-    y, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, positions, scale=0.3), q, k, v)
+    y, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, positions, scale=0.3), q, k, v)
     np.testing.assert_allclose(np.asarray(y), np.broadcast_to(np.asarray(v).mean(1, keepdims=True), y.shape),
                                rtol=1e-5, atol=1e-6)
     dq, dk, dv = vjp(jnp.ones_like(y))
     assert not np.any(np.asarray(dq)) and not np.any(np.asarray(dk))
     # each of the 70 queries of both heads (sharing the one kv head) gives every value 1/70 of its dO
     np.testing.assert_allclose(np.asarray(dv), 2.0, rtol=1e-5)
+
+
+@needs_ffi
+def test_queries_that_see_nothing_average_every_value():
+    assert_unseen_queries_average_every_value(attention, 8)
 
 
 @needs_ffi

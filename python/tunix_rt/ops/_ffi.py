@@ -49,7 +49,7 @@ OP_FAMILIES = {
     "paged attention": (("tunix_rt_paged_attention",), "Pallas/Triton paged_attention_pallas"),
     "kv-cache write": (("tunix_rt_write_kv",), None),
     "training attention": (("tunix_rt_attention_fwd", "tunix_rt_attention_bwd"),
-                           "Pallas/Triton attention_pallas (flash attention, forward and backward; power-of-two head_dim)"),
+                           "Pallas/Triton attention_pallas (bf16, power-of-two head_dim; f32: XLA)"),
     "rms norm": (("tunix_rt_rms_norm_fwd", "tunix_rt_rms_norm_bwd"), None),
     "quantized matmul": (("tunix_rt_quant_matmul", "tunix_rt_quantize", "tunix_rt_dequantize"),
                          "Pallas/Triton quant_matmul_pallas (bf16 activations; f32, quantize, dequantize: XLA)"),

@@ -10,7 +10,8 @@ queries' own tokens) as the FFI op of csrc/attention.cc: flash attention's tilin
 never materialises the (heads, T, T) scores and skips the tiles packed rows never attend across,
 with a custom_vjp on its own backward handler. `attention_reference` (same signature) is
 `dot_product_attention` under `attention_mask`, what the dense KV cache also runs. On CUDA GPUs the op
-runs as Pallas kernels (`attention_pallas`: flash attention under the same rule, forward and backward).
+runs as Pallas kernels in bf16 with a power-of-two head_dim (`attention_pallas`: flash attention under the same
+rule, forward and backward); f32 and other head dims take the reference there.
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ def attention(q, k, v, positions, segment_ids=None, *, scale: float, window: int
     attrs_key = tuple(_attrs(scale, window, softcap, segments).items())
     opts = dict(scale=scale, window=window, softcap=softcap)
     cuda = None
-    if attention_pallas.supported(q):
+    if attention_pallas.supported(q, k, v):
         cuda = lambda q, k, v, p, s, interpret: attention_pallas.attention_pallas(  # noqa: E731
             q, k, v, p, s if segments else None, **opts, interpret=interpret)
     return platform_dispatch(

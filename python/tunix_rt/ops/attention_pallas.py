@@ -32,19 +32,21 @@ from jax.ad_checkpoint import checkpoint_name
 # paged_attention_pallas).
 
 # Query and key rows per tile: Triton's dot needs at least 16; 64 measured best on one H200 at head dims 64
-# and 256 (bf16, forward + backward: 16 and 32 rows 1.3-2.7x slower, 128 rows 1.9x slower at head dim 64 and
+# and 256 (bf16, forward + backward: 16 and 32 rows 1.2-2.7x slower, 128 rows 2x slower at head dim 64 and
 # past the shared memory at 256). Heads past 64 run twice the warps.
 _MIN_TILE, _MAX_TILE = 16, 64
 
 
-def supported(q) -> bool:
-    """Whether the kernels run on this q (B, T, H, D): bf16, and a power-of-two head_dim (Triton's tiles).
+def supported(q, k, v) -> bool:
+    """Whether the kernels run on q, k, v: all bf16, a power-of-two head_dim from 16 (Triton's tiles) to 256
+    (the largest measured; 128-row tiles already passed the shared memory there).
 
     f32 keeps XLA's reference: with f32 tiles in IEEE precision (tensor cores take TF32 only) the kernels
     measured 15-42x slower than the reference on one H200; bf16 ones 1.1-3.5x faster forward, 1.4-4.9x
     forward + backward (benchmarks/device_check.py's train_attention part)."""
     d = q.shape[-1]
-    return jnp.dtype(q.dtype) == jnp.bfloat16 and d >= _MIN_TILE and d & (d - 1) == 0
+    bf16 = all(jnp.dtype(x.dtype) == jnp.bfloat16 for x in (q, k, v))
+    return bf16 and _MIN_TILE <= d <= 256 and d & (d - 1) == 0
 
 
 def tile_size(t: int, tile: int | None = None) -> int:
@@ -64,8 +66,10 @@ def _visible(q_pos, q_seg, k_pos, k_seg, window, segments):
     if window:
         mask &= (q - k) < window
     if segments:
+        from tunix_rt.ops.attention import prefix_segment
+
         sq, sk = q_seg[:, None], k_seg[None, :]
-        mask &= (sq == sk) | ((sq > 0) & (sk == -jax.lax.shift_right_arithmetic(sq, 16) - 1))
+        mask &= (sq == sk) | ((sq > 0) & (sk == prefix_segment(sq)))
     return mask
 
 
@@ -128,7 +132,8 @@ def _fwd_kernel(pos_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale,
 
 
 def _grad_terms(q, k, v, do, lse, delta, visible, scale, softcap):
-    """p, and ds = dL/d(raw scores) / 1 (the scale is applied by the caller's product) of one tile pair."""
+    """p, and ds, the loss's gradient in the scaled scores scale * q.k (the callers apply the scale to their
+    sums), of one tile pair."""
     s, t = _scores(q, k, scale, softcap)
     p = jnp.where(visible, jnp.exp(s - lse[:, None]), 0.0)
     ds = p * (_dot(do, v, _NT) - delta[:, None])
@@ -188,7 +193,7 @@ def _dq_kernel(pos_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref
     dq_ref[...] = dq * scale
 
 
-def _specs(b, tp, h, kv, d, tile):
+def _specs(tp, h, kv, d, tile):
     """BlockSpecs over grid (row, query head, tile): the row's positions and segments whole, a (tile, D)
     block of one query head, and the row's whole sequence of the head's kv head."""
     from jax.experimental import pallas as pl
@@ -231,9 +236,9 @@ def _forward(q, k, v, positions, segment_ids, opts):
     tile = tile_size(t, opts["tile"])
     tp = -(-t // tile) * tile
     pos = _pad(positions.astype(jnp.int32), tp, -1)
-    seg = _pad((positions if segment_ids is None else segment_ids).astype(jnp.int32), tp)
+    seg = pos if segment_ids is None else _pad(segment_ids.astype(jnp.int32), tp)  # unread without segments
     qp, kp, vp = (_pad(x, tp) for x in (q, k, v))
-    row_ids, head_tile, _, kv_all, _, _, tile_of_query = _specs(b, tp, h, kv, d, tile)
+    row_ids, head_tile, _, kv_all, _, _, tile_of_query = _specs(tp, h, kv, d, tile)
     out, lse = _call(_fwd_kernel, "tunix_rt_attention_fwd", (b, h, tp // tile),
                      [row_ids, row_ids, head_tile, kv_all, kv_all], [head_tile, tile_of_query],
                      [jax.ShapeDtypeStruct((b, tp, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, tp), jnp.float32)],
@@ -244,9 +249,8 @@ def _forward(q, k, v, positions, segment_ids, opts):
 def _mean_v(v, heads):
     """Each query head's mean of its kv head's values over the row (B, 1, H, D) f32: the reference's output
     for a query that sees no key."""
-    b, t, kv, d = v.shape
     mean = jnp.mean(v.astype(jnp.float32), axis=1)  # (B, KV, D)
-    return jnp.repeat(mean, heads // kv, axis=1)[:, None]
+    return jnp.repeat(mean, heads // v.shape[2], axis=1)[:, None]
 
 
 def _complete(out, lse, v, heads):
@@ -278,7 +282,7 @@ def _attention_bwd(static, residuals, dout):
     do = dout.astype(qp.dtype)
     delta = _pad(jnp.einsum("bthd,bthd->bth", do.astype(jnp.float32), out), tp).transpose(0, 2, 1)  # (B, H, Tp)
     dop = _pad(do, tp)
-    row_ids, head_tile, head_all, kv_all, kv_tile, per_query, _ = _specs(b, tp, h, kv, d, tile)
+    row_ids, head_tile, head_all, kv_all, kv_tile, per_query, _ = _specs(tp, h, kv, d, tile)
     kernel_static = _kernel_static(opts, tile)
     f32 = jnp.float32
     dk, dv = _call(_dkv_kernel, "tunix_rt_attention_dkv", (b, h, tp // tile),

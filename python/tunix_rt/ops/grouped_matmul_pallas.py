@@ -13,9 +13,10 @@ one (group, row tile) pair the group touches, so a tile straddling a group bound
 group, each visit storing only its group's rows (a masked store: the items never write the same row). One
 program per (item, column tile) sums over K in TK steps. The item list is made by XLA from group_sizes, at
 its static bound (row tiles + experts); group sizes are clamped into x's rows, since a device kernel cannot
-raise. dw[g] = x_g^T dy_g: one program per (expert, K tile, N tile) walks
-its group's rows TM at a time. f32 sums; K and N must be multiples of 16 (`supported`), the tiles the
-largest powers of two up to 64 / 128 that divide them.
+raise. dw[g] = x_g^T dy_g: one program per (expert, K tile, N tile) walks its group's rows TM at a time.
+f32 sums (of f32 tiles in TF32 on the tensor cores, as XLA's own f32 dots there); K and N must be multiples
+of 16 (`supported`), the tiles the largest powers of two dividing them up to 64 (K, and dw's both sides) and
+128 (the product's N).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ _TM = 64  # rows per tile
 
 
 def _tile(n: int, widest: int) -> int:
-    """The largest power of two from 16 to `widest` dividing n."""
+    """The largest power of two from 16 to `widest` dividing n (a multiple of 16: `supported`)."""
+    if n % 16:
+        raise ValueError(f"grouped_matmul_pallas: {n} is not a multiple of 16")
     tile = widest
     while n % tile:
         tile //= 2
@@ -41,19 +44,24 @@ def _tile(n: int, widest: int) -> int:
 
 
 def supported(x, w, transpose_w: bool) -> bool:
-    """Whether the kernels run on this product: K and N multiples of 16 (Triton's tiles; no edge masks)."""
+    """Whether the kernels run on this product: K and N multiples of 16 (Triton's tiles; no edge masks), at
+    least one expert."""
     n, k = (w.shape[1], w.shape[2]) if transpose_w else (w.shape[2], w.shape[1])
-    return n % 16 == 0 and k % 16 == 0 and n > 0 and k > 0
+    return n % 16 == 0 and k % 16 == 0 and n > 0 and k > 0 and w.shape[0] > 0
 
 
 def _dot(a, b, dims):
+    """f32 sums at JAX's default precision: bf16 tiles exact, f32 tiles in TF32 on the tensor cores (as XLA's
+    own f32 dots on the GPU)."""
     return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
 
 
 def _bounds(group_sizes, rows: int):
-    """Each group's [start, end) rows. A device kernel cannot raise (the CPU op does), so a negative size counts
-    as empty and rows past x's are dropped: no read or write out of bounds."""
-    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), rows)
+    """Each group's [start, end) rows, 0 <= start <= end <= rows. A device kernel cannot raise (the CPU op
+    does), so a negative size counts as empty and rows past x's are dropped: no read or write out of bounds.
+    The sum saturates at `rows` as it goes, so sizes whose int32 sum would overflow stay in bounds too."""
+    sizes = jnp.clip(group_sizes, 0, rows)
+    ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, rows), sizes)
     return jnp.concatenate([jnp.zeros(1, ends.dtype), ends[:-1]]), ends
 
 

@@ -351,7 +351,8 @@ def grouped_matmul(x, w, group_sizes, *, transpose_w=False):
     x (rows, K), w (experts, K, N) (or (experts, N, K) used transposed with `transpose_w`), of one
     dtype (f32 or bf16, summed in f32); group g owns the `group_sizes[g]` rows after the groups
     before it. Differentiable in x and w; groups without rows cost nothing and get zero gradient.
-    Negative sizes, or sizes summing past x's rows, are an error.
+    Negative sizes, or sizes summing past x's rows, are an error on CPU; the CUDA kernel, which cannot raise,
+    counts a negative size as empty and drops rows past x's.
     """
     _check_gmm(x, w, group_sizes, transpose_w)
     transpose_w = bool(transpose_w)

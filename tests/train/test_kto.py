@@ -103,5 +103,10 @@ def test_bad_rows_and_options(tiny, tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps(row) + "\n")
     with pytest.raises(DataError, match='field "label" must be true or false'):
         load_unpaired(tmp_path / "bad.jsonl", loaded.tokenizer, max_length=64)
+    row = {"prompt": "x", "completion": [{"role": "assistant", "content": "y"}], "label": True}
+    (tmp_path / "mixed.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match='mixed.jsonl:1: fields "prompt" and "completion" must both be strings or both '
+                                        'be lists of messages, got str and list'):
+        load_unpaired(tmp_path / "mixed.jsonl", loaded.tokenizer, max_length=64)
     with pytest.raises(ValueError, match="desirable_weight must be a positive"):
         KTOConfig(data="d", output="o", desirable_weight=0.0)

@@ -261,25 +261,8 @@ def tokenize_preference(
     else:
         prompt = _field(row, "prompt", where)
 
-    if all(isinstance(value, str) for value in (prompt, chosen, rejected)):
-        prompt_ids = tokenizer.encode(prompt)
-        chosen_ids, rejected_ids = (
-            _with_eos(tokenizer.encode(completion, add_special_tokens=False), tokenizer)
-            for completion in (chosen, rejected)
-        )
-    elif all(isinstance(value, list) for value in (prompt, chosen, rejected)):
-        prompt = _messages(prompt, "prompt", where)
-        prompt_text = _render(tokenizer, prompt, True, where, expand)
-        prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
-        chosen_ids, rejected_ids = (
-            _completion_ids(tokenizer, prompt, prompt_text, completion, name, where, expand)
-            for name, completion in (("chosen", chosen), ("rejected", rejected))
-        )
-    else:
-        raise DataError(
-            f'{where}: fields "prompt", "chosen" and "rejected" must all be strings or all be lists of messages, '
-            f"got {_kind(prompt)}, {_kind(chosen)} and {_kind(rejected)}"
-        )
+    prompt_ids, (chosen_ids, rejected_ids) = _encode_completions(
+        tokenizer, prompt, {"chosen": chosen, "rejected": rejected}, where, expand)
 
     if vision is not None:
         try:
@@ -292,9 +275,7 @@ def tokenize_preference(
     if pixels is not None and len(prompt_ids) > limit:
         raise DataError(f"{where}: the prompt with its images is {len(prompt_ids)} tokens, more than "
                         f"{'max_prompt_length' if limit < max_length else 'max_length'} ({limit}); an image is never cut")
-    if max_prompt_length is not None:
-        prompt_ids = prompt_ids[max(0, len(prompt_ids) - max_prompt_length) :]
-    prompt_ids = prompt_ids[:max_length]
+    prompt_ids = _truncate_prompt(prompt_ids, max_length, max_prompt_length)
     room = max_length - len(prompt_ids)
     margin = row.get("margin", 0.0)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not np.isfinite(margin):
@@ -341,21 +322,9 @@ def tokenize_unpaired(row: dict, tokenizer: Tokenizer, *, max_length: int, max_p
     label = _field(row, "label", where)
     if not isinstance(label, bool):
         raise DataError(f'{where}: field "label" must be true or false, got {label!r}')
-    prompt, completion = _field(row, "prompt", where), _field(row, "completion", where)
-    if isinstance(prompt, str) and isinstance(completion, str):
-        prompt_ids = tokenizer.encode(prompt)
-        completion_ids = _with_eos(tokenizer.encode(completion, add_special_tokens=False), tokenizer)
-    elif isinstance(prompt, list) and isinstance(completion, list):
-        prompt = _messages(prompt, "prompt", where)
-        prompt_text = _render(tokenizer, prompt, True, where)
-        prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
-        completion_ids = _completion_ids(tokenizer, prompt, prompt_text, completion, "completion", where)
-    else:
-        raise DataError(f'{where}: fields "prompt" and "completion" must both be strings or both be lists of '
-                        f"messages, got {_kind(prompt)} and {_kind(completion)}")
-    if max_prompt_length is not None:
-        prompt_ids = prompt_ids[max(0, len(prompt_ids) - max_prompt_length):]
-    prompt_ids = prompt_ids[:max_length]
+    prompt_ids, (completion_ids,) = _encode_completions(
+        tokenizer, _field(row, "prompt", where), {"completion": _field(row, "completion", where)}, where)
+    prompt_ids = _truncate_prompt(prompt_ids, max_length, max_prompt_length)
     return UnpairedExample(np.asarray(prompt_ids, np.int32),
                            np.asarray(completion_ids[:max_length - len(prompt_ids)], np.int32), label)
 
@@ -367,6 +336,35 @@ def load_unpaired(path, tokenizer: Tokenizer, *, max_length: int,
                                          where=f"{path}:{line}"))
                 for line, row in read_jsonl(path)]
     return _keep_trainable(path, numbered, lambda example: len(example.completion_ids) > 0, max_length)
+
+
+def _encode_completions(tokenizer: Tokenizer, prompt, completions: dict, where: str,
+                        expand=None) -> tuple[list[int], list[list[int]]]:
+    """The prompt's ids and each completion's (named by its field): all strings (the prompt with the tokenizer's
+    special tokens, each completion closed by EOS) or all lists of messages (through the chat template, each
+    completion tokenized apart from the prompt as TRL does)."""
+    values = (prompt, *completions.values())
+    if all(isinstance(value, str) for value in values):
+        return tokenizer.encode(prompt), [_with_eos(tokenizer.encode(completion, add_special_tokens=False), tokenizer)
+                                          for completion in completions.values()]
+    if all(isinstance(value, list) for value in values):
+        prompt = _messages(prompt, "prompt", where)
+        prompt_text = _render(tokenizer, prompt, True, where, expand)
+        return tokenizer.encode(prompt_text, add_special_tokens=False), [
+            _completion_ids(tokenizer, prompt, prompt_text, completion, name, where, expand)
+            for name, completion in completions.items()]
+    names = ", ".join(f'"{name}"' for name in ("prompt", *completions))
+    names, kinds = (" and ".join(text.rsplit(", ", 1)) for text in (names, ", ".join(map(_kind, values))))
+    every = "both" if len(values) == 2 else "all"
+    raise DataError(f"{where}: fields {names} must {every} be strings or {every} be lists of messages, got {kinds}")
+
+
+def _truncate_prompt(prompt_ids: list[int], max_length: int, max_prompt_length: int | None) -> list[int]:
+    """TRL's truncation of a prompt: its last max_prompt_length tokens, then its first max_length (the completions
+    keep the room left)."""
+    if max_prompt_length is not None:
+        prompt_ids = prompt_ids[max(0, len(prompt_ids) - max_prompt_length):]
+    return prompt_ids[:max_length]
 
 
 def _completion_ids(

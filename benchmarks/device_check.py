@@ -71,6 +71,14 @@ def write_model(config: dict, directory: Path) -> Path:
     return directory
 
 
+def _max_rel_err(names, got, want) -> dict:
+    """name -> max |got - want| over max |want| (each an array made f32 on the host)."""
+    import numpy as np
+
+    f32 = [[np.asarray(x, np.float32) for x in arrays] for arrays in (got, want)]
+    return {n: float(np.abs(a - e).max() / max(np.abs(e).max(), 1e-6)) for n, a, e in zip(names, *f32)}
+
+
 def _median_seconds(fn, repeats: int = 5) -> float:
     import jax
 
@@ -290,12 +298,9 @@ def part_train_attention(interpret: bool = False) -> dict:
 
         kernel = functools.partial(attention_pallas, interpret=interpret)
         row = dict(shape=name, kind=kind, dtype=jnp.dtype(dtype).name)
-        f32 = lambda x: np.asarray(x.astype(jnp.float32))  # noqa: E731
         try:
-            got = [f32(x) for x in grads(kernel)(q, k, v, dout)]
-            want = [f32(x) for x in grads(attention_reference)(*(x.astype(jnp.float32) for x in (q, k, v, dout)))]
-            row["max_rel_err"] = {n: float(np.abs(a - e).max() / max(np.abs(e).max(), 1e-6))
-                                  for n, a, e in zip(("out", "dq", "dk", "dv"), got, want)}
+            want = grads(attention_reference)(*(x.astype(jnp.float32) for x in (q, k, v, dout)))
+            row["max_rel_err"] = _max_rel_err(("out", "dq", "dk", "dv"), grads(kernel)(q, k, v, dout), want)
             for label, fn in (("kernel", kernel), ("reference", attention_reference)):
                 forward = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, positions, segments, **opts))
                 row[f"{label}_fwd_ms"] = _median_seconds(functools.partial(forward, q, k, v)) * 1e3
@@ -343,14 +348,12 @@ def part_moe(interpret: bool = False) -> dict:
         fns = {"kernel": lambda x, w, fn=kernel: fn(x, w, sizes), "reference": lambda x, w: grouped_matmul_reference(x, w, sizes),
                "dense": lambda x, w: x @ w[0]}
         row = dict(rows=m, experts=experts, k=k, n=n, dtype=jnp.dtype(dtype).name)
-        f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
         try:
             grads = {name: jax.jit(jax.grad(lambda x, w, fn=fn: jnp.sum(fn(x, w).astype(jnp.float32) * x[:, :1]),
                                             (0, 1))) for name, fn in fns.items()}
-            want = [f32(a) for a in (jax.jit(fns["reference"])(x, w), *grads["reference"](x, w))]
-            got = [f32(a) for a in (jax.jit(fns["kernel"])(x, w), *grads["kernel"](x, w))]
-            row["max_rel_err"] = {name: float(np.abs(a - e).max() / max(np.abs(e).max(), 1e-6))
-                                  for name, a, e in zip(("y", "dx", "dw"), got, want)}
+            row["max_rel_err"] = _max_rel_err(
+                ("y", "dx", "dw"), (jax.jit(fns["kernel"])(x, w), *grads["kernel"](x, w)),
+                (jax.jit(fns["reference"])(x, w), *grads["reference"](x, w)))
             for name, fn in fns.items():
                 row[f"{name}_ms"] = _median_seconds(functools.partial(jax.jit(fn), x, w)) * 1e3
                 row[f"{name}_grad_ms"] = _median_seconds(functools.partial(grads[name], x, w)) * 1e3

@@ -170,10 +170,9 @@ def _thin(a, b, scaling, contract_b):
 def _plus(a, b, u, v, out_dtype, transpose_b, transpose_v, kernel):
     """a @ op(b) + u @ op(v), bf16 operands, summed in f32 and rounded once to out_dtype."""
     if kernel == "xla":
-        def dot(p, q, transpose):
-            return jax.lax.dot_general(p, q, (((1,), (1 if transpose else 0,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
-        return (dot(a, b, transpose_b) + dot(u, v, transpose_v)).astype(out_dtype)
+        f32 = jnp.float32
+        return (_product(a, b, f32, False, transpose_b, kernel) + _product(u, v, f32, False, transpose_v, kernel)
+                ).astype(out_dtype)
     n = b.shape[0] if transpose_b else b.shape[1]
     call = jax.ffi.ffi_call(_PLUS_TARGET, jax.ShapeDtypeStruct((a.shape[0], n), out_dtype), vmap_method="sequential")
     return call(a, b, u, v, transpose_a=False, transpose_b=transpose_b, transpose_v=transpose_v)

@@ -17,7 +17,7 @@ def collector():
     gc.unfreeze()
 
 
-def test_pause_then_resume_freezes_what_lives(collector):
+def test_pause_then_resume_freezes_what_lives(collector, monkeypatch):
     assert gc.isenabled()
     console.pause_gc()
     assert not gc.isenabled()
@@ -25,8 +25,12 @@ def test_pause_then_resume_freezes_what_lives(collector):
     console.resume_gc()
     assert gc.isenabled() and gc.get_freeze_count() >= len(alive)
     frozen = gc.get_freeze_count()
+    freezes = []
+    monkeypatch.setattr(gc, "freeze", lambda: freezes.append(1))
     console.resume_gc()  # nothing paused: nothing to do
-    assert gc.isenabled() and gc.get_freeze_count() == frozen
+    # No second freeze. The count itself can only fall: another thread freeing a frozen object takes it out of
+    # the permanent generation (a CI run saw it fall by 4 here).
+    assert gc.isenabled() and not freezes and gc.get_freeze_count() <= frozen
 
 
 def test_a_collector_turned_off_by_the_caller_stays_off(collector):

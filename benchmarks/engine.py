@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/engine.py [--tokens 64] [--repeats 3] [--quick]
 
-Prints tokens/s (medians over repeats, compilation excluded by a warm-up pass) for:
+Prints tokens/s (medians over repeats, compilation excluded by a warm-up pass; the engine, the reference and
+llama.cpp's runs of a row alternate, so the host's drift weighs on them alike) for:
   decode at 1, 8, 32 and 64 concurrent streams, and prefill of a 512-token prompt, on
   - the engine (paged KV cache, continuous batching),
   - the reference generator (dense KV cache, one static batch),
@@ -37,10 +38,18 @@ from tunix_rt.ops._ffi import int8_matmul_kernels, isa_level
 PREFILL_LEN = 512
 
 
-def median_rate(fn, repeats: int) -> float:
-    """fn() -> (tokens, seconds); the median tokens/s over `repeats` runs after one warm-up."""
-    fn()
-    return statistics.median(t / s for t, s in (fn() for _ in range(repeats)))
+def paired_rates(fns, repeats: int) -> list[float]:
+    """Each fn() -> (tokens, seconds); the median tokens/s of each over `repeats` rounds after one warm-up round,
+    the calls alternating within a round so that the host's drift (a shared machine's runs vary by 20 % and more
+    from minute to minute) weighs on every column alike."""
+    for fn in fns:
+        fn()
+    rates = [[] for _ in fns]
+    for _ in range(repeats):
+        for slot, fn in zip(rates, fns):
+            tokens, seconds = fn()
+            slot.append(tokens / seconds)
+    return [statistics.median(r) for r in rates]
 
 
 def prompts_for(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -88,11 +97,13 @@ def reference_prefill(model, seed: int):
     return PREFILL_LEN, time.perf_counter() - start
 
 
-def llama_cpp_rates(tokens: int, repeats: int, vocab: int) -> tuple[float | None, float | None]:
+def llama_cpp_runs(tokens: int, vocab: int):
+    """llama.cpp's (decode, prefill) runs on the default model's GGUF, each -> (tokens, seconds); None when
+    llama-cpp-python is not installed."""
     try:
         from llama_cpp import Llama
     except ImportError:
-        return None, None
+        return None
     llm = Llama(str(default_model_path()), n_threads=2, n_threads_batch=2, n_ctx=2048, n_batch=PREFILL_LEN,
                 verbose=False)
 
@@ -111,7 +122,7 @@ def llama_cpp_rates(tokens: int, repeats: int, vocab: int) -> tuple[float | None
         llm.eval(prompt)
         return PREFILL_LEN, time.perf_counter() - start
 
-    return median_rate(decode, repeats), median_rate(prefill, repeats)
+    return decode, prefill
 
 
 def batched_bench_rates(binary: str, streams: tuple[int, ...], tokens: int) -> dict[int, float]:
@@ -182,7 +193,8 @@ def main() -> None:
     print(f"default model (SmolLM2-135M-Instruct Q4_1), kernel tier {isa_level()} (int8 GEMV {int8['gemv']}, "
           f"GEMM {int8['gemm']}), {jax.device_count()} device(s), medians of {repeats}")
 
-    ll_decode, ll_prefill = llama_cpp_rates(args.tokens, repeats, vocab)
+    llama = llama_cpp_runs(args.tokens, vocab)
+    ll_decode = None
     print(f"{'':<28}{'engine tok/s':>14}{'reference':>12}{'llama.cpp':>12}{'eng/ref':>9}{'eng/llama':>11}", flush=True)
 
     def row(label, e, r, ll=None):
@@ -191,14 +203,18 @@ def main() -> None:
 
     decode = {}
     for s in streams:
-        decode[s] = median_rate(lambda: engine_decode(engine, s, args.tokens, s), repeats)
-        r = median_rate(lambda: reference_decode(model, s, args.tokens, s), repeats)
+        peer = [llama[0]] if llama and s == 1 else []
+        decode[s], r, *ll = paired_rates([lambda: engine_decode(engine, s, args.tokens, s),
+                                          lambda: reference_decode(model, s, args.tokens, s), *peer], repeats)
+        if s == 1:
+            ll_decode = ll[0] if ll else None
         row(f"decode, {s} stream{'s' if s > 1 else ''}", decode[s], r, ll_decode if s == 1 else None)
-    e = median_rate(lambda: engine_prefill(engine, 3), repeats)
-    r = median_rate(lambda: reference_prefill(model, 3), repeats)
-    row(f"prefill, {PREFILL_LEN}-token prompt", e, r, ll_prefill)
+    e, r, *ll = paired_rates([lambda: engine_prefill(engine, 3), lambda: reference_prefill(model, 3),
+                              *([llama[1]] if llama else [])], repeats)
+    row(f"prefill, {PREFILL_LEN}-token prompt", e, r, ll[0] if ll else None)
     for s in streams[1:]:
-        print(f"  aggregate decode, {s} streams: {decode[s] / decode[1]:.2f}x single-stream")
+        print(f"  aggregate decode, {s} streams: {decode[s] / decode[1]:.2f}x single-stream"
+              + (f", {decode[s] / ll_decode:.2f}x one llama.cpp stream" if ll_decode else ""))
     if args.batched_bench:
         for s, rate in batched_bench_rates(args.batched_bench, streams, args.tokens).items():
             print(f"  llama.cpp batched decode, {s} stream{'s' if s > 1 else ''}: {rate:.1f} tok/s; ours "

@@ -669,15 +669,21 @@ ffi::Future Int8Gemm(ffi::ThreadPool& pool, const Weights& w, const ffi::AnyBuff
         if (g < a->groups) kernel.single(w, *a, g, cols, p0, p1, tile, ld);
       }
     }
-    for (int64_t r = 0; r < m; ++r)
+    // acc is column-major (ld rows a column): kAvx2Lanes rows at a time, each column's values for them are one
+    // contiguous read and the rows' output lines fill in order (row by row, the reads strode ld floats apart)
+    for (int64_t r0 = 0; r0 < m; r0 += kAvx2Lanes) {
+      const int64_t rows = std::min(kAvx2Lanes, m - r0);
       for (int64_t c = c_begin; c < c_end; ++c) {
-        const float v = acc[(c - c_begin) * ld + r];
-        if (out_bf16) {
-          static_cast<uint16_t*>(out)[r * n + c] = F32ToBf16(v);
-        } else {
-          static_cast<float*>(out)[r * n + c] = v;
+        const float* v = acc.data() + (c - c_begin) * ld + r0;
+        for (int64_t i = 0; i < rows; ++i) {
+          if (out_bf16) {
+            static_cast<uint16_t*>(out)[(r0 + i) * n + c] = F32ToBf16(v[i]);
+          } else {
+            static_cast<float*>(out)[(r0 + i) * n + c] = v[i];
+          }
         }
       }
+    }
     (void)a;  // keeps the packed activations alive until every task is done
     return ffi::Error::Success();
   });

@@ -80,36 +80,35 @@ void BlockScalar(const float* q, const float* k, const float* v, int64_t stride,
 }
 
 #ifdef TUNIX_RT_X86
+// A query row's dot products with C keys (rows kr + c * stride), scaled and softcapped into s[0..C): each key's
+// its own chain in one order, so a key gets the same bits for any C, and C keys make C independent multiply-add
+// chains (one chain waits on each add).
+template <int C>
+AVX2_FN inline void KeyDotsAvx2(const float* qg, const float* kr, int64_t stride, int64_t d, float scale, float softcap,
+                                float* s) {
+  const int64_t d8 = d - d % 8;
+  __m256 a[C];
+  for (int c = 0; c < C; ++c) a[c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d8; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(qg + i);
+    for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + c * stride + i), a[c]);
+  }
+  for (int c = 0; c < C; ++c) {
+    float dot = HSum8(a[c]);
+    for (int64_t i = d8; i < d; ++i) dot += qg[i] * kr[c * stride + i];
+    s[c] = Softcapped(dot * scale, softcap);
+  }
+}
+
 AVX2_FN void BlockAvx2(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t g, int64_t d,
                        float scale, float softcap, float* m, float* l, float* acc, float* scores) {
   const int64_t d8 = d - d % 8;
   for (int64_t gi = 0; gi < g; ++gi) {
     const float* qg = q + gi * d;
     float* sg = scores + gi * n;
-    // Four keys at a time, each key's dot its own chain in the one-key order (the same bits): four independent
-    // multiply-add chains instead of one that waits on each add.
-    int64_t j0 = 0;
-    for (; j0 + 4 <= n; j0 += 4) {
-      const float* kr = k + j0 * stride;
-      __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t i = 0; i < d8; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(qg + i);
-        for (int c = 0; c < 4; ++c) a[c] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + c * stride + i), a[c]);
-      }
-      for (int c = 0; c < 4; ++c) {
-        float dot = HSum8(a[c]);
-        for (int64_t i = d8; i < d; ++i) dot += qg[i] * kr[c * stride + i];
-        sg[j0 + c] = Softcapped(dot * scale, softcap);
-      }
-    }
-    for (int64_t j = j0; j < n; ++j) {
-      const float* kr = k + j * stride;
-      __m256 a0 = _mm256_setzero_ps();
-      for (int64_t i = 0; i < d8; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), a0);
-      float dot = HSum8(a0);
-      for (int64_t i = d8; i < d; ++i) dot += qg[i] * kr[i];
-      sg[j] = Softcapped(dot * scale, softcap);
-    }
+    int64_t key = 0;
+    for (; key + 4 <= n; key += 4) KeyDotsAvx2<4>(qg, k + key * stride, stride, d, scale, softcap, sg + key);
+    for (; key < n; ++key) KeyDotsAvx2<1>(qg, k + key * stride, stride, d, scale, softcap, sg + key);
     float corr;
     const __m256 bm = _mm256_set1_ps(NewMax(sg, n, m + gi, &corr));
     __m256 total = _mm256_setzero_ps();

@@ -80,7 +80,7 @@ void BlockScalar(const float* q, const float* k, const float* v, int64_t stride,
 }
 
 #ifdef TUNIX_RT_X86
-// A query row's dot products with C keys (rows kr + c * stride), scaled and softcapped into s[0..C): each key's
+// A query row's dot products with C keys (rows kr + c * stride), scaled and softcapped into s[0..C): each key keeps
 // its own chain in one order, so a key gets the same bits for any C, and C keys make C independent multiply-add
 // chains (one chain waits on each add).
 template <int C>

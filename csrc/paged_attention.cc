@@ -100,6 +100,20 @@ AVX2_FN inline void KeyDotsAvx2(const float* qg, const float* kr, int64_t stride
   }
 }
 
+// ag[0 .. 8R) += sum over keys j of w[j] * v[j * stride + 0 .. 8R), each column summed key after key in its own
+// register (R independent multiply-add chains; the same bits for any R).
+template <int R>
+AVX2_FN inline void ValueColumnsAvx2(const float* w, const float* v, int64_t stride, int64_t n, float* ag) {
+  __m256 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(ag + 8 * r);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 wj = _mm256_set1_ps(w[j]);
+    const float* vr = v + j * stride;
+    for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr + 8 * r), a[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(ag + 8 * r, a[r]);
+}
+
 AVX2_FN void BlockAvx2(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t g, int64_t d,
                        float scale, float softcap, float* m, float* l, float* acc, float* scores) {
   const int64_t d8 = d - d % 8;
@@ -137,43 +151,15 @@ AVX2_FN void BlockAvx2(const float* q, const float* k, const float* v, int64_t s
     }
   }
   // Each 8 columns of a head's accumulator stay in a register over the keys, eight such registers at a time
-  // where 64 columns are left (eight independent FMA chains: two FMA units of four cycles' latency), else four.
+  // where 64 columns are left (eight independent FMA chains: two FMA units of four cycles' latency), else four,
+  // else one.
   for (int64_t gi = 0; gi < g; ++gi) {
     const float* w = scores + gi * n;
     float* ag = acc + gi * d;
     int64_t i = 0;
-    for (; i + 64 <= d8; i += 64) {
-      __m256 a[8];
-      for (int r = 0; r < 8; ++r) a[r] = _mm256_loadu_ps(ag + i + 8 * r);
-      for (int64_t j = 0; j < n; ++j) {
-        const __m256 wj = _mm256_set1_ps(w[j]);
-        const float* vr = v + j * stride + i;
-        for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr + 8 * r), a[r]);
-      }
-      for (int r = 0; r < 8; ++r) _mm256_storeu_ps(ag + i + 8 * r, a[r]);
-    }
-    for (; i + 32 <= d8; i += 32) {
-      __m256 a0 = _mm256_loadu_ps(ag + i), a1 = _mm256_loadu_ps(ag + i + 8);
-      __m256 a2 = _mm256_loadu_ps(ag + i + 16), a3 = _mm256_loadu_ps(ag + i + 24);
-      for (int64_t j = 0; j < n; ++j) {
-        const __m256 wj = _mm256_set1_ps(w[j]);
-        const float* vr = v + j * stride + i;
-        a0 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr), a0);
-        a1 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr + 8), a1);
-        a2 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr + 16), a2);
-        a3 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr + 24), a3);
-      }
-      _mm256_storeu_ps(ag + i, a0);
-      _mm256_storeu_ps(ag + i + 8, a1);
-      _mm256_storeu_ps(ag + i + 16, a2);
-      _mm256_storeu_ps(ag + i + 24, a3);
-    }
-    for (; i < d8; i += 8) {
-      __m256 a0 = _mm256_loadu_ps(ag + i);
-      for (int64_t j = 0; j < n; ++j)
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(v + j * stride + i), a0);
-      _mm256_storeu_ps(ag + i, a0);
-    }
+    for (; i + 64 <= d8; i += 64) ValueColumnsAvx2<8>(w, v + i, stride, n, ag + i);
+    for (; i + 32 <= d8; i += 32) ValueColumnsAvx2<4>(w, v + i, stride, n, ag + i);
+    for (; i < d8; i += 8) ValueColumnsAvx2<1>(w, v + i, stride, n, ag + i);
     for (int64_t i = d8; i < d; ++i)
       for (int64_t j = 0; j < n; ++j) ag[i] += w[j] * v[j * stride + i];
   }

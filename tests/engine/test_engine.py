@@ -706,9 +706,10 @@ def test_update_weights(llama):
 
 
 def test_update_weights_of_a_quantized_model():
-    """The engine keeps each packed weight's column-lane scales (laid out once for the GEMV): an update that
-    brings the same packed arrays reuses them, one with new packed weights lays them out again, and either
-    way the engine generates what a fresh engine on those weights does."""
+    """The engine keeps each packed weight's column-lane scales (laid out once for the GEMV) and its fused q/k/v
+    and gate/up weights (models/fused_projections.py): an update that brings the same packed arrays reuses
+    them, one with new packed weights makes them again, and either way the engine generates what a fresh
+    engine on those weights does."""
     model = _quantized_llama()
     other = nnx.merge(*nnx.split(model))  # the same arrays, but for new packed up projections
     for layer in other.layers.kinds:
@@ -718,14 +719,17 @@ def test_update_weights_of_a_quantized_model():
     prompts = _prompts(13, [5, 17, 9])
     params = SamplingParams(max_tokens=6, **GREEDY)
     first = [o.token_ids for o in engine.generate(prompts, params)]
-    # the lanes, one per projection stacked over the 2 layers: (layers, tiles, groups, 16)
+    # the lanes, one per packed product stacked over the 2 layers (q/k/v, o, gate/up, down): (layers, tiles,
+    # groups, 16)
     lanes = [leaf for leaf in engine.runner.leaves if leaf.ndim == 4]
-    assert len(lanes) == 7 and lanes[0].shape[0] == 2 and lanes[0].shape[-1] == 16
+    assert len(lanes) == 4 and lanes[0].shape[0] == 2 and lanes[0].shape[-1] == 16
+    packed = [leaf for leaf in engine.runner.leaves if leaf.ndim == 3]
     engine.update_weights(model)
     assert all(a is b for a, b in zip([leaf for leaf in engine.runner.leaves if leaf.ndim == 4], lanes))
+    assert all(a is b for a, b in zip([leaf for leaf in engine.runner.leaves if leaf.ndim == 3], packed))
     engine.update_weights(other)
     after = [leaf for leaf in engine.runner.leaves if leaf.ndim == 4]
-    assert sum(a is b for a, b in zip(after, lanes)) == 6  # the up projections' lanes are new
+    assert sum(a is b for a, b in zip(after, lanes)) == 3  # the fused gate/up projections' lanes are new
     assert [o.token_ids for o in engine.generate(prompts, params)] == [
         o.token_ids for o in _engine(other, **kw).generate(prompts, params)]
     engine.update_weights(model)

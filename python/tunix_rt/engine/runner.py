@@ -38,6 +38,7 @@ from tunix_rt.engine.scheduler import ScheduledRequest
 from tunix_rt.engine.structured import GrammarCompiler
 from tunix_rt.models.batch_invariant import use_batch_invariant_kernels
 from tunix_rt.models.decoder import Decoder, head_logits
+from tunix_rt.models.fused_projections import FusedWeights
 from tunix_rt.models.kv_cache import KVLayout, PagedKVCache
 from tunix_rt.models.multi_lora import MultiLoRALinear, set_adapter_ids
 from tunix_rt.models.vision import ImageTokens
@@ -241,7 +242,9 @@ class ModelRunner:
                  max_num_batched_tokens: int, max_model_len: int, grammars: GrammarCompiler | None = None,
                  token_buckets: tuple[int, ...] | None = None, decode_steps: int = 1,
                  processed_logprobs: bool = False, max_drafts: int = 0, max_speculating: int = 0):
-        self.graphdef, state = nnx.split(model)
+        self._source_graphdef = nnx.graphdef(model)  # the structure update_weights' states come in
+        self._fused = FusedWeights()
+        self.graphdef, state = nnx.split(self._fused.apply(model))
         self._lane_scales = _LaneScales()
         self.leaves, self.treedef = jax.tree.flatten(self._lane_scales.apply(state))
         head_def, head_state = nnx.split(model.output_head())
@@ -289,6 +292,11 @@ class ModelRunner:
 
     def update_weights(self, state: nnx.State) -> None:
         """Swap in new weights of the same structure, shapes and dtypes (so nothing recompiles)."""
+        try:
+            model = nnx.merge(self._source_graphdef, state)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"update_weights: the new weights' structure differs from the engine's model: {e}") from e
+        state = nnx.state(self._fused.apply(model))
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(self._lane_scales.apply(state))
         if treedef != self.treedef:
             raise ValueError(f"update_weights: the new weights' structure differs from the engine's model:\n{treedef}\n"
@@ -298,7 +306,7 @@ class ModelRunner:
                 raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {new.dtype}{list(new.shape)}, the "
                                  f"engine's model has {old.dtype}{list(old.shape)}")
         self.leaves = [leaf for _, leaf in paths_leaves]
-        self.head_leaves = jax.tree.leaves(nnx.state(nnx.merge(self.graphdef, state).output_head()))
+        self.head_leaves = jax.tree.leaves(nnx.state(model.output_head()))
 
     def replace_leaves(self, updates: dict[int, jax.Array]) -> None:
         """Swap single weight leaves (by index) for arrays of their shape and dtype: the LoRA manager's slot writes."""

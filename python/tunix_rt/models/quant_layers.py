@@ -21,7 +21,9 @@ class QuantWeight(nnx.Variable):
 
 class QuantLinear(nnx.Module):
     """y = x @ W (+ b) with W a quantized (in, out) weight; up to `int8_rows` rows of x (None: every row)
-    take int8 activations, and `invariant` makes exact products row-invariant too (see quant_matmul)."""
+    take int8 activations, and `invariant` makes exact products row-invariant too (see quant_matmul).
+    `columns` (start, stop): W is a weight fused with others, of which this layer is those output columns
+    (models/fused_projections.py)."""
 
     def __init__(self, weight: QuantizedTensor, bias: jax.Array | None = None, *, exact: bool = False,
                  int8_rows: int | None = GEMV_ROWS):
@@ -30,6 +32,7 @@ class QuantLinear(nnx.Module):
         self.exact = exact
         self.int8_rows = int8_rows
         self.invariant = False
+        self.columns: tuple[int, int] | None = None
 
     fake_quant = None  # models/qat.py: the weight as an export to another format will quantize it
 
@@ -39,6 +42,8 @@ class QuantLinear(nnx.Module):
         else:
             y = quant_matmul(x, self.kernel.get_value(), exact=self.exact, int8_rows=self.int8_rows,
                              invariant=self.invariant)
+            if self.columns is not None:
+                y = y[..., self.columns[0]:self.columns[1]]
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 

@@ -100,6 +100,48 @@ AVX2_FN inline void KeyDotsAvx2(const float* qg, const float* kr, int64_t stride
   }
 }
 
+// The scores of H query heads (rows q + h * d) against four keys (rows kr + c * stride) into s[h * n + c]: each
+// (head, key) pair is KeyDotsAvx2's chain, its eight lanes summed in HSum8's order (the halves added, then lanes
+// 0 + 2 and 1 + 3, then those two), so its bits are KeyDotsAvx2's. Each key row loaded feeds H chains (one head's
+// chains issued 1.25 loads per multiply-add), and the four keys' lanes are summed together by shuffles, not by a
+// horizontal sum each.
+template <int H>
+AVX2_FN inline void HeadsKeyDots4Avx2(const float* q, const float* kr, int64_t stride, int64_t d, int64_t n,
+                                      float scale, float softcap, float* s) {
+  const int64_t d8 = d - d % 8;
+  __m256 a[H][4];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < 4; ++c) a[h][c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d8; i += 8) {
+    __m256 kv[4];
+    for (int c = 0; c < 4; ++c) kv[c] = _mm256_loadu_ps(kr + c * stride + i);
+    for (int h = 0; h < H; ++h) {
+      const __m256 qv = _mm256_loadu_ps(q + h * d + i);
+      for (int c = 0; c < 4; ++c) a[h][c] = _mm256_fmadd_ps(qv, kv[c], a[h][c]);
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const __m256 s01 = _mm256_add_ps(_mm256_permute2f128_ps(a[h][0], a[h][1], 0x20),
+                                     _mm256_permute2f128_ps(a[h][0], a[h][1], 0x31));  // [key 0 | key 1]
+    const __m256 s23 = _mm256_add_ps(_mm256_permute2f128_ps(a[h][2], a[h][3], 0x20),
+                                     _mm256_permute2f128_ps(a[h][2], a[h][3], 0x31));  // [key 2 | key 3]
+    // [0: 0+2, 0: 1+3, 2: 0+2, 2: 1+3 | the same of keys 1 and 3]
+    const __m256 p = _mm256_add_ps(_mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(p, p, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(p, p, _MM_SHUFFLE(3, 1, 3, 1)));  // lanes 0, 4, 1, 5: keys 0..3
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, r);
+    const float dots[4] = {lanes[0], lanes[4], lanes[1], lanes[5]};
+    const float* qh = q + h * d;
+    for (int c = 0; c < 4; ++c) {
+      float dot = dots[c];
+      for (int64_t i = d8; i < d; ++i) dot += qh[i] * kr[c * stride + i];
+      s[h * n + c] = Softcapped(dot * scale, softcap);
+    }
+  }
+}
+
 // ag[0 .. 8R) += sum over keys j of w[j] * v[j * stride + 0 .. 8R), each column summed key after key in its own
 // register (R independent multiply-add chains; the same bits for any R).
 template <int R>
@@ -117,12 +159,20 @@ AVX2_FN inline void ValueColumnsAvx2(const float* w, const float* v, int64_t str
 AVX2_FN void BlockAvx2(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t g, int64_t d,
                        float scale, float softcap, float* m, float* l, float* acc, float* scores) {
   const int64_t d8 = d - d % 8;
-  for (int64_t gi = 0; gi < g; ++gi) {
-    const float* qg = q + gi * d;
-    float* sg = scores + gi * n;
+  // every head's scores first, up to three heads per pass over the keys
+  for (int64_t g0 = 0; g0 < g; g0 += 3) {
+    const int64_t heads = std::min<int64_t>(3, g - g0);
+    using KeysFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, float, float, float*);
+    static constexpr KeysFn kHeads[3] = {HeadsKeyDots4Avx2<1>, HeadsKeyDots4Avx2<2>, HeadsKeyDots4Avx2<3>};
     int64_t key = 0;
-    for (; key + 4 <= n; key += 4) KeyDotsAvx2<4>(qg, k + key * stride, stride, d, scale, softcap, sg + key);
-    for (; key < n; ++key) KeyDotsAvx2<1>(qg, k + key * stride, stride, d, scale, softcap, sg + key);
+    for (; key + 4 <= n; key += 4)
+      kHeads[heads - 1](q + g0 * d, k + key * stride, stride, d, n, scale, softcap, scores + g0 * n + key);
+    for (; key < n; ++key)
+      for (int64_t gi = g0; gi < g0 + heads; ++gi)
+        KeyDotsAvx2<1>(q + gi * d, k + key * stride, stride, d, scale, softcap, scores + gi * n + key);
+  }
+  for (int64_t gi = 0; gi < g; ++gi) {
+    float* sg = scores + gi * n;
     float corr;
     const __m256 bm = _mm256_set1_ps(NewMax(sg, n, m + gi, &corr));
     __m256 total = _mm256_setzero_ps();

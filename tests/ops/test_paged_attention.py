@@ -1038,6 +1038,19 @@ def test_a_token_gives_the_same_bits_alone_as_in_its_chunk(window, dtype):
         np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32))[0], whole[t], err_msg=f"token {t}")
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("d", [37, 64])
+def test_a_query_head_gets_the_same_bits_whatever_heads_share_its_kv_head(group, d):
+    """The SIMD kernels score up to three query heads of a kv head per pass over its keys: a head's output is
+    bit for bit the one it gets with a kv head of its own (the cache repeated per query head, group 1)."""
+    rng = np.random.default_rng(group * 100 + d)
+    case = build_case(rng, bs=5, d=d, kv=2, group=group, nseq=3, max_blocks=8, mode="mixed", softcap=15.0)
+    q, kc, vc, *rest = case.arrays(jnp.float32, jnp.float32)
+    grouped = np.asarray(_attn_jit(q, kc, vc, *rest, **case.kw))
+    own = np.asarray(_attn_jit(q, jnp.repeat(kc, group, axis=2), jnp.repeat(vc, group, axis=2), *rest, **case.kw))
+    np.testing.assert_array_equal(grouped, own)
+
+
 # ----------------------------------------------------------------------------------------------
 # every ISA tier (TUNIX_RT_ISA is read once per process: subprocesses)
 

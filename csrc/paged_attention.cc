@@ -80,29 +80,20 @@ void BlockScalar(const float* q, const float* k, const float* v, int64_t stride,
 }
 
 #ifdef TUNIX_RT_X86
-// A query row's dot products with C keys (rows kr + c * stride), scaled and softcapped into s[0..C): each key keeps
-// its own chain in one order, so a key gets the same bits for any C, and C keys make C independent multiply-add
-// chains (one chain waits on each add).
-template <int C>
-AVX2_FN inline void KeyDotsAvx2(const float* qg, const float* kr, int64_t stride, int64_t d, float scale, float softcap,
-                                float* s) {
+// A query row's dot product with one key (row kr), scaled and softcapped: the reference order of a key's score on
+// this tier (one 8-lane multiply-add chain, HSum8, then the scalar tail), which HeadsKeyDots4Avx2 keeps.
+AVX2_FN inline float KeyDotAvx2(const float* qg, const float* kr, int64_t d, float scale, float softcap) {
   const int64_t d8 = d - d % 8;
-  __m256 a[C];
-  for (int c = 0; c < C; ++c) a[c] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d8; i += 8) {
-    const __m256 qv = _mm256_loadu_ps(qg + i);
-    for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + c * stride + i), a[c]);
-  }
-  for (int c = 0; c < C; ++c) {
-    float dot = HSum8(a[c]);
-    for (int64_t i = d8; i < d; ++i) dot += qg[i] * kr[c * stride + i];
-    s[c] = Softcapped(dot * scale, softcap);
-  }
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d8; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), a);
+  float dot = HSum8(a);
+  for (int64_t i = d8; i < d; ++i) dot += qg[i] * kr[i];
+  return Softcapped(dot * scale, softcap);
 }
 
 // The scores of H query heads (rows q + h * d) against four keys (rows kr + c * stride) into s[h * n + c]: each
-// (head, key) pair is KeyDotsAvx2's chain, its eight lanes summed in HSum8's order (the halves added, then lanes
-// 0 + 2 and 1 + 3, then those two), so its bits are KeyDotsAvx2's. Each key row loaded feeds H chains (one head's
+// (head, key) pair is KeyDotAvx2's chain, its eight lanes summed in HSum8's order (the halves added, then lanes
+// 0 + 2 and 1 + 3, then those two), so its bits are KeyDotAvx2's. Each key row loaded feeds H chains (one head's
 // chains issued 1.25 loads per multiply-add), and the four keys' lanes are summed together by shuffles, not by a
 // horizontal sum each.
 template <int H>
@@ -162,14 +153,21 @@ AVX2_FN void BlockAvx2(const float* q, const float* k, const float* v, int64_t s
   // every head's scores first, up to three heads per pass over the keys
   for (int64_t g0 = 0; g0 < g; g0 += 3) {
     const int64_t heads = std::min<int64_t>(3, g - g0);
-    using KeysFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, float, float, float*);
-    static constexpr KeysFn kHeads[3] = {HeadsKeyDots4Avx2<1>, HeadsKeyDots4Avx2<2>, HeadsKeyDots4Avx2<3>};
-    int64_t key = 0;
-    for (; key + 4 <= n; key += 4)
-      kHeads[heads - 1](q + g0 * d, k + key * stride, stride, d, n, scale, softcap, scores + g0 * n + key);
-    for (; key < n; ++key)
-      for (int64_t gi = g0; gi < g0 + heads; ++gi)
-        KeyDotsAvx2<1>(q + gi * d, k + key * stride, stride, d, scale, softcap, scores + gi * n + key);
+    const float* qh = q + g0 * d;
+    float* sh = scores + g0 * n;
+    const int64_t n4 = n - n % 4;
+    if (heads == 3) {
+      for (int64_t key = 0; key < n4; key += 4)
+        HeadsKeyDots4Avx2<3>(qh, k + key * stride, stride, d, n, scale, softcap, sh + key);
+    } else if (heads == 2) {
+      for (int64_t key = 0; key < n4; key += 4)
+        HeadsKeyDots4Avx2<2>(qh, k + key * stride, stride, d, n, scale, softcap, sh + key);
+    } else {
+      for (int64_t key = 0; key < n4; key += 4)
+        HeadsKeyDots4Avx2<1>(qh, k + key * stride, stride, d, n, scale, softcap, sh + key);
+    }
+    for (int64_t key = n4; key < n; ++key)
+      for (int64_t h = 0; h < heads; ++h) sh[h * n + key] = KeyDotAvx2(qh + h * d, k + key * stride, d, scale, softcap);
   }
   for (int64_t gi = 0; gi < g; ++gi) {
     float* sg = scores + gi * n;

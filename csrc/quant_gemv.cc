@@ -242,17 +242,19 @@ AVX2_F16C_FN void TileColumnsAvx2(const Weights& w, const QuantizedActivations& 
   int64_t b = 0;
   if constexpr (kBits == 4) {
     const __m256i mask = _mm256_set1_epi8(0x0f);
-    for (; R == 1 && b + 2 <= nb; b += 2) {
-      __m256 dw[2], mw[2];
-      BlockColumnScales<kHasMin, kF16>(w, col, colv, b, &dw[0], &mw[0]);
-      BlockColumnScales<kHasMin, kF16>(w, col, colv, b + 1, &dw[1], &mw[1]);
-      const int8_t* xq = a.q.data() + r0 * a.k + b * kSub;
-      __m256i dots[2];
-      PairDots4Row(wrow, b * kSub / 2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)),
-                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + kSub)), dots);
-      const int64_t at = r0 * nb + b;
-      acc[0] = AddBlock<4, kHasMin>(a, at, dots[0], dw[0], mw[0], acc[0]);
-      acc[0] = AddBlock<4, kHasMin>(a, at + 1, dots[1], dw[1], mw[1], acc[0]);
+    if constexpr (R == 1) {
+      for (; b + 2 <= nb; b += 2) {
+        __m256 dw[2], mw[2];
+        BlockColumnScales<kHasMin, kF16>(w, col, colv, b, &dw[0], &mw[0]);
+        BlockColumnScales<kHasMin, kF16>(w, col, colv, b + 1, &dw[1], &mw[1]);
+        const int8_t* xq = a.q.data() + r0 * a.k + b * kSub;
+        __m256i dots[2];
+        PairDots4Row(wrow, b * kSub / 2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)),
+                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + kSub)), dots);
+        const int64_t at = r0 * nb + b;
+        acc[0] = AddBlock<4, kHasMin>(a, at, dots[0], dw[0], mw[0], acc[0]);
+        acc[0] = AddBlock<4, kHasMin>(a, at + 1, dots[1], dw[1], mw[1], acc[0]);
+      }
     }
     for (; b + 2 <= nb; b += 2) {
       for (int c = 0; c < kAvx2Columns; ++c) {

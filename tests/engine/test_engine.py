@@ -734,6 +734,11 @@ def test_update_weights_of_a_quantized_model():
         o.token_ids for o in _engine(other, **kw).generate(prompts, params)]
     engine.update_weights(model)
     assert [o.token_ids for o in engine.generate(prompts, params)] == first
+    # float weights of the same config (as many variables) are refused before anything is fused, and the old stay
+    plain = Decoder(_llama_config(intermediate_size=64), rngs=nnx.Rngs(2))
+    with pytest.raises(ValueError, match="update_weights: the new weights' structure differs"):
+        engine.update_weights(plain)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == first
 
 
 def test_sleep_and_wake_up(llama):

@@ -125,6 +125,16 @@ def test_lora_wrapped_projections_fuse_their_bases():
                                       np.asarray(_hidden(model, tokens, invariant)))
 
 
+def test_fake_quantized_projections_stay_separate():
+    """QAT's fake quantization (set on the LoRA wrapper) reads its base's whole kernel: that group is not fused."""
+    model = _model()
+    apply_lora(model, rank=2, alpha=4.0)
+    model.layers.kinds[0].attn.k_proj.fake_quant = lambda w: w
+    layer = FusedWeights().apply(model).layers.kinds[0]
+    assert all(getattr(layer.attn, n).base.columns is None for n in _ATTENTION)
+    assert layer.mlp.up_proj.base.columns == (96, 192)
+
+
 def test_projections_that_differ_stay_separate():
     # k in another format than q and v: that group stays as it is; gate/up still fuse
     model = _model({"k_proj": "q8_0"})

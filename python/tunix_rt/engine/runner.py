@@ -242,7 +242,10 @@ class ModelRunner:
                  max_num_batched_tokens: int, max_model_len: int, grammars: GrammarCompiler | None = None,
                  token_buckets: tuple[int, ...] | None = None, decode_steps: int = 1,
                  processed_logprobs: bool = False, max_drafts: int = 0, max_speculating: int = 0):
-        self._source_graphdef = nnx.graphdef(model)  # the structure update_weights' states come in
+        # the structure, shapes and dtypes update_weights' states come in (checked before anything is made of them)
+        self._source_graphdef, source = nnx.split(model)
+        source_leaves, self._source_treedef = jax.tree_util.tree_flatten(source)
+        self._source_specs = [(leaf.shape, leaf.dtype) for leaf in source_leaves]
         self._fused = FusedWeights()
         self.graphdef, state = nnx.split(self._fused.apply(model))
         self._lane_scales = _LaneScales()
@@ -292,20 +295,18 @@ class ModelRunner:
 
     def update_weights(self, state: nnx.State) -> None:
         """Swap in new weights of the same structure, shapes and dtypes (so nothing recompiles)."""
-        try:
-            model = nnx.merge(self._source_graphdef, state)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"update_weights: the new weights' structure differs from the engine's model: {e}") from e
-        state = nnx.state(self._fused.apply(model))
-        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(self._lane_scales.apply(state))
-        if treedef != self.treedef:
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        if treedef != self._source_treedef:
             raise ValueError(f"update_weights: the new weights' structure differs from the engine's model:\n{treedef}\n"
-                             f"vs\n{self.treedef}")
-        for (path, new), old in zip(paths_leaves, self.leaves):
-            if new.shape != old.shape or new.dtype != old.dtype:
+                             f"vs\n{self._source_treedef}")
+        for (path, new), (shape, dtype) in zip(paths_leaves, self._source_specs):
+            if new.shape != shape or new.dtype != dtype:
                 raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {new.dtype}{list(new.shape)}, the "
-                                 f"engine's model has {old.dtype}{list(old.shape)}")
-        self.leaves = [leaf for _, leaf in paths_leaves]
+                                 f"engine's model has {dtype}{list(shape)}")
+        model = nnx.merge(self._source_graphdef, state)
+        leaves, treedef = jax.tree.flatten(self._lane_scales.apply(nnx.state(self._fused.apply(model))))
+        assert treedef == self.treedef, "the same source structure fuses and lays out the same way"
+        self.leaves = leaves
         self.head_leaves = jax.tree.leaves(nnx.state(model.output_head()))
 
     def replace_leaves(self, updates: dict[int, jax.Array]) -> None:

@@ -42,8 +42,8 @@ class QuantLinear(nnx.Module):
         else:
             y = quant_matmul(x, self.kernel.get_value(), exact=self.exact, int8_rows=self.int8_rows,
                              invariant=self.invariant)
-            if self.columns is not None:
-                y = y[..., self.columns[0]:self.columns[1]]
+        if self.columns is not None:
+            y = y[..., self.columns[0]:self.columns[1]]
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 

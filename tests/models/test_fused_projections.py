@@ -69,7 +69,7 @@ def _quant_calls(model: Decoder, tokens: np.ndarray) -> int:
 @pytest.mark.parametrize("invariant", [False, True])  # the model's own routes, and the engine's
 def test_fused_projections_give_the_separate_products_bits(fmt, rows, invariant):
     model = _model(fmt, qkv_bias=True)
-    fused = FusedWeights().apply(model)
+    fused = FusedWeights().apply(*nnx.split(model))
     tokens = np.random.default_rng(rows).integers(0, 97, (1, rows))
     np.testing.assert_array_equal(np.asarray(_hidden(fused, tokens, invariant)),
                                   np.asarray(_hidden(model, tokens, invariant)))
@@ -78,7 +78,7 @@ def test_fused_projections_give_the_separate_products_bits(fmt, rows, invariant)
 def test_fusion_merges_the_products_and_leaves_the_model_alone():
     model = _model()
     before = jax.tree.leaves(nnx.state(model))
-    fused = FusedWeights().apply(model)
+    fused = FusedWeights().apply(*nnx.split(model))
     layer = fused.layers.kinds[0]
     q, k, v = (getattr(layer.attn, n) for n in _ATTENTION[:3])
     assert q.kernel is k.kernel is v.kernel and q.kernel.get_value().shape == (64, 32 + 8 + 8)
@@ -96,17 +96,17 @@ def test_fusion_merges_the_products_and_leaves_the_model_alone():
 def test_fused_weights_are_reused_for_the_same_packed_arrays():
     model = _model()
     fusion = FusedWeights()
-    first = nnx.state(fusion.apply(model))
-    again = nnx.state(fusion.apply(nnx.merge(*nnx.split(model))))  # a weight sync bringing the same arrays
+    first = nnx.state(fusion.apply(*nnx.split(model)))
+    again = nnx.state(fusion.apply(*nnx.split(model)))  # a weight sync bringing the same arrays
     assert all(a is b for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)))
     other = nnx.merge(*nnx.split(model))
     for layer in other.layers.kinds:  # new packed up projections: only the gate/up fusion is made again
         layer.mlp.up_proj = QuantLinear(quantize_stacked(jax.random.normal(jax.random.key(5), (2, 64, 96)), "q4_1"))
-    changed = nnx.state(fusion.apply(other))
+    changed = nnx.state(fusion.apply(*nnx.split(other)))
     same = [a is b for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(changed))]
     assert sum(not s for s in same) == 3  # the fused gate/up's qs, scales and mins
     tokens = np.arange(7)[None]
-    np.testing.assert_array_equal(np.asarray(_hidden(fusion.apply(other), tokens, True)),
+    np.testing.assert_array_equal(np.asarray(_hidden(fusion.apply(*nnx.split(other)), tokens, True)),
                                   np.asarray(_hidden(other, tokens, True)))
 
 
@@ -116,7 +116,7 @@ def test_lora_wrapped_projections_fuse_their_bases():
     for _, module in nnx.iter_modules(model):  # adapters that change the output
         if hasattr(module, "lora_b"):
             module.lora_b.set_value(jax.random.normal(jax.random.key(1), module.lora_b.get_value().shape) * 0.1)
-    fused = FusedWeights().apply(model)
+    fused = FusedWeights().apply(*nnx.split(model))
     attn = fused.layers.kinds[0].attn
     assert attn.q_proj.base.kernel is attn.v_proj.base.kernel
     tokens = np.random.default_rng(0).integers(0, 97, (1, 6))
@@ -130,7 +130,7 @@ def test_fake_quantized_projections_stay_separate():
     model = _model()
     apply_lora(model, rank=2, alpha=4.0)
     model.layers.kinds[0].attn.k_proj.fake_quant = lambda w: w
-    layer = FusedWeights().apply(model).layers.kinds[0]
+    layer = FusedWeights().apply(*nnx.split(model)).layers.kinds[0]
     assert all(getattr(layer.attn, n).base.columns is None for n in _ATTENTION)
     assert layer.mlp.up_proj.base.columns == (96, 192)
 
@@ -138,12 +138,12 @@ def test_fake_quantized_projections_stay_separate():
 def test_projections_that_differ_stay_separate():
     # k in another format than q and v: that group stays as it is; gate/up still fuse
     model = _model({"k_proj": "q8_0"})
-    layer = FusedWeights().apply(model).layers.kinds[0]
+    layer = FusedWeights().apply(*nnx.split(model)).layers.kinds[0]
     assert all(getattr(layer.attn, n).columns is None for n in _ATTENTION)
     assert layer.mlp.gate_proj.columns == (0, 96)
     # a float model has nothing to fuse
     plain = Decoder(model.config, rngs=nnx.Rngs(0))
-    assert jax.tree.structure(nnx.state(FusedWeights().apply(plain))) == jax.tree.structure(nnx.state(plain))
+    assert jax.tree.structure(nnx.state(FusedWeights().apply(*nnx.split(plain)))) == jax.tree.structure(nnx.state(plain))
 
 
 def test_a_column_range_reads_its_columns_of_the_fused_product():

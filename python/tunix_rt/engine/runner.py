@@ -247,7 +247,7 @@ class ModelRunner:
         source_leaves, self._source_treedef = jax.tree_util.tree_flatten(source)
         self._source_specs = [(leaf.shape, leaf.dtype) for leaf in source_leaves]
         self._fused = FusedWeights()
-        self.graphdef, state = nnx.split(self._fused.apply(model))
+        self.graphdef, state = nnx.split(self._fused.apply(self._source_graphdef, source))
         self._lane_scales = _LaneScales()
         self.leaves, self.treedef = jax.tree.flatten(self._lane_scales.apply(state))
         head_def, head_state = nnx.split(model.output_head())
@@ -303,8 +303,8 @@ class ModelRunner:
             if new.shape != shape or new.dtype != dtype:
                 raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {new.dtype}{list(new.shape)}, the "
                                  f"engine's model has {dtype}{list(shape)}")
-        model = nnx.merge(self._source_graphdef, state)
-        leaves, treedef = jax.tree.flatten(self._lane_scales.apply(nnx.state(self._fused.apply(model))))
+        model = self._fused.apply(self._source_graphdef, state)
+        leaves, treedef = jax.tree.flatten(self._lane_scales.apply(nnx.state(model)))
         assert treedef == self.treedef, "the same source structure fuses and lays out the same way"
         self.leaves = leaves
         self.head_leaves = jax.tree.leaves(nnx.state(model.output_head()))

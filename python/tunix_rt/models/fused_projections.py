@@ -64,10 +64,10 @@ class FusedWeights:
     def __init__(self):
         self._known: dict[tuple[int, ...], tuple[tuple[jax.Array, ...], QuantizedTensor]] = {}
 
-    def apply(self, model: nnx.Module) -> nnx.Module:
-        """A copy of `model` whose fusable projection groups share one kernel each (the arrays not concatenated
-        are the model's own, not copies)."""
-        graphdef, state = nnx.split(model)
+    def apply(self, graphdef: nnx.GraphDef, state: nnx.State) -> nnx.Module:
+        """The model `graphdef` and `state` make, as a new module tree whose fusable projection groups share one
+        kernel each (the arrays not concatenated are the state's own, not copies; the modules `state` came from
+        are left as they are)."""
         copy = nnx.merge(graphdef, state)
         known = {}
         for _, module in nnx.iter_modules(copy):

@@ -107,18 +107,18 @@ AVX2_F16C_FN inline void DequantBlockAvx2(const Weights& w, int64_t col, int64_t
   const uint8_t* row = w.row(col);
   const int64_t si = col * w.l.groups() + (b >> GroupShift(w.l.group));
   const __m256 d = _mm256_set1_ps(ScaleAt<kF16>(w.scales, si));
-  __m128i lo, hi;
-  if constexpr (kBits == 8) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kSub));
-    lo = _mm256_castsi256_si128(raw);
-    hi = _mm256_extracti128_si256(raw, 1);
+  __m128i part[4];
+  if constexpr (kBits == 8) {  // 8 codes at a time sign-extended straight from memory: loads, not three shuffles
+    for (int j = 0; j < 4; ++j) part[j] = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + b * kSub + 8 * j));
   } else {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kSub / 2));
     const __m128i mask = _mm_set1_epi8(0x0f);
-    lo = _mm_and_si128(raw, mask);
-    hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    part[0] = lo;
+    part[1] = _mm_srli_si128(lo, 8);
+    part[2] = hi;
+    part[3] = _mm_srli_si128(hi, 8);
   }
-  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
   for (int j = 0; j < 4; ++j) {
     __m256 q = BytesToF32(part[j], kBits == 8);
     if constexpr (kOffset8) q = _mm256_sub_ps(q, _mm256_set1_ps(8.0f));

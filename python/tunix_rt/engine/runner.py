@@ -36,6 +36,7 @@ from tunix_rt.engine.program_store import Programs, ProgramStore, canonical
 from tunix_rt.engine.sampler import SAMPLING_EPS, SamplerOutput, SamplingTensors, log_softmax, sample_tokens
 from tunix_rt.engine.scheduler import ScheduledRequest
 from tunix_rt.engine.structured import GrammarCompiler
+from tunix_rt.models.array_reuse import ReuseByIdentity
 from tunix_rt.models.batch_invariant import use_batch_invariant_kernels
 from tunix_rt.models.decoder import Decoder, head_logits
 from tunix_rt.models.fused_projections import FusedWeights
@@ -216,24 +217,16 @@ class _LaneScales:
     engine already holds (an RL step training LoRA adapters or float layers) reuses their lanes."""
 
     def __init__(self):
-        self._known: dict[tuple[int, int], tuple[QuantizedTensor, jax.Array]] = {}
+        self._reuse = ReuseByIdentity()
 
     def apply(self, state: nnx.State) -> nnx.State:
-        known = {}
-
         def lay_out(qt: QuantizedTensor) -> QuantizedTensor:
-            key = (id(qt.scales), id(qt.mins))
-            old = self._known.get(key)
-            if old is not None and old[0].scales is qt.scales and old[0].mins is qt.mins:
-                lanes = old[1]
-            else:
-                lanes = lane_scales(qt)
-            known[key] = (qt, lanes)
-            return dataclasses.replace(qt, lanes=lanes)
+            return dataclasses.replace(qt, lanes=self._reuse.get((qt.scales, qt.mins), lambda: lane_scales(qt)))
 
+        self._reuse.begin()
         is_quantized = lambda v: isinstance(v, QuantizedTensor)
         out = jax.tree.map(lambda v: lay_out(v) if is_quantized(v) else v, state, is_leaf=is_quantized)
-        self._known = known
+        self._reuse.commit()
         return out
 
 

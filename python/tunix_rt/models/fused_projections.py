@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from tunix_rt.models.array_reuse import ReuseByIdentity
 from tunix_rt.models.decoder import MLP, Attention
 from tunix_rt.models.quant_layers import QuantLinear, QuantWeight
 from tunix_rt.ops.quant import QuantizedTensor
@@ -62,14 +63,14 @@ class FusedWeights:
     them instead of concatenating again."""
 
     def __init__(self):
-        self._known: dict[tuple[int, ...], tuple[tuple[jax.Array, ...], QuantizedTensor]] = {}
+        self._reuse = ReuseByIdentity()
 
     def apply(self, graphdef: nnx.GraphDef, state: nnx.State) -> nnx.Module:
         """The model `graphdef` and `state` make, as a new module tree whose fusable projection groups share one
         kernel each (the arrays not concatenated are the state's own, not copies; the modules `state` came from
         are left as they are)."""
         copy = nnx.merge(graphdef, state)
-        known = {}
+        self._reuse.begin()
         for _, module in nnx.iter_modules(copy):
             names = next((names for kind, names in _GROUPS.items() if type(module) is kind), None)
             if names is None:
@@ -79,17 +80,13 @@ class FusedWeights:
                 continue
             parts = tuple(m.kernel.get_value() for m in linears)
             arrays = tuple(a for p in parts for a in (p.qs, p.scales, p.mins))
-            key = tuple(map(id, arrays))
-            old = self._known.get(key)  # the arrays kept beside their ids: an id is only unique while they live
-            fused = old[1] if old is not None and all(a is b for a, b in zip(old[0], arrays)) else _concatenate(parts)
-            known[key] = (arrays, fused)
-            shared = QuantWeight(fused)
+            shared = QuantWeight(self._reuse.get(arrays, lambda parts=parts: _concatenate(parts)))
             start = 0
             for m, p in zip(linears, parts):
                 m.kernel = shared
                 m.columns = (start, start + p.shape[1])
                 start += p.shape[1]
-        self._known = known
+        self._reuse.commit()
         return copy
 
 

@@ -220,14 +220,12 @@ class _LaneScales:
         self._reuse = ReuseByIdentity()
 
     def apply(self, state: nnx.State) -> nnx.State:
-        def lay_out(qt: QuantizedTensor) -> QuantizedTensor:
-            return dataclasses.replace(qt, lanes=self._reuse.get((qt.scales, qt.mins), lambda: lane_scales(qt)))
-
-        self._reuse.begin()
         is_quantized = lambda v: isinstance(v, QuantizedTensor)
-        out = jax.tree.map(lambda v: lay_out(v) if is_quantized(v) else v, state, is_leaf=is_quantized)
-        self._reuse.commit()
-        return out
+        with self._reuse.sweep() as reuse:
+            def lay_out(qt: QuantizedTensor) -> QuantizedTensor:
+                return dataclasses.replace(qt, lanes=reuse((qt.scales, qt.mins), lambda: lane_scales(qt)))
+
+            return jax.tree.map(lambda v: lay_out(v) if is_quantized(v) else v, state, is_leaf=is_quantized)
 
 
 class ModelRunner:

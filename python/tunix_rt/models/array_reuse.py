@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+Reuse = Callable[[tuple[object, ...], Callable[[], T]], T]
 
 
 class ReuseByIdentity:
@@ -14,24 +16,25 @@ class ReuseByIdentity:
     derives from them would cost a copy each time).
 
     Ids are unique only while their arrays live, so the arrays are kept beside what was made from them and compared
-    by identity. A pass (`begin`, `get`s, `commit`) keeps only what it used; one that fails before its commit leaves
-    the last committed pass's record as it was.
+    by identity. A pass keeps only what it used; one that raises keeps nothing of its own and leaves the last
+    finished pass's record as it was.
     """
 
     def __init__(self):
-        self._kept: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
-        self._used: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
+        self._kept: dict[tuple[int, ...], tuple[tuple[object, ...], Any]] = {}
 
-    def begin(self) -> None:
-        self._used = {}
+    @contextlib.contextmanager
+    def sweep(self) -> Iterator[Reuse]:
+        """One pass: yields reuse(sources, make), which returns what `make` made from these very `sources` in the
+        last finished pass, else make(). The pass's record replaces the last one when the block ends cleanly."""
+        used: dict[tuple[int, ...], tuple[tuple[object, ...], Any]] = {}
 
-    def get(self, sources: tuple[Hashable | None, ...], make: Callable[[], T]) -> T:
-        """What `make` made from these very `sources` in the last committed pass, else make()."""
-        key = tuple(map(id, sources))
-        old = self._kept.get(key)
-        value = old[1] if old is not None and all(a is b for a, b in zip(old[0], sources)) else make()
-        self._used[key] = (sources, value)
-        return value
+        def reuse(sources: tuple[object, ...], make: Callable[[], T]) -> T:
+            key = tuple(map(id, sources))
+            old = self._kept.get(key)
+            value = old[1] if old is not None and all(a is b for a, b in zip(old[0], sources)) else make()
+            used[key] = (sources, value)
+            return value
 
-    def commit(self) -> None:
-        self._kept, self._used = self._used, {}
+        yield reuse
+        self._kept = used

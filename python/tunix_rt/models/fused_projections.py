@@ -70,23 +70,22 @@ class FusedWeights:
         kernel each (the arrays not concatenated are the state's own, not copies; the modules `state` came from
         are left as they are)."""
         copy = nnx.merge(graphdef, state)
-        self._reuse.begin()
-        for _, module in nnx.iter_modules(copy):
-            names = next((names for kind, names in _GROUPS.items() if type(module) is kind), None)
-            if names is None:
-                continue
-            linears = [_quantized_base(getattr(module, name)) for name in names]
-            if not _fusable(linears):
-                continue
-            parts = tuple(m.kernel.get_value() for m in linears)
-            arrays = tuple(a for p in parts for a in (p.qs, p.scales, p.mins))
-            shared = QuantWeight(self._reuse.get(arrays, lambda parts=parts: _concatenate(parts)))
-            start = 0
-            for m, p in zip(linears, parts):
-                m.kernel = shared
-                m.columns = (start, start + p.shape[1])
-                start += p.shape[1]
-        self._reuse.commit()
+        with self._reuse.sweep() as reuse:
+            for _, module in nnx.iter_modules(copy):
+                names = next((names for kind, names in _GROUPS.items() if type(module) is kind), None)
+                if names is None:
+                    continue
+                linears = [_quantized_base(getattr(module, name)) for name in names]
+                if not _fusable(linears):
+                    continue
+                parts = tuple(m.kernel.get_value() for m in linears)
+                arrays = tuple(a for p in parts for a in (p.qs, p.scales, p.mins))
+                shared = QuantWeight(reuse(arrays, lambda parts=parts: _concatenate(parts)))
+                start = 0
+                for m, p in zip(linears, parts):
+                    m.kernel = shared
+                    m.columns = (start, start + p.shape[1])
+                    start += p.shape[1]
         return copy
 
 

@@ -14,6 +14,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(DequantizeHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantMatmulHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(WriteKvHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EmptyKvHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PagedAttentionHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeRouteHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoePermuteHandler);
@@ -48,6 +49,7 @@ NB_MODULE(_ext, m) {
     d["tunix_rt_dequantize"] = Capsule(tunix_rt::DequantizeHandler);
     d["tunix_rt_quant_matmul"] = Capsule(tunix_rt::QuantMatmulHandler);
     d["tunix_rt_write_kv"] = Capsule(tunix_rt::WriteKvHandler);
+    d["tunix_rt_empty_kv"] = Capsule(tunix_rt::EmptyKvHandler);
     d["tunix_rt_paged_attention"] = Capsule(tunix_rt::PagedAttentionHandler);
     d["tunix_rt_moe_route"] = Capsule(tunix_rt::MoeRouteHandler);
     d["tunix_rt_moe_permute"] = Capsule(tunix_rt::MoePermuteHandler);

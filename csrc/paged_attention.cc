@@ -377,6 +377,14 @@ ffi::Error WriteKv(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+// The K and V pools, left as the allocator hands them over. An engine's pool is sized for its most sequences (1 GiB
+// by default) and zeroing it faulted in and cleared every page at each engine start, before a token was decoded;
+// untouched, a pool costs resident memory only as blocks are written. No output depends on a slot before write_kv
+// wrote it (a token attends positions that are written first, a reused block's stale rows are not visible to it,
+// and the references mask what they gather), so the contents never matter: fresh pages read as zeros, reused
+// memory as whatever it held.
+ffi::Error EmptyKv(ffi::Result<ffi::AnyBuffer>, ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
+
 struct AttnArgs {
   CacheShape c;
   int64_t tokens, heads, group, seqs, max_blocks;
@@ -593,6 +601,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WriteKvHandler, WriteKv,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmptyKvHandler, EmptyKv, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionHandler, PagedAttention,
                               ffi::Ffi::Bind()

@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import re
+import sys
 import textwrap
 
 import jax
@@ -25,6 +27,7 @@ from hypothesis import strategies as st
 
 from tests.isa_tiers import expected_tier, hardware_tier, run_tiers
 from tunix_rt.ops import _ffi, paged_attention, paged_attention_reference, write_kv, write_kv_reference
+from tunix_rt.ops.paged_attention import empty_kv_cache, empty_kv_cache_reference
 
 WRITE_TARGET, ATTEND_TARGET = "tunix_rt_write_kv", "tunix_rt_paged_attention"
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
@@ -552,6 +555,50 @@ def test_write_kv_eager_leaves_inputs_alone():
     assert not kc.is_deleted()
     np.testing.assert_array_equal(np.asarray(new_k).reshape(6, 5)[[5, 0]], np.ones((2, 5)))
     np.testing.assert_array_equal(np.asarray(new_v).reshape(6, 5)[[5, 0]], -np.ones((2, 5)))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_empty_kv_cache_gives_two_pools_that_write_and_attend_like_zeroed_ones(dtype):
+    shape = (4, 2, 1, 8)
+    k0, v0 = empty_kv_cache(shape, dtype)
+    assert k0.shape == v0.shape == shape and k0.dtype == v0.dtype == dtype
+    assert k0.unsafe_buffer_pointer() != v0.unsafe_buffer_pointer()
+    rk, rv = empty_kv_cache_reference(shape, dtype)
+    assert not np.asarray(rk.astype(jnp.float32)).any() and not np.asarray(rv.astype(jnp.float32)).any()
+    rng = np.random.default_rng(3)
+    k = jnp.asarray(rng.standard_normal((3, 1, 8)), dtype)
+    v = jnp.asarray(rng.standard_normal((3, 1, 8)), dtype)
+    q = jnp.asarray(rng.standard_normal((3, 2, 8)), dtype)
+    slots, tables = jnp.asarray([0, 1, 2], jnp.int32), jnp.asarray([[0, 1]], jnp.int32)
+    seq, pos = jnp.zeros(3, jnp.int32), jnp.arange(3, dtype=jnp.int32)
+    outs = [paged_attention(q, *write_kv(kc, vc, k, v, slots), tables, seq, pos, scale=0.3)
+            for kc, vc in [(k0, v0), (rk, rv)]]
+    np.testing.assert_array_equal(np.asarray(outs[0].astype(jnp.float32)), np.asarray(outs[1].astype(jnp.float32)))
+
+
+@pytest.mark.parametrize(("shape", "dtype", "names"), [
+    ((4, 2, 1), F32, "shape"), ((4, 0, 1, 8), F32, "shape"), ((4, 2.0, 1, 8), F32, "shape"),
+    ((4, True, 1, 8), F32, "shape"), ("4218", F32, "shape"), ((4, 2, 1, 8), jnp.int32, "dtype"),
+    ((4, 2, 1, 8), "not a dtype", "dtype"),
+])
+@pytest.mark.parametrize("fn", [empty_kv_cache, empty_kv_cache_reference])
+def test_empty_kv_cache_rejects_bad_shapes_and_dtypes(fn, shape, dtype, names):
+    with pytest.raises(ValueError, match=f"empty_kv_cache: {names}"):
+        fn(shape, dtype)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads resident pages from /proc/self/statm")
+def test_empty_kv_cache_leaves_the_pools_pages_untouched():
+    """An engine's pool (1 GiB by default) costs resident memory only as blocks are written: 2 x 128 MiB of pools
+    add far less than that to the process's resident pages."""
+    def resident_bytes():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident_bytes()
+    k, v = jax.block_until_ready(empty_kv_cache((2048, 16, 8, 128), F32))
+    grown = resident_bytes() - before
+    assert grown < 64 << 20, f"resident memory grew by {grown >> 20} MiB for 2 x {k.nbytes >> 20} MiB of pools"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from tunix_rt.models.fused_projections import FusedWeights
 from tunix_rt.models.kv_cache import KVLayout, PagedKVCache
 from tunix_rt.models.multi_lora import MultiLoRALinear, set_adapter_ids
 from tunix_rt.models.vision import ImageTokens
+from tunix_rt.ops.paged_attention import empty_kv_cache
 from tunix_rt.ops.quant import QuantizedTensor, lane_scales
 
 log = logging.getLogger(__name__)
@@ -155,9 +156,10 @@ def _compile_step(graphdef, treedef, head_def, head_treedef, config, layout, blo
 
     @functools.partial(jax.jit, static_argnums=(0, 1))
     def empty_cache(shape, dtype):
-        """The zeroed K and V pools: a program of the store like the others (jnp.zeros would trace, lower and look
-        up two programs of its own on every engine start, ~40 ms of a warm `generate`)."""
-        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+        """The K and V pools, their pages untouched (ops.paged_attention.empty_kv_cache): a program of the store
+        like the others (a bare op would trace, lower and look up a program of its own on every engine start, ~40 ms
+        of a warm `generate`)."""
+        return empty_kv_cache(shape, dtype)
 
     return {"forward": (forward, ()), "encode_image": (encode_image, ()), "rows": (take_rows, ()),
             "sample": (sample, (5, 8)),

@@ -47,7 +47,7 @@ def kernel_mode() -> str:
 # op family -> (its CPU FFI targets, the Pallas kernel it runs on CUDA GPUs or None: XLA over the reference)
 OP_FAMILIES = {
     "paged attention": (("tunix_rt_paged_attention",), "Pallas/Triton paged_attention_pallas"),
-    "kv-cache write": (("tunix_rt_write_kv",), None),
+    "kv-cache write": (("tunix_rt_write_kv", "tunix_rt_empty_kv"), None),
     "training attention": (("tunix_rt_attention_fwd", "tunix_rt_attention_bwd"),
                            "Pallas/Triton attention_pallas (bf16, power-of-two head_dim; f32: XLA)"),
     "rms norm": (("tunix_rt_rms_norm_fwd", "tunix_rt_rms_norm_bwd"), None),

@@ -30,7 +30,7 @@ from tunix_rt.ops._ffi import platform_dispatch
 from tunix_rt.ops.paged_attention_pallas import paged_attention_pallas
 from tunix_rt.ops.paged_attention_pallas import supported as pallas_supported
 
-_WRITE, _ATTEND = "tunix_rt_write_kv", "tunix_rt_paged_attention"
+_WRITE, _ATTEND, _EMPTY = "tunix_rt_write_kv", "tunix_rt_paged_attention", "tunix_rt_empty_kv"
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -63,6 +63,34 @@ def _check_write(k_cache, v_cache, k, v, slots) -> None:
     _require(v.shape == k.shape, f"write_kv: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     _check_array("write_kv", "slots", slots, 1, (jnp.dtype(jnp.int32),))
     _require(slots.shape[0] == k.shape[0], f"write_kv: slots must hold one entry per token ({k.shape[0]}), got {slots.shape[0]}")
+
+
+def _check_empty(shape, dtype) -> tuple[tuple[int, ...], jnp.dtype]:
+    _require(isinstance(shape, (tuple, list)) and len(shape) == 4
+             and all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d > 0 for d in shape),
+             f"empty_kv_cache: shape must be four positive ints (num_blocks, block_size, kv_heads, head_dim), got {shape!r}")
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"empty_kv_cache: dtype must be float32 or bfloat16, got {dtype!r}") from e
+    _require(dt in _DTYPES, f"empty_kv_cache: dtype must be float32 or bfloat16, got {dt}")
+    return tuple(int(d) for d in shape), dt
+
+
+def empty_kv_cache_reference(shape, dtype):
+    """K and V pools of `shape` and `dtype`, zeroed."""
+    shape, dtype = _check_empty(shape, dtype)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def empty_kv_cache(shape, dtype):
+    """K and V pools of `shape` and `dtype` whose contents are unspecified: nothing reads a slot before write_kv
+    writes it. The CPU op leaves the pools' pages untouched, so a large pool costs resident memory (and the time to
+    fault pages in and clear them) only as blocks are written; elsewhere they are zeros."""
+    shape, dtype = _check_empty(shape, dtype)
+    out = (jax.ShapeDtypeStruct(shape, dtype),) * 2
+    return platform_dispatch(_EMPTY, lambda: tuple(jax.ffi.ffi_call(_EMPTY, out)()),
+                             lambda: empty_kv_cache_reference(shape, dtype))
 
 
 def write_kv_reference(k_cache, v_cache, k, v, slots):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import re
 import sys
 import textwrap
@@ -279,24 +278,46 @@ def test_zero_scale_is_the_mean_of_visible_values():
         np.testing.assert_allclose(out[t], np.broadcast_to(want, (4, d)), rtol=1e-5, atol=1e-6)
 
 
-def test_stale_nan_in_unwritten_slots_is_never_read():
-    """A reused block's slots past a sequence's last position, and every slot of blocks its table does not
-    reach, may hold a previous owner's NaN / inf: neither the kernel nor the reference lets them into a row."""
-    rng = np.random.default_rng(7)
-    case = build_case(rng, bs=4, d=8, kv=2, group=2, nseq=3, max_blocks=4, tables="disjoint", mode="decode",
-                      n_pad=1, scale=0.5)
-    want = _f32(_attn_ref_jit(*case.arrays(), **case.kw))
+def _poisoned(case: Case) -> Case:
+    """`case` with every slot no token of it reads set to NaN (keys) and inf (values): what a reused block's slots
+    past a sequence's last position, blocks its table does not reach, or a pool never written (empty_kv_cache) may
+    hold."""
     nb, bs, kv, d = case.kc.shape
     read = np.zeros(nb * bs, bool)
     for t in np.flatnonzero(case.ts >= 0):
         positions = np.arange(case.tp[t] + 1)
         read[case.bt[case.ts[t], positions // bs] * bs + positions % bs] = True
     assert not read.all()
-    poisoned = dataclasses.replace(case, kc=np.where(read.reshape(nb, bs)[..., None, None], case.kc, np.nan),
-                                   vc=np.where(read.reshape(nb, bs)[..., None, None], case.vc, np.inf))
+    return dataclasses.replace(case, kc=np.where(read.reshape(nb, bs)[..., None, None], case.kc, np.nan),
+                               vc=np.where(read.reshape(nb, bs)[..., None, None], case.vc, np.inf))
+
+
+@pytest.mark.parametrize("cache_dtype", [F32, BF16])
+@pytest.mark.parametrize(("mode", "window", "softcap"), [("decode", None, None), ("mixed", None, 5.0),
+                                                         ("mixed", 3, None)])
+def test_stale_nan_in_unwritten_slots_is_never_read(mode, window, softcap, cache_dtype):
+    """Neither the kernel nor the reference lets an unwritten slot into a row: decode and prefill runs, windows,
+    softcap, f32 and bf16 caches (whose rows the kernel converts a run's span at a time) give the same bits as with
+    those slots clean."""
+    case = build_case(np.random.default_rng(7), bs=4, d=8, kv=2, group=2, nseq=3, max_blocks=4, tables="disjoint",
+                      mode=mode, n_pad=1, scale=0.5, window=window, softcap=softcap)
+    poisoned = _poisoned(case)
     for fn in (_attn_jit, _attn_ref_jit):
-        got = _f32(fn(*poisoned.arrays(), **poisoned.kw))
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        want = _f32(fn(*case.arrays(F32, cache_dtype), **case.kw))
+        np.testing.assert_array_equal(_f32(fn(*poisoned.arrays(F32, cache_dtype), **poisoned.kw)), want)
+
+
+def test_stale_nan_in_unwritten_slots_leaves_gradients_clean():
+    """The backward (the reference's vjp, for every path) masks unread keys as well as values: 0 x NaN would
+    otherwise reach q's gradient."""
+    case = build_case(np.random.default_rng(8), bs=4, d=8, kv=2, group=2, nseq=3, max_blocks=4, tables="disjoint",
+                      mode="mixed", n_pad=1, scale=0.5, softcap=5.0)
+    grads = []
+    for c in (case, _poisoned(case)):
+        q, kc, vc, *rest = c.arrays()
+        grads.append(jax.grad(lambda q, kc=kc, vc=vc, rest=rest: jnp.sum(paged_attention(q, kc, vc, *rest, **c.kw)))(q))
+    assert np.isfinite(np.asarray(grads[1])).all()
+    np.testing.assert_array_equal(np.asarray(grads[1]), np.asarray(grads[0]))
 
 
 def _small_cache_case():
@@ -587,18 +608,34 @@ def test_empty_kv_cache_rejects_bad_shapes_and_dtypes(fn, shape, dtype, names):
         fn(shape, dtype)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads resident pages from /proc/self/statm")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads anonymous resident memory from /proc/self/status")
+@pytest.mark.skipif(not _ffi.has_cpu_target("tunix_rt_empty_kv"), reason="the extension has no tunix_rt_empty_kv")
 def test_empty_kv_cache_leaves_the_pools_pages_untouched():
-    """An engine's pool (1 GiB by default) costs resident memory only as blocks are written: 2 x 128 MiB of pools
-    add far less than that to the process's resident pages."""
-    def resident_bytes():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """An engine's pool (1 GiB by default) costs resident memory only as its pages are written: 2 x 128 MiB of
+    pools add far less than that to the process's anonymous resident memory (the zeroing reference adds all)."""
+    def anonymous_resident_bytes():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
 
-    before = resident_bytes()
-    k, v = jax.block_until_ready(empty_kv_cache((2048, 16, 8, 128), F32))
-    grown = resident_bytes() - before
+    shape = (2048, 16, 8, 128)
+    jax.block_until_ready(empty_kv_cache(shape, F32))  # the program compiled and run once, its pools freed
+    before = anonymous_resident_bytes()
+    k, v = jax.block_until_ready(empty_kv_cache(shape, F32))
+    grown = anonymous_resident_bytes() - before
     assert grown < 64 << 20, f"resident memory grew by {grown >> 20} MiB for 2 x {k.nbytes >> 20} MiB of pools"
+
+
+@pytest.mark.parametrize("flag", [jax.debug_nans, jax.debug_infs])
+def test_empty_kv_cache_is_zeros_under_debug_nans_and_infs(flag):
+    """Those modes check every output, and reused memory may hold NaN bits: the pools are zeros there."""
+    def program_text():
+        return jax.jit(lambda: empty_kv_cache((4, 2, 1, 8), F32)).lower().as_text()
+
+    assert "tunix_rt_empty_kv" in program_text()
+    with flag(True):
+        assert "tunix_rt_empty_kv" not in program_text()
+        k, v = empty_kv_cache((4, 2, 1, 8), F32)
+    assert not np.asarray(k).any() and not np.asarray(v).any()
 
 
 # ----------------------------------------------------------------------------------------------

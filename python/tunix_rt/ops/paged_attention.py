@@ -84,10 +84,13 @@ def empty_kv_cache_reference(shape, dtype):
 
 
 def empty_kv_cache(shape, dtype):
-    """K and V pools of `shape` and `dtype` whose contents are unspecified: nothing reads a slot before write_kv
-    writes it. The CPU op leaves the pools' pages untouched, so a large pool costs resident memory (and the time to
-    fault pages in and clear them) only as blocks are written; elsewhere they are zeros."""
+    """K and V pools of `shape` and `dtype` whose contents are unspecified: no output depends on a slot before
+    write_kv writes it. The CPU op leaves the pools' pages untouched, so a large pool costs resident memory (and
+    the time to fault pages in and clear them) only as its pages are written; elsewhere, and under jax's
+    debug_nans / debug_infs (which check every output, and reused memory may hold NaN bits), they are zeros."""
     shape, dtype = _check_empty(shape, dtype)
+    if jax.config.jax_debug_nans or jax.config.jax_debug_infs:
+        return empty_kv_cache_reference(shape, dtype)
     out = (jax.ShapeDtypeStruct(shape, dtype),) * 2
     return platform_dispatch(_EMPTY, lambda: tuple(jax.ffi.ffi_call(_EMPTY, out)()),
                              lambda: empty_kv_cache_reference(shape, dtype))
@@ -178,6 +181,9 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, token_seq, toke
     visible = (k_pos <= (p if token_until is None else token_until[:, None])) & (token_seq[:, None] >= 0)
     if window is not None:
         visible &= p - k_pos < window
+    # a reused block's unwritten slots (and padding's block 0, and a pool never written) may hold anything, NaN
+    # included; masked scores keep them out of the output, but q's gradient would take 0 x NaN from the keys
+    keys = jnp.where(visible[:, :, None, None], keys, jnp.zeros_like(keys))
     qg = q.reshape(t, kv, h // kv, d)
     scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, preferred_element_type=jnp.float32) * scale
     if softcap is not None:
@@ -186,7 +192,6 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, token_seq, toke
     probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     probs = jnp.where(visible[:, None, None, :], probs, 0.0)
     probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
-    # a reused block's unwritten slots (and padding's block 0) may hold anything, NaN included: 0 x NaN is NaN
     values = jnp.where(visible[:, :, None, None], values, jnp.zeros_like(values))
     out = jnp.einsum("tkgs,tskd->tkgd", probs, values.astype(jnp.float32))
     out = jnp.where((token_seq >= 0)[:, None, None, None], out, 0.0)

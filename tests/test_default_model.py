@@ -11,7 +11,7 @@ import pytest
 
 from tunix_rt.checkpoints.default_model import DefaultModelMissing, default_model_path
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compiles")]  # compile-bound (conftest.fast_compiles says when)
 
 try:
     MODEL_PATH = default_model_path()

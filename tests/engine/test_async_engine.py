@@ -16,6 +16,8 @@ from tunix_rt.engine.params import SamplingParams
 from tunix_rt.models.config import FULL, ModelConfig, RopeConfig
 from tunix_rt.models.decoder import Decoder
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # compile-bound (conftest.fast_compiles says when)
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
 

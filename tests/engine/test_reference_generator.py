@@ -13,7 +13,7 @@ from tunix_rt.engine.sampler import filter_logits, sample
 from tunix_rt.models.config import FULL, SLIDING, ModelConfig, RopeConfig
 from tunix_rt.models.decoder import Decoder
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compiles")]  # compile-bound (conftest.fast_compiles says when)
 
 
 def _tiny(sliding: bool) -> Decoder:

@@ -15,6 +15,8 @@ from tunix_rt.evaluation import tasks
 from tunix_rt.evaluation.formats import models_in_formats, parse_formats, weight_bytes
 from tunix_rt.train.data import DataError
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # compile-bound (conftest.fast_compiles says when)
+
 pytest.importorskip("transformers", reason="the tiny HF model is made with transformers (the parity extra)")
 
 

@@ -16,6 +16,8 @@ from tunix_rt.checkpoints.loader import load_model
 from tunix_rt.models.image_processor import ImageError, ImageProcessor, decode_image
 from tunix_rt.models.vision import image_attend_until
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # compile-bound (conftest.fast_compiles says when)
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")

@@ -11,6 +11,8 @@ from tests.models.hf_tiny import FAMILIES, make_hf_model
 from tunix_rt.checkpoints import hf_dir
 from tunix_rt.checkpoints.weights import build_decoder
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # compile-bound (conftest.fast_compiles says when)
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 

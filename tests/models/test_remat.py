@@ -16,6 +16,8 @@ from tunix_rt.models.decoder import Decoder
 from tunix_rt.models.lora import apply_lora
 from tunix_rt.models.remat import recompute_in_backward
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # compile-bound (conftest.fast_compiles says when)
+
 
 def _layer(w, x, scale):
     a, b = w["a"], w["b"]

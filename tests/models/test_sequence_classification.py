@@ -12,6 +12,8 @@ from tests.models.hf_tiny import COMMON, FAMILIES, write_tiny_tokenizer
 from tunix_rt.checkpoints.hf_export import export_hf
 from tunix_rt.checkpoints.loader import load_model
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # compile-bound (conftest.fast_compiles says when)
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

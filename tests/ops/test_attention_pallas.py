@@ -29,6 +29,8 @@ from tests.ops.test_attention import (
 from tunix_rt.ops import attention, attention_reference
 from tunix_rt.ops.attention_pallas import attention_pallas, supported, tile_size
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # interpret-mode programs are large, compiled once per example
+
 _pallas = functools.partial(attention_pallas, interpret=True)
 
 

@@ -19,6 +19,8 @@ from tests.ops.test_moe import _gmm_and_grads, _np
 from tunix_rt.ops import moe
 from tunix_rt.ops.grouped_matmul_pallas import grouped_matmul_pallas, supported
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # interpret-mode programs are large, compiled once per example
+
 _pallas = functools.partial(grouped_matmul_pallas, interpret=True)
 
 

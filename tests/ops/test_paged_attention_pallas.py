@@ -25,6 +25,8 @@ from tests.ops.test_paged_attention import BF16, DTYPE_PAIRS, F32, _f32, _fwd_to
 from tunix_rt.ops import _ffi, paged_attention, paged_attention_reference
 from tunix_rt.ops.paged_attention_pallas import launch_shape, paged_attention_pallas, supported
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # interpret-mode programs are large, compiled once per example
+
 _STATIC = ("scale", "softcap", "window")
 _pallas = jax.jit(functools.partial(paged_attention_pallas, interpret=True),
                   static_argnames=(*_STATIC, "blocks_per_step", "splits"))

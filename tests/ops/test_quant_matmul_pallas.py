@@ -24,6 +24,8 @@ from tunix_rt.ops import _ffi
 from tunix_rt.ops.quant import FORMATS, QuantizedTensor, dequantize_reference, quant_matmul, quant_matmul_reference
 from tunix_rt.ops.quant_matmul_pallas import TARGET_PROGRAMS, quant_matmul_pallas, supported, tiles
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # interpret-mode programs are large, compiled once per example
+
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 FMT_GROUPS = [(f, g) for f in FORMATS for g in FORMATS[f].groups]
 

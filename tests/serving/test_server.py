@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import tunix_rt
 from tests.serving.conftest import API_KEY, MAX_BODY_BYTES, MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_WAITING, ORIGIN
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compiles")]  # compile-bound (conftest.fast_compiles says when)
 
 CAPACITY = MAX_NUM_SEQS + MAX_WAITING  # sequences in flight before 429
 MODEL = "default"

@@ -15,6 +15,8 @@ from tunix_rt.ops.bf16_matmul import default_kernel
 from tunix_rt.train.sft import SFTObjective
 from tunix_rt.train.trainer import Trainer
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # compile-bound (conftest.fast_compiles says when)
+
 
 def _steps(tmp_path, **overrides) -> list[dict[str, float]]:
     objective = SFTObjective(W.make_items(16), max_length=W.SEQ, pad_id=0)

@@ -19,6 +19,8 @@ from tunix_rt.train.data import DataError, load_unpaired
 from tunix_rt.train.kto import KTOObjective
 from tunix_rt.train.losses import kto_losses
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # compile-bound (conftest.fast_compiles says when)
+
 
 def _numpy_kto(r, kl_r, desirable, valid, beta, wd, wu):
     """TRL's KTOTrainer.kto_loss (loss_type "kto"), written out: z0 = clamp(mean KL, min=0), detached."""

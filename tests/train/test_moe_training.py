@@ -13,6 +13,8 @@ from tunix_rt.models.decoder import Decoder
 from tunix_rt.train.sft import SFTObjective
 from tunix_rt.train.trainer import Trainer
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # compile-bound (conftest.fast_compiles says when)
+
 
 def _moe_model() -> Decoder:
     cfg = ModelConfig(architecture="qwen3_moe", vocab_size=W.VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,

@@ -19,6 +19,8 @@ from tunix_rt.train.data import DataError, PreferenceExample, load_preferences
 from tunix_rt.train.reward import RewardObjective, attach_score_head, pack_pairs, packed_rewards, packed_rows, pair_layout
 from tunix_rt.train.trainer import LossContext
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # compile-bound (conftest.fast_compiles says when)
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from tunix_rt.train import rl_losses as rl
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # compile-bound (conftest.fast_compiles says when)
+
 SETTINGS = settings(max_examples=40)
 
 

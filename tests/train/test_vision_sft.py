@@ -18,6 +18,8 @@ from tunix_rt.engine.params import SamplingParams
 from tunix_rt.train.data import DataError, load_sft
 from tunix_rt.train.image_data import VisionRows, cut, prepare
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # compile-bound (conftest.fast_compiles says when)
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")

@@ -3,7 +3,6 @@ property test (no per-example deadline, as a first example pays XLA's compile; n
 slow or large draws, as op tests draw whole arrays), and XLA's cheap compile mode for modules whose programs
 are small and compiled once per example."""
 
-import contextlib
 import gc
 import os
 import tempfile
@@ -45,31 +44,21 @@ def _release_compiled_programs():
     gc.collect()
 
 
-@contextlib.contextmanager
-def _most_optimizations_off():
-    """XLA's expensive backend passes off, in this process and in the processes it starts (the CLI, tier scripts),
-    which read JAX_DISABLE_MOST_OPTIMIZATIONS; both restored after."""
+@pytest.fixture(scope="module")
+def fast_compiles():
+    """Compile with XLA's expensive passes off (use: pytestmark = pytest.mark.usefixtures("fast_compiles")), in
+    this process and in the processes it starts (the CLI reads JAX_DISABLE_MOST_OPTIMIZATIONS): the programs are
+    small and the compile is what costs. For tests whose programs are compared with programs compiled alike, or
+    with a reference within a tolerance. Not for bits shared by differently built programs (batch invariance, the
+    trainer's log-probs equal to the engine's, a stacked layer equal to the unstacked one): those are claims about
+    the optimized programs users run, and -O0 changes bits (it flipped a near-tie greedy token against llama.cpp)."""
     before = jax.config.values["jax_disable_most_optimizations"]
     env_before = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS")
     jax.config.update("jax_disable_most_optimizations", True)
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", before)
-        if env_before is None:
-            os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
-        else:
-            os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = env_before
-
-
-@pytest.fixture(scope="module")
-def fast_compiles():
-    """Compile with XLA's expensive passes off (use: pytestmark = pytest.mark.usefixtures("fast_compiles")): the
-    programs are small and the compile is what costs; what the tests compare is computed the same way, or against
-    a reference within a tolerance. Not for tests of bits shared by differently built programs (batch invariance,
-    the trainer's log-probs equal to the engine's, a stacked layer equal to the unstacked one): those hold of the
-    optimized programs users run."""
-    with _most_optimizations_off():
-        yield
-
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+    if env_before is None:
+        os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
+    else:
+        os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = env_before

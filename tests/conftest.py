@@ -53,12 +53,8 @@ def fast_compiles():
     trainer's log-probs equal to the engine's, a stacked layer equal to the unstacked one): those are claims about
     the optimized programs users run, and -O0 changes bits (it flipped a near-tie greedy token against llama.cpp)."""
     before = jax.config.values["jax_disable_most_optimizations"]
-    env_before = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS")
     jax.config.update("jax_disable_most_optimizations", True)
-    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-    yield
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+        yield
     jax.config.update("jax_disable_most_optimizations", before)
-    if env_before is None:
-        os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
-    else:
-        os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = env_before
